@@ -1,0 +1,30 @@
+# Two entry points for a fresh machine (see README):
+#   make run    installs the project and runs the main job
+#   make test   installs the project with its dev extras and runs every test this machine can run
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip
+
+.PHONY: torch install install-dev run test lint
+
+# Keep a torch that is already installed (a GPU user's CUDA build). Otherwise a machine with an
+# NVIDIA driver gets PyPI's default (CUDA) build, and a CPU-only machine gets torch==2.13.0.
+torch:
+	@if $(PYTHON) -c "import torch" 2>/dev/null; then \
+	  echo "torch $$($(PYTHON) -c 'import torch; print(torch.__version__)') already installed"; \
+	elif command -v nvidia-smi >/dev/null 2>&1; then $(PIP) install "torch>=2.6"; \
+	else $(PIP) install torch==2.13.0; fi
+
+install: torch
+	$(PIP) install -e .
+
+install-dev: torch
+	$(PIP) install -e ".[dev]"
+
+run: install
+	$(PYTHON) -m model.inspect
+
+test: install-dev
+	$(PYTHON) -m pytest
+
+lint:
+	$(PYTHON) -m ruff check . && $(PYTHON) -m ruff format --check .

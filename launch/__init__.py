@@ -1,0 +1,1 @@
+"""torchrun and SLURM launch helpers (the launch issue)."""

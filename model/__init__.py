@@ -1,0 +1,33 @@
+"""Single-device model math: configs, layers, the Transformer LM, generation and accounting.
+
+Importing the package registers every implementation (norms, positions, attention kinds, FFNs),
+so the config can validate registry keys.
+"""
+
+from model import attention, ffn, mla, norms, positions, rope  # noqa: F401  (fill the registries)
+from model.config import (
+    AttentionConfig,
+    ConfigError,
+    FFNConfig,
+    InitConfig,
+    MLAConfig,
+    ModelConfig,
+    RopeConfig,
+    config_from_dict,
+)
+from model.generate import generate
+from model.transformer import Transformer, build_model
+
+__all__ = [
+    "AttentionConfig",
+    "ConfigError",
+    "FFNConfig",
+    "InitConfig",
+    "MLAConfig",
+    "ModelConfig",
+    "RopeConfig",
+    "Transformer",
+    "build_model",
+    "config_from_dict",
+    "generate",
+]

@@ -1,0 +1,146 @@
+"""Parameter, FLOP, KV-cache and training-memory accounting, read off a (meta-device) model.
+
+Conventions
+- Parameters: `embedding` is the token table (+ learned positions); `head` the untied output head.
+  `active` counts what one token uses (all of it for dense models; MoE layers report their own).
+- Training FLOPs per token = 6 x (matmul weights one token passes through, the head included, the
+  embedding lookup not) + attention scores: each layer does 2 x H x (Dqk + Dv) multiply-adds per
+  (query, key) pair in the forward (QK^T and AV), times 3 for forward + backward. With causal
+  masking a query at index i sees i + 1 keys (or at most the sliding window), so the average
+  context is (T + 1) / 2 for full causal attention, not T.
+- KV cache per token = sum over layers of what the attention stores: 2 x K x D for GQA/MHA/MQA,
+  R + Dr for MLA; the MHA equivalent (every query head with its own key and value) is
+  H x (Dqk + Dv) per layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from model.transformer import Transformer
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    total: int
+    embedding: int  # token embedding (+ learned position table)
+    head: int  # untied output head; 0 when tied to the embedding
+    blocks: int  # everything else: attention, FFN, norms
+    active: int  # parameters one token uses
+
+
+def param_counts(model: Transformer) -> ParamCounts:
+    total = sum(p.numel() for p in model.parameters())
+    embedding = model.embed.weight.numel() + sum(p.numel() for p in model.pos.parameters())
+    head = model.head.weight.numel() if model.head is not None else 0
+    inactive = sum(
+        m.inactive_params_per_token()
+        for m in model.modules()
+        if hasattr(m, "inactive_params_per_token")
+    )
+    return ParamCounts(
+        total=total,
+        embedding=embedding,
+        head=head,
+        blocks=total - embedding - head,
+        active=total - inactive,
+    )
+
+
+def matmul_params_per_token(module: nn.Module) -> int:
+    """Weights of the matmuls one token goes through (modules may report their own, e.g. MoE)."""
+    if hasattr(module, "active_matmul_params"):
+        return module.active_matmul_params()
+    if isinstance(module, nn.Linear):
+        return module.weight.numel()
+    return sum(matmul_params_per_token(child) for child in module.children())
+
+
+def average_context(seq_len: int, window: int = 0) -> float:
+    """Mean number of keys a query attends to under causal (and optionally sliding-window) masking."""
+    if not window or window >= seq_len:
+        return (seq_len + 1) / 2
+    return (window * (window + 1) / 2 + (seq_len - window) * window) / seq_len
+
+
+@dataclass(frozen=True)
+class FlopsPerToken:
+    matmul: float  # 6 x matmul weights (forward 2, backward 4)
+    attention: float  # 6 x sum over layers of H (Dqk + Dv) x average context
+    seq_len: int
+
+    @property
+    def total(self) -> float:
+        return self.matmul + self.attention
+
+    @property
+    def forward(self) -> float:
+        return self.total / 3
+
+
+def training_flops_per_token(model: Transformer, seq_len: int) -> FlopsPerToken:
+    matmul = sum(matmul_params_per_token(block) for block in model.layers.values())
+    matmul += model.head_weight.numel()  # the head is a matmul even when tied
+    ctx = average_context(seq_len, model.cfg.attention.sliding_window)
+    attention = 0.0
+    for block in model.layers.values():
+        heads, qk_dim, v_dim = block.attn.score_dims()
+        attention += heads * (qk_dim + v_dim) * ctx
+    return FlopsPerToken(matmul=6.0 * matmul, attention=6.0 * attention, seq_len=seq_len)
+
+
+@dataclass(frozen=True)
+class KVCacheSize:
+    bytes_per_token: int
+    mha_bytes_per_token: int  # the same model with one key and value per query head
+
+    @property
+    def reduction(self) -> float:
+        return self.mha_bytes_per_token / self.bytes_per_token
+
+
+def kv_cache_size(model: Transformer, dtype: str = "bf16") -> KVCacheSize:
+    width = DTYPE_BYTES[dtype]
+    ours = sum(block.attn.kv_cache_elements_per_token() for block in model.layers.values())
+    mha = 0
+    for block in model.layers.values():
+        heads, qk_dim, v_dim = block.attn.score_dims()
+        mha += heads * (qk_dim + v_dim)
+    return KVCacheSize(bytes_per_token=ours * width, mha_bytes_per_token=mha * width)
+
+
+@dataclass(frozen=True)
+class TrainingMemory:
+    """Bytes for weights, gradients, fp32 master copy and AdamW's two fp32 moments."""
+
+    weights: int
+    grads: int
+    master: int
+    optimizer: int
+    shards: int  # data-parallel ranks these states are sharded over (FSDP)
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.grads + self.master + self.optimizer
+
+    @property
+    def per_device(self) -> float:
+        return self.total / self.shards
+
+
+def training_memory(n_params: int, param_dtype: str = "fp32", shards: int = 1) -> TrainingMemory:
+    """AdamW training state. param_dtype fp32: 4 + 4 + 8 bytes/param (FSDP2 keeps fp32 sharded
+    params and grads even when computing in bf16); bf16: 2 + 2 + a 4-byte fp32 master + 8."""
+    width = DTYPE_BYTES[param_dtype]
+    master = 4 * n_params if width < 4 else 0
+    return TrainingMemory(
+        weights=width * n_params,
+        grads=width * n_params,
+        master=master,
+        optimizer=8 * n_params,
+        shards=shards,
+    )

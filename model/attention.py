@@ -1,0 +1,93 @@
+"""Causal self-attention for MHA / GQA / MQA (registry key "gqa"), through SDPA.
+
+Shapes: B batch, T new tokens, S keys (cached + new), C d_model, H query heads, K kv heads
+(H % K == 0; K = H is MHA, K = 1 is MQA), D head dims.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from model.config import ModelConfig
+from model.init import InitStds, init_linear
+from model.kv_cache import KVCache, zeros
+from model.masks import AttentionContext
+from model.norms import RMSNorm
+from model.registry import ATTENTIONS, ROPE_PAIRINGS
+from model.rope import softmax_multiplier
+
+
+@ATTENTIONS.register("gqa")
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        a = cfg.attention
+        self.n_heads, self.n_kv_heads, self.head_dim = a.n_heads, cfg.n_kv_heads, cfg.head_dim
+        C, H, K, D = cfg.d_model, self.n_heads, self.n_kv_heads, self.head_dim
+        self.q_proj = nn.Linear(C, H * D, bias=a.bias)
+        self.k_proj = nn.Linear(C, K * D, bias=a.bias)
+        self.v_proj = nn.Linear(C, K * D, bias=a.bias)
+        self.o_proj = nn.Linear(H * D, C, bias=a.bias)
+        self.gate_proj = nn.Linear(C, H * D, bias=a.bias) if a.output_gate else None
+        self.q_norm = RMSNorm(D, cfg.norm_eps) if a.qk_norm else None
+        self.k_norm = RMSNorm(D, cfg.norm_eps) if a.qk_norm else None
+        self.apply_rope = ROPE_PAIRINGS.get(cfg.rope.pairing)
+        self.scale = (a.softmax_scale or D**-0.5) * softmax_multiplier(cfg.rope)
+
+    def forward(self, x: Tensor, ctx: AttentionContext, cache: KVCache | None = None) -> Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if ctx.rope is not None:
+            q, k = self.apply_rope(q, *ctx.rope), self.apply_rope(k, *ctx.rope)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|K, T, D)
+        if cache is not None:
+            k, v = cache.update(k, v, ctx.start)  # (B, K, S, D)
+        mask = (
+            ctx.mask if ctx.mask is None or ctx.mask.dtype == torch.bool else ctx.mask.to(q.dtype)
+        )
+        y = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=ctx.is_causal,
+            scale=self.scale,
+            enable_gqa=self.n_kv_heads != self.n_heads,
+        )  # (B, H, T, D)
+        y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
+        if self.gate_proj is not None:
+            y = y * torch.sigmoid(self.gate_proj(x))
+        return self.o_proj(y)
+
+    def init_weights(self, stds: InitStds) -> None:
+        init_linear(self.q_proj, stds.inner)
+        init_linear(self.k_proj, stds.inner)
+        init_linear(self.v_proj, stds.value)
+        init_linear(self.o_proj, stds.out)
+        if self.gate_proj is not None:
+            init_linear(self.gate_proj, stds.inner)
+        for norm in (self.q_norm, self.k_norm):
+            if norm is not None:
+                norm.init_weights()
+
+    # ---- accounting and caching hooks ---------------------------------------------------------
+
+    def score_dims(self) -> tuple[int, int, int]:
+        """(query heads, query-key dims per head, value dims per head): what attention FLOPs scale with."""
+        return self.n_heads, self.head_dim, self.head_dim
+
+    def kv_cache_elements_per_token(self) -> int:
+        """2 x K x D: keys and values of the kv heads only."""
+        return 2 * self.n_kv_heads * self.head_dim
+
+    def make_cache(
+        self, batch: int, capacity: int, dtype: torch.dtype, device: torch.device
+    ) -> KVCache:
+        shape = (batch, self.n_kv_heads, capacity, self.head_dim)
+        return KVCache(zeros(*shape, like=(dtype, device)), zeros(*shape, like=(dtype, device)))

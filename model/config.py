@@ -1,0 +1,340 @@
+"""Model configuration: one small dataclass per component, validated on construction.
+
+Integers use 0 for "derive it" (documented per field) so that the same dataclasses work as Hydra
+structured configs. Errors name the field, the value and the rule, with the `model.` prefix that the
+Hydra override would use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from model.registry import (
+    ATTENTIONS,
+    FFNS,
+    NORMS,
+    POSITIONS,
+    RESIDUALS,
+    ROPE_PAIRINGS,
+    ROPE_SCALINGS,
+    Registry,
+)
+
+DEPTH_SCALINGS = ("none", "total", "layer")
+
+
+class ConfigError(ValueError):
+    """A configuration value breaks a rule; the message names the key and the fix."""
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _check_choice(key: str, value: str, registry: Registry) -> None:
+    _require(
+        value in registry,
+        f"{key}={value!r} is not a known {registry.what}; choose one of: {', '.join(registry.names())}",
+    )
+
+
+@dataclass(kw_only=True)
+class RopeConfig:
+    """Rotary position embedding and its context-extension variants."""
+
+    theta: float = 10000.0  # base of the geometric frequency ladder
+    pairing: str = (
+        "half"  # "half": (i, i+d/2) pairs (HF/NeoX); "interleaved": (2i, 2i+1) (Meta, DeepSeek)
+    )
+    fraction: float = (
+        1.0  # fraction of each head's dims that rotate (partial rotary); the rest pass through
+    )
+    scaling: str = "none"  # none | linear | ntk | dynamic_ntk | yarn | llama3
+    factor: float = 1.0  # context-extension factor s (new length / original length)
+    original_max_seq_len: int = (
+        0  # pretraining context for yarn/dynamic_ntk/llama3; 0 = model.max_seq_len
+    )
+    beta_fast: float = 32.0  # YaRN: rotations above which a dim is extrapolated (kept as is)
+    beta_slow: float = 1.0  # YaRN: rotations below which a dim is fully interpolated (divided by s)
+    mscale: float = 0.0  # YaRN (DeepSeek form): cos/sin temperature numerator weight; 0 = unset
+    mscale_all_dim: float = 0.0  # YaRN (DeepSeek form): softmax temperature weight; 0 = unset
+    attention_factor: float = 0.0  # YaRN: explicit cos/sin factor; 0 = 0.1*ln(s)+1 (the paper's)
+    low_freq_factor: float = 1.0  # llama3: wavelengths above original/low are divided by s
+    high_freq_factor: float = 4.0  # llama3: wavelengths below original/high are kept
+
+    def __post_init__(self) -> None:
+        _check_choice("model.rope.pairing", self.pairing, ROPE_PAIRINGS)
+        _check_choice("model.rope.scaling", self.scaling, ROPE_SCALINGS)
+        _require(self.theta > 1, f"model.rope.theta={self.theta} must be > 1")
+        _require(
+            0 < self.fraction <= 1,
+            f"model.rope.fraction={self.fraction} must be in (0, 1] (the share of head dims that rotate)",
+        )
+        if self.scaling != "none":
+            _require(
+                self.factor >= 1,
+                f"model.rope.factor={self.factor} must be >= 1 for rope.scaling={self.scaling!r}",
+            )
+        _require(
+            self.beta_fast > self.beta_slow,
+            f"model.rope.beta_fast={self.beta_fast} must exceed model.rope.beta_slow={self.beta_slow}",
+        )
+        _require(
+            self.high_freq_factor > self.low_freq_factor,
+            f"model.rope.high_freq_factor={self.high_freq_factor} must exceed "
+            f"model.rope.low_freq_factor={self.low_freq_factor}",
+        )
+        _require(self.original_max_seq_len >= 0, "model.rope.original_max_seq_len must be >= 0")
+
+
+@dataclass(kw_only=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3) dimensions."""
+
+    q_lora_rank: int = 0  # rank of the query bottleneck; 0 = a full-rank query projection
+    kv_lora_rank: int = 512  # width of the joint K/V latent (what the KV cache stores)
+    qk_nope_head_dim: int = 128  # per-head query/key dims without position
+    qk_rope_head_dim: int = 64  # per-head query dims with RoPE; the rope key is shared by all heads
+    v_head_dim: int = 128  # per-head value dims
+
+    def __post_init__(self) -> None:
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            value = getattr(self, name)
+            _require(value > 0, f"model.attention.mla.{name}={value} must be > 0")
+        _require(self.q_lora_rank >= 0, "model.attention.mla.q_lora_rank must be >= 0")
+        _require(
+            self.qk_rope_head_dim % 2 == 0,
+            f"model.attention.mla.qk_rope_head_dim={self.qk_rope_head_dim} must be even (RoPE rotates pairs)",
+        )
+
+
+@dataclass(kw_only=True)
+class AttentionConfig:
+    """Self-attention: MHA/GQA/MQA through n_kv_heads (kind gqa), or MLA (kind mla)."""
+
+    kind: str = "gqa"  # gqa (MHA when n_kv_heads = n_heads, MQA when 1) | mla
+    n_heads: int = 8  # query heads
+    n_kv_heads: int = 0  # key/value heads for gqa; 0 = n_heads (MHA)
+    head_dim: int = 0  # per-head dims for gqa; 0 = d_model / n_heads
+    qk_norm: bool = False  # RMSNorm over each query/key head before RoPE (Qwen3, OLMo2-style)
+    output_gate: bool = (
+        False  # elementwise sigmoid gate on the attention output, from the block input
+    )
+    sliding_window: int = (
+        0  # attend to at most this many most recent tokens (self included); 0 = all
+    )
+    bias: bool = False  # biases on the q/k/v/o projections
+    softmax_scale: float = 0.0  # logit scale; 0 = 1/sqrt(query-key head dim)
+    mla: MLAConfig = field(default_factory=MLAConfig)  # used when kind = mla
+
+    def __post_init__(self) -> None:
+        _check_choice("model.attention.kind", self.kind, ATTENTIONS)
+        _require(self.n_heads > 0, f"model.attention.n_heads={self.n_heads} must be > 0")
+        _require(self.n_kv_heads >= 0, f"model.attention.n_kv_heads={self.n_kv_heads} must be >= 0")
+        _require(self.head_dim >= 0, f"model.attention.head_dim={self.head_dim} must be >= 0")
+        _require(self.sliding_window >= 0, "model.attention.sliding_window must be >= 0 (0 = off)")
+        _require(
+            self.softmax_scale >= 0, "model.attention.softmax_scale must be >= 0 (0 = default)"
+        )
+        kv = self.n_kv_heads or self.n_heads
+        _require(
+            self.n_heads % kv == 0,
+            f"model.attention.n_heads={self.n_heads} is not divisible by model.attention.n_kv_heads={kv}",
+        )
+        if self.kind == "mla":
+            for flag in ("qk_norm", "output_gate"):
+                _require(
+                    not getattr(self, flag),
+                    f"model.attention.{flag}=true is not supported with attention.kind='mla'",
+                )
+
+
+@dataclass(kw_only=True)
+class FFNConfig:
+    """The position-wise feed-forward network."""
+
+    kind: str = "swiglu"  # swiglu | geglu | gelu | relu | relu2
+    hidden: int = (
+        0  # hidden width; 0 = the rule: (8/3 d if gated else 4 d) * multiplier, rounded up
+    )
+    multiplier: float = 1.0  # scales the rule's width (Llama's ffn_dim_multiplier)
+    multiple_of: int = 256  # the rule rounds the width up to a multiple of this
+    bias: bool = False  # biases on the FFN projections
+
+    def __post_init__(self) -> None:
+        _check_choice("model.ffn.kind", self.kind, FFNS)
+        _require(self.hidden >= 0, f"model.ffn.hidden={self.hidden} must be >= 0 (0 = the rule)")
+        _require(self.multiplier > 0, f"model.ffn.multiplier={self.multiplier} must be > 0")
+        _require(self.multiple_of > 0, f"model.ffn.multiple_of={self.multiple_of} must be > 0")
+
+
+@dataclass(kw_only=True)
+class InitConfig:
+    """Weight initialization (truncated normal at +-3 std)."""
+
+    std: float = 0.02  # std of embeddings, input projections and the output head
+    depth_scaling: str = (
+        "total"  # output projections: none | total: std/sqrt(2L) | layer: std/sqrt(2(l+1))
+    )
+
+    def __post_init__(self) -> None:
+        _require(self.std > 0, f"model.init.std={self.std} must be > 0")
+        _require(
+            self.depth_scaling in DEPTH_SCALINGS,
+            f"model.init.depth_scaling={self.depth_scaling!r}; choose one of: {', '.join(DEPTH_SCALINGS)}",
+        )
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """A decoder-only language model."""
+
+    vocab_size: int = (
+        0  # 0 = take the tokenizer's (the trainer fills it in, padded to a multiple of 64)
+    )
+    d_model: int = 256  # residual stream width
+    n_layers: int = 4  # transformer blocks
+    max_seq_len: int = (
+        2048  # longest sequence; sizes learned positions and is the rope scaling reference
+    )
+    norm: str = "rms"  # rms | layer
+    norm_eps: float = 1e-5  # epsilon of every norm
+    residual: str = "pre"  # pre | post | deepnorm (post-norm with alpha-scaled residual, beta init)
+    position: str = "rope"  # rope | alibi | sinusoidal | learned | none
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    ffn: FFNConfig = field(default_factory=FFNConfig)
+    tie_embeddings: bool = False  # the output head reuses the token embedding matrix
+    init: InitConfig = field(default_factory=InitConfig)
+    loss_chunk_tokens: int = (
+        4096  # tokens per chunk of the fused head + cross-entropy; 0 = unchunked
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("d_model", "n_layers", "max_seq_len"):
+            _require(getattr(self, name) > 0, f"model.{name}={getattr(self, name)} must be > 0")
+        _require(self.vocab_size >= 0, f"model.vocab_size={self.vocab_size} must be >= 0")
+        _require(self.norm_eps > 0, f"model.norm_eps={self.norm_eps} must be > 0")
+        _require(
+            self.loss_chunk_tokens >= 0, "model.loss_chunk_tokens must be >= 0 (0 = unchunked)"
+        )
+        _check_choice("model.norm", self.norm, NORMS)
+        _check_choice("model.residual", self.residual, RESIDUALS)
+        _check_choice("model.position", self.position, POSITIONS)
+        self._check_heads()
+        self._check_positions()
+
+    def _check_heads(self) -> None:
+        att = self.attention
+        if att.kind == "gqa" and att.head_dim == 0:
+            _require(
+                self.d_model % att.n_heads == 0,
+                f"model.d_model={self.d_model} is not divisible by model.attention.n_heads={att.n_heads}; "
+                "set model.attention.head_dim explicitly",
+            )
+
+    def _check_positions(self) -> None:
+        if self.attention.kind == "mla":
+            _require(
+                self.position == "rope",
+                f"model.position={self.position!r}: MLA uses decoupled RoPE; set model.position=rope",
+            )
+            _require(
+                self.rope.fraction == 1.0,
+                "model.rope.fraction must be 1.0 with MLA (its rope part is attention.mla.qk_rope_head_dim)",
+            )
+            return
+        if self.position == "rope":
+            exact = self.head_dim * self.rope.fraction
+            _require(
+                exact == int(exact) and int(exact) % 2 == 0 and exact > 0,
+                f"RoPE rotates pairs of dims: model.attention.head_dim={self.head_dim} x "
+                f"model.rope.fraction={self.rope.fraction} = {exact:g} must be a positive even integer",
+            )
+
+    # ---- derived sizes -------------------------------------------------------------------------
+
+    @property
+    def head_dim(self) -> int:
+        """Per-head dims of gqa attention."""
+        return self.attention.head_dim or self.d_model // self.attention.n_heads
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.attention.n_kv_heads or self.attention.n_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dims per head that RoPE rotates (the MLA rope part for mla)."""
+        if self.attention.kind == "mla":
+            return self.attention.mla.qk_rope_head_dim
+        return int(self.head_dim * self.rope.fraction)
+
+    @property
+    def ffn_hidden(self) -> int:
+        """FFN width: explicit, or Llama's rule (8/3 d for gated FFNs, 4 d otherwise)."""
+        if self.ffn.hidden:
+            return self.ffn.hidden
+        gated = self.ffn.kind in ("swiglu", "geglu")
+        width = int(2 * 4 * self.d_model / 3) if gated else 4 * self.d_model
+        width = int(self.ffn.multiplier * width)
+        return self.ffn.multiple_of * math.ceil(width / self.ffn.multiple_of)
+
+    @property
+    def rope_original_max_seq_len(self) -> int:
+        return self.rope.original_max_seq_len or self.max_seq_len
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+C = TypeVar("C")
+
+
+def config_from_dict(cls: type[C], data: dict[str, Any], path: str = "model") -> C:
+    """Build a (nested) config dataclass from a plain dict; unknown keys fail with a suggestion."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must be a mapping, got {type(data).__name__}: {data!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(
+                f"{path}.{key} is not a known key{hint} (valid: {', '.join(sorted(fields))})"
+            )
+        sub = _nested_dataclass(cls, key)
+        if sub:
+            kwargs[key] = config_from_dict(sub, value, f"{path}.{key}")
+        else:
+            kwargs[key] = _checked_scalar(f"{path}.{key}", fields[key].type, value)
+    return cls(**kwargs)
+
+
+_SCALARS = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,)}
+
+
+def _checked_scalar(key: str, type_name: Any, value: Any) -> Any:
+    """Reject a value of the wrong type (YAML `1e-5` parses as a string, `true` is not an int)."""
+    allowed = _SCALARS.get(str(type_name))
+    if allowed is None:
+        return value
+    wrong_bool = isinstance(value, bool) and bool not in allowed
+    if wrong_bool or not isinstance(value, allowed):
+        raise ConfigError(
+            f"{key}={value!r} must be of type {type_name}, got {type(value).__name__}"
+        )
+    return float(value) if type_name == "float" else value
+
+
+def _nested_dataclass(cls: type, name: str) -> type | None:
+    default = next(f for f in dataclasses.fields(cls) if f.name == name).default_factory
+    if default is dataclasses.MISSING:
+        return None
+    return default if dataclasses.is_dataclass(default) else None

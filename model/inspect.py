@@ -1,0 +1,231 @@
+"""`python -m model.inspect [overrides]`: parameters, FLOPs/token, KV cache and training memory.
+
+    python -m model.inspect                                    # the default (tiny) model
+    python -m model.inspect model=llama3_8b seq_len=8192
+    python -m model.inspect model=llama2_7b,llama3_8b,deepseek_v3 dtype=bf16   # side by side
+    python -m model.inspect model=llama3_70b model.attention.n_kv_heads=64 dp_shard=64 format=json
+
+Options: model=<preset>[,<preset>...], model.<key>=<value> (any ModelConfig field), seq_len=<T>
+(default: each model's max_seq_len), dtype=bf16|fp32|fp8 (KV cache and weights), dp_shard=<N>
+(FSDP ranks the training state is sharded over), format=table|json. Models are built on the meta
+device, so the largest presets cost no memory.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from model.accounting import (
+    DTYPE_BYTES,
+    kv_cache_size,
+    param_counts,
+    training_flops_per_token,
+    training_memory,
+)
+from model.config import ConfigError, ModelConfig
+from model.presets import load_preset, parse_value, preset_names
+from model.transformer import build_model
+
+
+@dataclass
+class InspectArgs:
+    presets: list[str] = field(default_factory=lambda: ["tiny"])
+    model_overrides: dict[str, Any] = field(default_factory=dict)
+    seq_len: int = 0  # 0 = each model's max_seq_len
+    dtype: str = "bf16"
+    dp_shard: int = 1
+    format: str = "table"
+
+
+def parse_args(argv: list[str]) -> InspectArgs:
+    args = InspectArgs()
+    for item in argv:
+        key, sep, text = item.partition("=")
+        if not sep:
+            raise ConfigError(
+                f"expected key=value, got {item!r} (see `python -m model.inspect --help`)"
+            )
+        if key == "model":
+            args.presets = [name.strip() for name in text.split(",") if name.strip()]
+        elif key.startswith("model."):
+            args.model_overrides[key.removeprefix("model.")] = parse_value(text)
+        elif key in ("seq_len", "dp_shard"):
+            setattr(args, key, int(text))
+        elif key in ("dtype", "format"):
+            setattr(args, key, text)
+        else:
+            raise ConfigError(
+                f"unknown option {key!r}; options: model, model.<key>, seq_len, dtype, dp_shard, format"
+            )
+    if args.dtype not in DTYPE_BYTES:
+        raise ConfigError(f"dtype={args.dtype!r}; choose one of: {', '.join(DTYPE_BYTES)}")
+    if args.format not in ("table", "json"):
+        raise ConfigError(f"format={args.format!r}; choose table or json")
+    if args.dp_shard < 1 or args.seq_len < 0:
+        raise ConfigError("dp_shard must be >= 1 and seq_len >= 0")
+    return args
+
+
+def describe(cfg: ModelConfig, seq_len: int, dtype: str, dp_shard: int) -> dict[str, Any]:
+    """Every number the table shows, as raw values (also the JSON output)."""
+    model = build_model(cfg, device="meta")
+    params = param_counts(model)
+    flops = training_flops_per_token(model, seq_len)
+    kv = kv_cache_size(model, dtype)
+    memory = training_memory(params.total, "fp32" if dtype == "fp32" else "bf16", dp_shard)
+    att = cfg.attention
+    heads = (
+        f"{att.n_heads}q / {cfg.n_kv_heads}kv x {cfg.head_dim}"
+        if att.kind == "gqa"
+        else (
+            f"{att.n_heads} x ({att.mla.qk_nope_head_dim}+{att.mla.qk_rope_head_dim} qk, {att.mla.v_head_dim} v), "
+            f"latent {att.mla.kv_lora_rank}"
+        )
+    )
+    return {
+        "layers": cfg.n_layers,
+        "d_model": cfg.d_model,
+        "attention": f"{_attention_name(cfg)}: {heads}",
+        "ffn": f"{cfg.ffn.kind} {cfg.ffn_hidden}",
+        "vocab_size": cfg.vocab_size,
+        "position": cfg.position
+        if cfg.position != "rope"
+        else f"rope ({cfg.rope.scaling}, theta {cfg.rope.theta:g})",
+        "params_total": params.total,
+        "params_embedding": params.embedding,
+        "params_head": params.head,
+        "params_blocks": params.blocks,
+        "params_active": params.active,
+        "seq_len": seq_len,
+        "train_flops_per_token": flops.total,
+        "train_flops_matmul": flops.matmul,
+        "train_flops_attention": flops.attention,
+        "six_n": 6 * params.active,
+        "kv_bytes_per_token": kv.bytes_per_token,
+        "kv_bytes_per_sequence": kv.bytes_per_token * seq_len,
+        "kv_mha_bytes_per_token": kv.mha_bytes_per_token,
+        "kv_reduction_vs_mha": kv.reduction,
+        "train_state_bytes": memory.total,
+        "train_state_bytes_per_device": memory.per_device,
+        "dtype": dtype,
+        "dp_shard": dp_shard,
+    }
+
+
+def _attention_name(cfg: ModelConfig) -> str:
+    if cfg.attention.kind == "mla":
+        return "MLA"
+    kv = cfg.n_kv_heads
+    return "MHA" if kv == cfg.attention.n_heads else "MQA" if kv == 1 else "GQA"
+
+
+def _count(n: float) -> str:
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.2f}{unit}"
+    return f"{n:.0f}"
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+ROWS: list[tuple[str, str, Any]] = [
+    ("Shape", "layers", str),
+    ("Shape", "d_model", str),
+    ("Shape", "attention", str),
+    ("Shape", "ffn", str),
+    ("Shape", "vocab_size", str),
+    ("Shape", "position", str),
+    ("Parameters", "params_total", lambda n: f"{_count(n)} ({n:,})"),
+    ("Parameters", "params_embedding", _count),
+    ("Parameters", "params_head", _count),
+    ("Parameters", "params_blocks", _count),
+    ("Parameters", "params_active", _count),
+    ("Training FLOPs / token", "seq_len", str),
+    ("Training FLOPs / token", "train_flops_per_token", _count),
+    ("Training FLOPs / token", "train_flops_matmul", _count),
+    ("Training FLOPs / token", "train_flops_attention", _count),
+    ("Training FLOPs / token", "six_n", _count),
+    ("KV cache", "kv_bytes_per_token", _bytes),
+    ("KV cache", "kv_bytes_per_sequence", _bytes),
+    ("KV cache", "kv_mha_bytes_per_token", _bytes),
+    ("KV cache", "kv_reduction_vs_mha", lambda r: f"{r:.1f}x"),
+    ("AdamW training state", "train_state_bytes", _bytes),
+    ("AdamW training state", "train_state_bytes_per_device", _bytes),
+]
+
+LABELS = {
+    "params_total": "total",
+    "params_embedding": "embedding",
+    "params_head": "output head (untied)",
+    "params_blocks": "blocks",
+    "params_active": "active per token",
+    "train_flops_per_token": "total (6N + attention)",
+    "train_flops_matmul": "matmuls (6 x weights)",
+    "train_flops_attention": "attention (causal)",
+    "six_n": "6N (for comparison)",
+    "kv_bytes_per_token": "per token",
+    "kv_bytes_per_sequence": "per sequence of seq_len",
+    "kv_mha_bytes_per_token": "MHA equivalent per token",
+    "kv_reduction_vs_mha": "reduction vs MHA",
+    "train_state_bytes": "weights + grads + master + Adam",
+    "train_state_bytes_per_device": "per device (over dp_shard)",
+}
+
+
+def render_table(results: dict[str, dict[str, Any]], args: InspectArgs) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"Model inspection (dtype {args.dtype}, dp_shard {args.dp_shard})")
+    table.add_column("")
+    table.add_column("")
+    for name in results:
+        table.add_column(name, justify="right")
+    section = None
+    for group, key, fmt in ROWS:
+        if group != section:
+            table.add_section()
+            section = group
+        label = LABELS.get(key, key.replace("_", " "))
+        table.add_row(
+            group if key == next(k for g, k, _ in ROWS if g == group) else "",
+            label,
+            *(fmt(r[key]) for r in results.values()),
+        )
+    Console(width=max(100, 40 + 34 * len(results))).print(table)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__)
+        print("presets:", ", ".join(preset_names()))
+        return 0
+    try:
+        args = parse_args(argv)
+        results = {}
+        for name in args.presets:
+            cfg = load_preset(name, args.model_overrides)
+            results[name] = describe(
+                cfg, args.seq_len or cfg.max_seq_len, args.dtype, args.dp_shard
+            )
+    except (ConfigError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if args.format == "json":
+        print(json.dumps(results, indent=2))
+    else:
+        render_table(results, args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,65 @@
+"""KV caches for generation: preallocated per layer, filled in place by prefill and decode.
+
+Shapes: B batch, Tmax cache capacity, K kv heads, D head dims, R MLA latent width, Dr rope dims.
+  KVCache      k (B, K, Tmax, D), v (B, K, Tmax, Dv)        GQA stores only its K kv heads
+  LatentCache  c (B, Tmax, R), k_rope (B, Tmax, Dr)          MLA stores the normalized latent and
+                                                             the shared rope key, nothing per head
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+
+class KVCache(nn.Module):
+    def __init__(self, k: Tensor, v: Tensor) -> None:
+        super().__init__()
+        self.register_buffer("k", k, persistent=False)
+        self.register_buffer("v", v, persistent=False)
+
+    def update(self, k: Tensor, v: Tensor, start: int) -> tuple[Tensor, Tensor]:
+        """Write k, v (B, K, T, D) at [start, start+T) and return the filled prefix (B, K, start+T, D)."""
+        end = start + k.shape[2]
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
+class LatentCache(nn.Module):
+    def __init__(self, c: Tensor, k_rope: Tensor) -> None:
+        super().__init__()
+        self.register_buffer("c", c, persistent=False)
+        self.register_buffer("k_rope", k_rope, persistent=False)
+
+    def update(self, c: Tensor, k_rope: Tensor, start: int) -> tuple[Tensor, Tensor]:
+        """Write c (B, T, R) and k_rope (B, T, Dr) at [start, start+T); return the filled prefixes."""
+        end = start + c.shape[1]
+        self.c[:, start:end] = c
+        self.k_rope[:, start:end] = k_rope
+        return self.c[:, :end], self.k_rope[:, :end]
+
+
+class Cache(nn.Module):
+    """The whole model's cache: one entry per layer plus how many tokens are stored."""
+
+    def __init__(self, layers: list[nn.Module], capacity: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self.capacity = capacity
+        self.length = 0
+
+    def check_room(self, new_tokens: int) -> None:
+        if self.length + new_tokens > self.capacity:
+            raise ValueError(
+                f"KV cache holds {self.capacity} tokens; {self.length} are used and {new_tokens} more "
+                "were given. Allocate a larger cache (max_len) for this generation."
+            )
+
+    def nbytes(self) -> int:
+        return sum(buf.numel() * buf.element_size() for buf in self.buffers())
+
+
+def zeros(*shape: int, like: tuple[torch.dtype, torch.device]) -> Tensor:
+    dtype, device = like
+    return torch.zeros(*shape, dtype=dtype, device=device)

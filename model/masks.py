@@ -1,0 +1,71 @@
+"""What every attention layer of one forward pass shares: positions, RoPE angles and the mask.
+
+Shapes: B batch, T new tokens, S = start + T keys (start tokens already in the KV cache), H heads.
+The mask is None when plain causal attention suffices (SDPA's `is_causal` fast path), else either
+a bool tensor (B|1, 1, T, S) with True = may attend, or (ALiBi) a float bias (1|B, H, T, S) with
+-inf where attention is not allowed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class AttentionContext:
+    positions: Tensor  # (B, T) position of each new token (within its document if doc_ids given)
+    rope: tuple[Tensor, Tensor] | None  # cos, sin (B, T, R/2), or None without RoPE
+    mask: Tensor | None  # see the module docstring
+    is_causal: bool  # pass SDPA's is_causal (only when mask is None and there is no cache offset)
+    start: int  # tokens already cached before this call
+
+
+def positions_in_documents(doc_ids: Tensor) -> Tensor:
+    """Index of each token inside its document: (B, T) doc ids -> (B, T) positions from 0.
+
+    A document is a run of equal consecutive ids (packed sequences, as the data loader emits them).
+    """
+    B, T = doc_ids.shape
+    index = torch.arange(T, device=doc_ids.device).expand(B, T)
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
+    return index - first
+
+
+def build_mask(
+    T: int,
+    start: int,
+    *,
+    window: int = 0,
+    doc_ids: Tensor | None = None,
+    alibi_slopes: Tensor | None = None,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> tuple[Tensor | None, bool]:
+    """(mask, is_causal) for T queries at absolute indices start..start+T-1 over S = start+T keys."""
+    if window == 0 and doc_ids is None and alibi_slopes is None:
+        if start == 0:
+            return None, True
+        if T == 1:
+            return None, False  # one new token may see the whole cache
+    S = start + T
+    q_idx = torch.arange(start, S, device=device)[:, None]  # (T, 1)
+    k_idx = torch.arange(S, device=device)[None, :]  # (1, S)
+    allowed = k_idx <= q_idx  # (T, S) causal
+    if window:
+        allowed = allowed & (q_idx - k_idx < window)
+    allowed = allowed[None, None]  # (1, 1, T, S)
+    if doc_ids is not None:
+        if start:
+            raise ValueError("doc_ids cannot be combined with a KV cache offset (generation)")
+        same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]  # (B, T, S)
+        allowed = allowed & same_doc[:, None]
+    if alibi_slopes is None:
+        return allowed, False
+    distance = (k_idx - q_idx).to(dtype)  # (T, S), <= 0 where allowed
+    bias = alibi_slopes.to(device=device, dtype=dtype)[:, None, None] * distance  # (H, T, S)
+    return bias[None].masked_fill(~allowed, float("-inf")), False

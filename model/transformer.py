@@ -1,0 +1,159 @@
+"""The decoder-only language model.
+
+Shapes: B batch, T tokens, C d_model, V vocab. tokens (B, T) -> logits (B, T, V), or the mean loss.
+
+Build large models on the meta device and materialize them after parallelization:
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.to_empty(device="cuda"); model.init_weights()
+`build_model(cfg, device)` does exactly that. Built on a real device, the constructor initializes
+the weights itself. Blocks live in a ModuleDict keyed "0".."L-1", so parameter names
+(`layers.3.attn.q_proj.weight`) stay the same under any parallelism.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from model.block import Block
+from model.config import ConfigError, ModelConfig
+from model.init import trunc_normal_
+from model.kv_cache import Cache
+from model.loss import chunked_cross_entropy
+from model.masks import AttentionContext, build_mask, positions_in_documents
+from model.norms import build_norm
+from model.positions import build_positions
+from model.registry import RESIDUALS
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        if cfg.vocab_size <= 0:
+            raise ConfigError(
+                f"model.vocab_size={cfg.vocab_size}: set it, or let the trainer take it from the tokenizer"
+            )
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos = build_positions(cfg)
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
+        has_final_norm = RESIDUALS.get(cfg.residual).final_norm
+        self.norm = (
+            build_norm(cfg.norm, cfg.d_model, cfg.norm_eps) if has_final_norm else nn.Identity()
+        )
+        self.head = (
+            None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        )
+        if self.embed.weight.device.type != "meta":
+            self.init_weights()
+
+    @property
+    def head_weight(self) -> Tensor:
+        """(V, C): the output projection (the embedding matrix when tied)."""
+        return self.embed.weight if self.head is None else self.head.weight
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """(Re)initialize every parameter and buffer in place (after `to_empty` from meta)."""
+        std = self.cfg.init.std
+        trunc_normal_(self.embed.weight, std)
+        self.pos.init_weights(std)
+        for block in self.layers.values():
+            block.init_weights(self.cfg)
+        if isinstance(self.norm, nn.Module) and hasattr(self.norm, "init_weights"):
+            self.norm.init_weights()
+        if self.head is not None:
+            trunc_normal_(self.head.weight, std)
+
+    def forward(
+        self,
+        tokens: Tensor,
+        targets: Tensor | None = None,
+        *,
+        doc_ids: Tensor | None = None,
+        cache: Cache | None = None,
+    ) -> Tensor:
+        """Logits (B, T, V) when `targets` is None, else the mean cross-entropy over non-ignored targets.
+
+        doc_ids (B, T): document id of each token in packed sequences; attention stays inside a
+        document and positions restart at each document's first token.
+        cache: a `Cache` from `new_cache`; the tokens continue the sequence it holds.
+        """
+        h = self.hidden_states(tokens, doc_ids=doc_ids, cache=cache)
+        if targets is None:
+            return F.linear(h, self.head_weight)
+        return chunked_cross_entropy(h, self.head_weight, targets, self.cfg.loss_chunk_tokens)
+
+    def hidden_states(
+        self, tokens: Tensor, *, doc_ids: Tensor | None = None, cache: Cache | None = None
+    ) -> Tensor:
+        """Final-norm hidden states (B, T, C)."""
+        B, T = tokens.shape
+        start = 0
+        if cache is not None:
+            cache.check_room(T)
+            start = cache.length
+        self._check_length(start + T)
+        if doc_ids is not None:
+            positions = positions_in_documents(doc_ids)
+        else:
+            positions = torch.arange(start, start + T, device=tokens.device).expand(B, T)
+        h = self.embed(tokens)
+        additive = self.pos.additive(positions)
+        if additive is not None:
+            h = h + additive.to(h.dtype)
+        ctx = self._context(positions, start, T, doc_ids, h.dtype)
+        caches = cache.layers if cache is not None else [None] * len(self.layers)
+        for block, layer_cache in zip(self.layers.values(), caches):
+            h = block(h, ctx, layer_cache)
+        if cache is not None:
+            cache.length += T
+        return self.norm(h)
+
+    def _context(
+        self, positions: Tensor, start: int, T: int, doc_ids: Tensor | None, dtype: torch.dtype
+    ) -> AttentionContext:
+        mask, is_causal = build_mask(
+            T,
+            start,
+            window=self.cfg.attention.sliding_window,
+            doc_ids=doc_ids,
+            alibi_slopes=self.pos.alibi_slopes(),
+            device=positions.device,
+            dtype=dtype,
+        )
+        rope = self.pos.rotary(positions, start + T)
+        return AttentionContext(
+            positions=positions, rope=rope, mask=mask, is_causal=is_causal, start=start
+        )
+
+    def _check_length(self, length: int) -> None:
+        if self.cfg.position == "learned" and length > self.cfg.max_seq_len:
+            raise ValueError(
+                f"sequence of {length} tokens exceeds model.max_seq_len={self.cfg.max_seq_len}, "
+                "the size of the learned position table"
+            )
+
+    def new_cache(self, batch: int, capacity: int, dtype: torch.dtype | None = None) -> Cache:
+        """An empty KV cache for `batch` sequences of up to `capacity` tokens."""
+        dtype = dtype or self.embed.weight.dtype
+        device = self.embed.weight.device
+        layers = [
+            block.attn.make_cache(batch, capacity, dtype, device) for block in self.layers.values()
+        ]
+        return Cache(layers, capacity)
+
+
+def build_model(
+    cfg: ModelConfig, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+) -> Transformer:
+    """Build on the meta device, allocate on `device`, initialize. With device='meta', no memory is used."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    if torch.device(device).type == "meta":
+        return model
+    model.to_empty(device=device)
+    model.init_weights()
+    return model.to(dtype) if dtype is not None else model

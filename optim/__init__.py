@@ -1,0 +1,1 @@
+"""Optimizers (AdamW, Muon/MuonClip), parameter grouping and LR schedules (the optimizer issue)."""
