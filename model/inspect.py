@@ -200,7 +200,7 @@ def render_table(results: dict[str, dict[str, Any]], args: InspectArgs) -> None:
             label,
             *(fmt(r[key]) for r in results.values()),
         )
-    Console(width=max(100, 40 + 34 * len(results))).print(table)
+    Console(width=max(110, 62 + 44 * len(results))).print(table)
 
 
 def main(argv: list[str] | None = None) -> int:
