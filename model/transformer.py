@@ -62,7 +62,7 @@ class Transformer(nn.Module):
         self.pos.init_weights(std)
         for block in self.layers.values():
             block.init_weights(self.cfg)
-        if isinstance(self.norm, nn.Module) and hasattr(self.norm, "init_weights"):
+        if not isinstance(self.norm, nn.Identity):
             self.norm.init_weights()
         if self.head is not None:
             trunc_normal_(self.head.weight, std)
