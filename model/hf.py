@@ -25,7 +25,14 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from model.config import AttentionConfig, ConfigError, FFNConfig, InitConfig, ModelConfig, RopeConfig
+from model.config import (
+    AttentionConfig,
+    ConfigError,
+    FFNConfig,
+    InitConfig,
+    ModelConfig,
+    RopeConfig,
+)
 from model.rope import half_to_interleaved, interleaved_to_half
 from model.transformer import Transformer, build_model
 

@@ -16,7 +16,9 @@ cos and sin, so YaRN's temperature scales the rotary logits by its square.
   linear       inv_freq / s (position interpolation)
   ntk          theta * s^(R/(R-2)): NTK-aware base change, high frequencies kept, lowest divided by s
   dynamic_ntk  the ntk base recomputed from the current length L once L > L0:
-               theta * (s L / L0 - (s - 1))^(R/(R-2))
+               theta * (s L / L0 - (s - 1))^(R/(R-2)). An inference-time scaling: with a KV cache,
+               keys keep the frequencies they were written with, so decoding past L0 differs from
+               a full forward over the same tokens (as in transformers).
   yarn         per-dim ramp between interpolation (inv_freq / s) and extrapolation, by how many
                rotations a dim completes over L0 (beta_slow .. beta_fast), plus the temperature
                0.1 ln(s) + 1 (DeepSeek's mscale / mscale_all_dim form supported)
