@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from model.config import ModelConfig
 from model.init import InitStds, init_linear
-from model.kv_cache import KVCache, zeros
+from model.kv_cache import KVCache
 from model.masks import AttentionContext
 from model.norms import RMSNorm
 from model.registry import ATTENTIONS, ROPE_PAIRINGS
@@ -44,26 +44,31 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if ctx.rope is not None:
-            q, k = self.apply_rope(q, *ctx.rope), self.apply_rope(k, *ctx.rope)
+            q, k = self.apply_rope(q, ctx.rope), self.apply_rope(k, ctx.rope)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|K, T, D)
         if cache is not None:
             k, v = cache.update(k, v, ctx.start)  # (B, K, S, D)
-        mask = (
-            ctx.mask if ctx.mask is None or ctx.mask.dtype == torch.bool else ctx.mask.to(q.dtype)
-        )
-        y = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=mask,
-            is_causal=ctx.is_causal,
-            scale=self.scale,
-            enable_gqa=self.n_kv_heads != self.n_heads,
-        )  # (B, H, T, D)
+        y = self._attend(q, k, v, ctx)  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
         if self.gate_proj is not None:
             y = y * torch.sigmoid(self.gate_proj(x))
         return self.o_proj(y)
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext) -> Tensor:
+        """SDPA over q (B, H, T, D) and k, v (B, K, S, D)."""
+        mask = ctx.mask
+        grouped = self.n_kv_heads != self.n_heads
+        if mask is not None and grouped:
+            # SDPA's GQA support covers only the flash/math kernels, and flash takes no mask: with a
+            # mask, give the memory-efficient kernel per-head k/v rather than fall back to math.
+            k = k.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)
+            v = v.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)
+            grouped = False
+        if mask is not None and mask.dtype != torch.bool:
+            mask = mask.to(q.dtype)  # ALiBi bias in the compute dtype
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=ctx.is_causal, scale=self.scale, enable_gqa=grouped
+        )
 
     def init_weights(self, stds: InitStds) -> None:
         init_linear(self.q_proj, stds.inner)
@@ -90,4 +95,7 @@ class Attention(nn.Module):
         self, batch: int, capacity: int, dtype: torch.dtype, device: torch.device
     ) -> KVCache:
         shape = (batch, self.n_kv_heads, capacity, self.head_dim)
-        return KVCache(zeros(*shape, like=(dtype, device)), zeros(*shape, like=(dtype, device)))
+        return KVCache(
+            torch.zeros(shape, dtype=dtype, device=device),
+            torch.zeros(shape, dtype=dtype, device=device),
+        )

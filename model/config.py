@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from model.errors import ConfigError
 from model.registry import (
     ATTENTIONS,
     FFNS,
@@ -25,10 +26,6 @@ from model.registry import (
 )
 
 DEPTH_SCALINGS = ("none", "total", "layer")
-
-
-class ConfigError(ValueError):
-    """A configuration value breaks a rule; the message names the key and the fix."""
 
 
 def _require(ok: bool, message: str) -> None:
@@ -89,7 +86,10 @@ class RopeConfig:
             f"model.rope.high_freq_factor={self.high_freq_factor} must exceed "
             f"model.rope.low_freq_factor={self.low_freq_factor}",
         )
-        _require(self.original_max_seq_len >= 0, "model.rope.original_max_seq_len must be >= 0")
+        _require(
+            self.original_max_seq_len >= 0,
+            f"model.rope.original_max_seq_len={self.original_max_seq_len} must be >= 0 (0 = max_seq_len)",
+        )
 
 
 @dataclass(kw_only=True)
@@ -106,7 +106,10 @@ class MLAConfig:
         for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
             value = getattr(self, name)
             _require(value > 0, f"model.attention.mla.{name}={value} must be > 0")
-        _require(self.q_lora_rank >= 0, "model.attention.mla.q_lora_rank must be >= 0")
+        _require(
+            self.q_lora_rank >= 0,
+            f"model.attention.mla.q_lora_rank={self.q_lora_rank} must be >= 0 (0 = full-rank queries)",
+        )
         _require(
             self.qk_rope_head_dim % 2 == 0,
             f"model.attention.mla.qk_rope_head_dim={self.qk_rope_head_dim} must be even (RoPE rotates pairs)",
@@ -121,10 +124,8 @@ class AttentionConfig:
     n_heads: int = 8  # query heads
     n_kv_heads: int = 0  # key/value heads for gqa; 0 = n_heads (MHA)
     head_dim: int = 0  # per-head dims for gqa; 0 = d_model / n_heads
-    qk_norm: bool = False  # RMSNorm over each query/key head before RoPE (Qwen3, OLMo2-style)
-    output_gate: bool = (
-        False  # elementwise sigmoid gate on the attention output, from the block input
-    )
+    qk_norm: bool = False  # RMSNorm over each query/key head's dims before RoPE (Qwen3)
+    output_gate: bool = False  # elementwise sigmoid gate on the attention output, from the input
     sliding_window: int = (
         0  # attend to at most this many most recent tokens (self included); 0 = all
     )
@@ -137,9 +138,13 @@ class AttentionConfig:
         _require(self.n_heads > 0, f"model.attention.n_heads={self.n_heads} must be > 0")
         _require(self.n_kv_heads >= 0, f"model.attention.n_kv_heads={self.n_kv_heads} must be >= 0")
         _require(self.head_dim >= 0, f"model.attention.head_dim={self.head_dim} must be >= 0")
-        _require(self.sliding_window >= 0, "model.attention.sliding_window must be >= 0 (0 = off)")
         _require(
-            self.softmax_scale >= 0, "model.attention.softmax_scale must be >= 0 (0 = default)"
+            self.sliding_window >= 0,
+            f"model.attention.sliding_window={self.sliding_window} must be >= 0 (0 = off)",
+        )
+        _require(
+            self.softmax_scale >= 0,
+            f"model.attention.softmax_scale={self.softmax_scale} must be >= 0 (0 = 1/sqrt(head dim))",
         )
         kv = self.n_kv_heads or self.n_heads
         _require(
@@ -178,9 +183,8 @@ class InitConfig:
     """Weight initialization (truncated normal at +-3 std)."""
 
     std: float = 0.02  # std of embeddings, input projections and the output head
-    depth_scaling: str = (
-        "total"  # output projections: none | total: std/sqrt(2L) | layer: std/sqrt(2(l+1))
-    )
+    # output projections: none | total: std/sqrt(2L) | layer: std/sqrt(2(l+1)); DeepNorm uses beta instead
+    depth_scaling: str = "total"
 
     def __post_init__(self) -> None:
         _require(self.std > 0, f"model.init.std={self.std} must be > 0")
@@ -221,7 +225,8 @@ class ModelConfig:
         _require(self.vocab_size >= 0, f"model.vocab_size={self.vocab_size} must be >= 0")
         _require(self.norm_eps > 0, f"model.norm_eps={self.norm_eps} must be > 0")
         _require(
-            self.loss_chunk_tokens >= 0, "model.loss_chunk_tokens must be >= 0 (0 = unchunked)"
+            self.loss_chunk_tokens >= 0,
+            f"model.loss_chunk_tokens={self.loss_chunk_tokens} must be >= 0 (0 = unchunked)",
         )
         _check_choice("model.norm", self.norm, NORMS)
         _check_choice("model.residual", self.residual, RESIDUALS)
@@ -255,6 +260,12 @@ class ModelConfig:
                 exact == int(exact) and int(exact) % 2 == 0 and exact > 0,
                 f"RoPE rotates pairs of dims: model.attention.head_dim={self.head_dim} x "
                 f"model.rope.fraction={self.rope.fraction} = {exact:g} must be a positive even integer",
+            )
+        if self.position == "rope" and self.rope.scaling in ("ntk", "dynamic_ntk"):
+            _require(
+                self.rotary_dim > 2,
+                f"model.rope.scaling={self.rope.scaling!r} needs more than 2 rotary dims per head "
+                f"(the base exponent is R/(R-2)); model.attention.head_dim x model.rope.fraction = {self.rotary_dim}",
             )
 
     # ---- derived sizes -------------------------------------------------------------------------

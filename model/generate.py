@@ -44,7 +44,7 @@ def generate(
         return prompt
     B, T0 = prompt.shape
     cache = model.new_cache(B, T0 + max_new_tokens)
-    logits = model(prompt, cache=cache)[:, -1]  # prefill
+    logits = model.last_logits(prompt, cache=cache)  # prefill
     out, done = [prompt], torch.zeros(B, dtype=torch.bool, device=prompt.device)
     for step in range(max_new_tokens):
         token = sample_next(logits, temperature, top_k, generator)
@@ -54,5 +54,5 @@ def generate(
         out.append(token[:, None])
         if step + 1 == max_new_tokens or (eos_id is not None and bool(done.all())):
             break
-        logits = model(token[:, None], cache=cache)[:, -1]  # decode
+        logits = model.last_logits(token[:, None], cache=cache)  # decode
     return torch.cat(out, dim=1)

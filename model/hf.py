@@ -65,6 +65,8 @@ ROPE_FIELDS = {  # our RopeConfig field -> HF rope_scaling key, per scaling kind
     },
 }
 
+IGNORABLE_ROPE_KEYS = {"partial_rotary_factor": 1.0, "truncate": True}  # HF keys at their defaults
+
 # our parameter name pattern -> HF name template (the layer index is group 1)
 _TO_HF = [
     (r"embed\.weight", "model.embed_tokens.weight"),
@@ -100,49 +102,66 @@ def _rename(name: str, table: list[tuple[str, str]]) -> str | None:
 # ---- config ---------------------------------------------------------------------------------------
 
 
-def hf_architecture(cfg: ModelConfig) -> str:
-    """ "llama" or "qwen3"; raises ConfigError naming the first option that HF cannot express."""
-    unsupported = [
+def _unsupported_option(cfg: ModelConfig) -> str | None:
+    """The first option that Llama/Qwen3 cannot express, as `key=value (why)`, or None."""
+    att, rope = cfg.attention, cfg.rope
+    if att.kind != "gqa":
+        return f"attention.kind={att.kind!r} (MLA export comes with DeepSeek-V3 MoE support)"
+    checks = [
+        (cfg.position != "rope", lambda: f"position={cfg.position!r} (Llama/Qwen3 use RoPE)"),
+        (cfg.residual != "pre", lambda: f"residual={cfg.residual!r} (Llama/Qwen3 are pre-norm)"),
+        (cfg.norm != "rms", lambda: f"norm={cfg.norm!r} (Llama/Qwen3 use RMSNorm)"),
+        (cfg.ffn.kind != "swiglu", lambda: f"ffn.kind={cfg.ffn.kind!r} (Llama/Qwen3 use SwiGLU)"),
+        (att.output_gate, lambda: "attention.output_gate=true"),
+        (att.sliding_window > 0, lambda: f"attention.sliding_window={att.sliding_window}"),
         (
-            cfg.attention.kind != "gqa",
-            f"attention.kind={cfg.attention.kind!r} (MLA export comes with DeepSeek-V3 MoE support)",
+            att.softmax_scale > 0,
+            lambda: f"attention.softmax_scale={att.softmax_scale} (HF uses head_dim^-0.5)",
         ),
-        (cfg.position != "rope", f"position={cfg.position!r} (Llama/Qwen3 use RoPE)"),
-        (cfg.residual != "pre", f"residual={cfg.residual!r} (Llama/Qwen3 are pre-norm)"),
-        (cfg.norm != "rms", f"norm={cfg.norm!r} (Llama/Qwen3 use RMSNorm)"),
-        (cfg.ffn.kind != "swiglu", f"ffn.kind={cfg.ffn.kind!r} (Llama/Qwen3 use SwiGLU)"),
-        (cfg.attention.output_gate, "attention.output_gate=true"),
+        (rope.fraction != 1.0, lambda: f"rope.fraction={rope.fraction} (partial rotary)"),
         (
-            cfg.attention.sliding_window > 0,
-            f"attention.sliding_window={cfg.attention.sliding_window}",
+            rope.scaling == "ntk",
+            lambda: (
+                "rope.scaling='ntk' (static NTK is plain RoPE with rope.theta="
+                f"{rope.theta * rope.factor ** (cfg.rotary_dim / (cfg.rotary_dim - 2)):g}; set that and no scaling)"
+            ),
         ),
         (
-            cfg.attention.softmax_scale > 0,
-            f"attention.softmax_scale={cfg.attention.softmax_scale} (HF uses head_dim^-0.5)",
-        ),
-        (cfg.rope.fraction != 1.0, f"rope.fraction={cfg.rope.fraction} (partial rotary)"),
-        (
-            cfg.rope.scaling not in ROPE_TYPES,
-            f"rope.scaling={cfg.rope.scaling!r} (for static NTK use rope.theta={cfg.rope.theta * cfg.rope.factor ** (cfg.rotary_dim / (cfg.rotary_dim - 2)):g} and no scaling)",
+            rope.scaling == "yarn" and rope.mscale_all_dim > 0,
+            lambda: (
+                f"rope.mscale_all_dim={rope.mscale_all_dim} (Llama/Qwen3 YaRN scales only cos/sin)"
+            ),
         ),
         (
-            cfg.attention.qk_norm and cfg.ffn.bias,
-            "ffn.bias=true with attention.qk_norm (Qwen3 has no MLP bias)",
+            att.qk_norm and cfg.ffn.bias,
+            lambda: "ffn.bias=true with attention.qk_norm (Qwen3 has no MLP bias)",
         ),
     ]
-    for bad, option in unsupported:
-        if bad:
-            raise ConfigError(
-                f"cannot export to Hugging Face: model.{option} has no Llama/Qwen3 equivalent"
-            )
+    return next((describe() for bad, describe in checks if bad), None)
+
+
+def hf_architecture(cfg: ModelConfig) -> str:
+    """ "llama" or "qwen3"; raises ConfigError naming the first option that HF cannot express."""
+    option = _unsupported_option(cfg)
+    if option is not None:
+        raise ConfigError(
+            f"cannot export to Hugging Face: model.{option} has no Llama/Qwen3 equivalent"
+        )
     return "qwen3" if cfg.attention.qk_norm else "llama"
+
+
+def _hf_max_positions(cfg: ModelConfig) -> int:
+    """HF's max_position_embeddings: dynamic NTK reads it as the original length, and transformers
+    4.x derives YaRN's factor from it (max_position_embeddings / original), so write factor x original."""
+    if cfg.rope.scaling == "dynamic_ntk":
+        return cfg.rope_original_max_seq_len
+    if cfg.rope.scaling == "yarn":
+        return round(cfg.rope.factor * cfg.rope_original_max_seq_len)
+    return cfg.max_seq_len
 
 
 def hf_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     arch = hf_architecture(cfg)
-    max_positions = (
-        cfg.rope_original_max_seq_len if cfg.rope.scaling == "dynamic_ntk" else cfg.max_seq_len
-    )
     out: dict[str, Any] = {
         "architectures": ["Qwen3ForCausalLM" if arch == "qwen3" else "LlamaForCausalLM"],
         "model_type": arch,
@@ -154,7 +173,7 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[str,
         "num_key_value_heads": cfg.n_kv_heads,
         "head_dim": cfg.head_dim,
         "hidden_act": "silu",
-        "max_position_embeddings": max_positions,
+        "max_position_embeddings": _hf_max_positions(cfg),
         "rms_norm_eps": cfg.norm_eps,
         "tie_word_embeddings": cfg.tie_embeddings,
         "attention_bias": cfg.attention.bias,
@@ -185,6 +204,14 @@ def config_from_hf(hf: dict[str, Any], rope_pairing: str = "half") -> ModelConfi
     if arch not in ("llama", "qwen3"):
         raise ConfigError(
             f"model_type={arch!r} is not supported for import; supported: llama, qwen3"
+        )
+    if hf.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ConfigError(
+            f"partial_rotary_factor={hf['partial_rotary_factor']} is not supported for import"
+        )
+    if hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or []):
+        raise ConfigError(
+            "sliding-window layers (use_sliding_window / layer_types) are not supported for import"
         )
     if hf.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"hidden_act={hf['hidden_act']!r} is not supported (SwiGLU needs silu)")
@@ -221,12 +248,17 @@ def _rope_from_hf(hf: dict[str, Any], pairing: str) -> tuple[RopeConfig, int]:
         raise ConfigError(
             f"rope_type={kind!r} is not supported; supported: {', '.join(ROPE_TYPES.values())}"
         )
-    params.pop("partial_rotary_factor", None)
+    mapped = ROPE_FIELDS.get(scaling, {})
     fields = {
-        ours: params[theirs]
-        for ours, theirs in ROPE_FIELDS.get(scaling, {}).items()
+        ours: params.pop(theirs)
+        for ours, theirs in mapped.items()
         if params.get(theirs) is not None
     }
+    for key, value in params.items():  # anything left must be at its default, or we would drop it
+        if value is not None and IGNORABLE_ROPE_KEYS.get(key, object()) != value:
+            raise ConfigError(
+                f"rope parameter {key}={value!r} (rope_type={kind!r}) is not supported for import"
+            )
     max_seq_len = hf["max_position_embeddings"]
     if scaling == "dynamic_ntk":  # HF's max_position_embeddings is the original length here
         fields["original_max_seq_len"] = max_seq_len

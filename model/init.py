@@ -19,15 +19,20 @@ class InitStds:
     out: float  # attention output and FFN down projections (depth-scaled; DeepNorm: times beta)
 
 
-def block_init_stds(init: InitConfig, n_layers: int, layer_id: int, gain: float) -> InitStds:
-    """Stds for block `layer_id`; `gain` is the residual style's value/output gain (DeepNorm beta)."""
+def block_init_stds(
+    init: InitConfig, n_layers: int, layer_id: int, gain: float | None = None
+) -> InitStds:
+    """Stds for block `layer_id`. `gain` (DeepNorm's beta) is itself a depth scaling: with it,
+    value/FFN/output projections get std x gain and init.depth_scaling is not applied on top."""
+    if gain is not None:
+        return InitStds(inner=init.std, value=init.std * gain, out=init.std * gain)
     if init.depth_scaling == "total":
         out = init.std / math.sqrt(2 * n_layers)
     elif init.depth_scaling == "layer":
         out = init.std / math.sqrt(2 * (layer_id + 1))
     else:
         out = init.std
-    return InitStds(inner=init.std, value=init.std * gain, out=out * gain)
+    return InitStds(inner=init.std, value=init.std, out=out)
 
 
 def trunc_normal_(weight: Tensor, std: float) -> None:

@@ -6,8 +6,9 @@
     python -m model.inspect model=llama3_70b model.attention.n_kv_heads=64 dp_shard=64 format=json
 
 Options: model=<preset>[,<preset>...], model.<key>=<value> (any ModelConfig field), seq_len=<T>
-(default: each model's max_seq_len), dtype=bf16|fp32|fp8 (KV cache and weights), dp_shard=<N>
-(FSDP ranks the training state is sharded over), format=table|json. Models are built on the meta
+(default: each model's max_seq_len), dtype=bf16|fp32|fp8 (the KV cache), param_dtype=fp32|bf16
+(training weights: fp32, or bf16 with an fp32 master copy), dp_shard=<N> (FSDP ranks the training
+state is sharded over), format=table|json. Models are built on the meta
 device, so the largest presets cost no memory.
 """
 
@@ -35,7 +36,8 @@ class InspectArgs:
     presets: list[str] = field(default_factory=lambda: ["tiny"])
     model_overrides: dict[str, Any] = field(default_factory=dict)
     seq_len: int = 0  # 0 = each model's max_seq_len
-    dtype: str = "bf16"
+    dtype: str = "bf16"  # KV cache
+    param_dtype: str = "fp32"  # training weights (bf16 adds an fp32 master copy)
     dp_shard: int = 1
     format: str = "table"
 
@@ -53,29 +55,35 @@ def parse_args(argv: list[str]) -> InspectArgs:
         elif key.startswith("model."):
             args.model_overrides[key.removeprefix("model.")] = parse_value(text)
         elif key in ("seq_len", "dp_shard"):
-            setattr(args, key, int(text))
-        elif key in ("dtype", "format"):
+            try:
+                setattr(args, key, int(text))
+            except ValueError:
+                raise ConfigError(f"{key}={text!r} must be an integer") from None
+        elif key in ("dtype", "param_dtype", "format"):
             setattr(args, key, text)
         else:
             raise ConfigError(
-                f"unknown option {key!r}; options: model, model.<key>, seq_len, dtype, dp_shard, format"
+                f"unknown option {key!r}; options: model, model.<key>, seq_len, dtype, param_dtype, "
+                "dp_shard, format"
             )
     if args.dtype not in DTYPE_BYTES:
         raise ConfigError(f"dtype={args.dtype!r}; choose one of: {', '.join(DTYPE_BYTES)}")
+    if args.param_dtype not in ("fp32", "bf16"):
+        raise ConfigError(f"param_dtype={args.param_dtype!r}; choose fp32 or bf16")
     if args.format not in ("table", "json"):
         raise ConfigError(f"format={args.format!r}; choose table or json")
     if args.dp_shard < 1 or args.seq_len < 0:
-        raise ConfigError("dp_shard must be >= 1 and seq_len >= 0")
+        raise ConfigError(f"dp_shard={args.dp_shard} must be >= 1 and seq_len={args.seq_len} >= 0")
     return args
 
 
-def describe(cfg: ModelConfig, seq_len: int, dtype: str, dp_shard: int) -> dict[str, Any]:
+def describe(cfg: ModelConfig, seq_len: int, args: InspectArgs) -> dict[str, Any]:
     """Every number the table shows, as raw values (also the JSON output)."""
     model = build_model(cfg, device="meta")
     params = param_counts(model)
     flops = training_flops_per_token(model, seq_len)
-    kv = kv_cache_size(model, dtype)
-    memory = training_memory(params.total, "fp32" if dtype == "fp32" else "bf16", dp_shard)
+    kv = kv_cache_size(model, args.dtype)
+    memory = training_memory(params.total, args.param_dtype, args.dp_shard)
     att = cfg.attention
     heads = (
         f"{att.n_heads}q / {cfg.n_kv_heads}kv x {cfg.head_dim}"
@@ -110,8 +118,9 @@ def describe(cfg: ModelConfig, seq_len: int, dtype: str, dp_shard: int) -> dict[
         "kv_reduction_vs_mha": kv.reduction,
         "train_state_bytes": memory.total,
         "train_state_bytes_per_device": memory.per_device,
-        "dtype": dtype,
-        "dp_shard": dp_shard,
+        "kv_dtype": args.dtype,
+        "param_dtype": args.param_dtype,
+        "dp_shard": args.dp_shard,
     }
 
 
@@ -184,7 +193,9 @@ def render_table(results: dict[str, dict[str, Any]], args: InspectArgs) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"Model inspection (dtype {args.dtype}, dp_shard {args.dp_shard})")
+    table = Table(
+        title=f"Model inspection (KV cache {args.dtype}, weights {args.param_dtype}, dp_shard {args.dp_shard})"
+    )
     table.add_column("")
     table.add_column("")
     for name in results:
@@ -214,9 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         results = {}
         for name in args.presets:
             cfg = load_preset(name, args.model_overrides)
-            results[name] = describe(
-                cfg, args.seq_len or cfg.max_seq_len, args.dtype, args.dp_shard
-            )
+            results[name] = describe(cfg, args.seq_len or cfg.max_seq_len, args)
     except (ConfigError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

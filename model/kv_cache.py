@@ -8,7 +8,6 @@ Shapes: B batch, Tmax cache capacity, K kv heads, D head dims, R MLA latent widt
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor, nn
 
 
@@ -58,8 +57,3 @@ class Cache(nn.Module):
 
     def nbytes(self) -> int:
         return sum(buf.numel() * buf.element_size() for buf in self.buffers())
-
-
-def zeros(*shape: int, like: tuple[torch.dtype, torch.device]) -> Tensor:
-    dtype, device = like
-    return torch.zeros(*shape, dtype=dtype, device=device)

@@ -17,21 +17,25 @@ from torch import Tensor
 @dataclass
 class AttentionContext:
     positions: Tensor  # (B, T) position of each new token (within its document if doc_ids given)
-    rope: tuple[Tensor, Tensor] | None  # cos, sin (B, T, R/2), or None without RoPE
+    rope: Tensor | None  # (B, T, R/2) complex64 rotations, or None without RoPE
     mask: Tensor | None  # see the module docstring
     is_causal: bool  # pass SDPA's is_causal (only when mask is None and there is no cache offset)
     start: int  # tokens already cached before this call
 
 
-def positions_in_documents(doc_ids: Tensor) -> Tensor:
-    """Index of each token inside its document: (B, T) doc ids -> (B, T) positions from 0.
-
-    A document is a run of equal consecutive ids (packed sequences, as the data loader emits them).
-    """
-    B, T = doc_ids.shape
-    index = torch.arange(T, device=doc_ids.device).expand(B, T)
+def document_starts(doc_ids: Tensor) -> Tensor:
+    """(B, T) bool, True where a document begins: a document is a run of equal consecutive ids
+    (as the loader packs them), so an id that reappears later starts a new document."""
     starts = torch.ones_like(doc_ids, dtype=torch.bool)
     starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    return starts
+
+
+def positions_in_documents(doc_ids: Tensor) -> Tensor:
+    """Index of each token inside its document: (B, T) doc ids -> (B, T) positions from 0."""
+    B, T = doc_ids.shape
+    index = torch.arange(T, device=doc_ids.device).expand(B, T)
+    starts = document_starts(doc_ids)
     first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
     return index - first
 
@@ -62,7 +66,8 @@ def build_mask(
     if doc_ids is not None:
         if start:
             raise ValueError("doc_ids cannot be combined with a KV cache offset (generation)")
-        same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]  # (B, T, S)
+        runs = document_starts(doc_ids).cumsum(dim=1)  # (B, T) document number within the row
+        same_doc = runs[:, :, None] == runs[:, None, :]  # (B, T, S)
         allowed = allowed & same_doc[:, None]
     if alibi_slopes is None:
         return allowed, False

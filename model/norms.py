@@ -77,7 +77,10 @@ Sublayer = Callable[[Tensor], Tensor]
 
 
 class Residual:
-    """How a block combines its input with one sublayer; `init_gain` scales value/out/FFN init."""
+    """How a block combines its input with one sublayer.
+
+    `init_gain` (DeepNorm's beta, None otherwise) replaces the configured depth scaling: value, FFN
+    and output projections are initialized with std x gain."""
 
     final_norm = True  # whether the model needs a norm after the last block
 
@@ -85,8 +88,8 @@ class Residual:
         self.n_layers = n_layers
 
     @property
-    def init_gain(self) -> float:
-        return 1.0
+    def init_gain(self) -> float | None:
+        return None
 
     def __call__(self, x: Tensor, sublayer: Sublayer, norm: nn.Module) -> Tensor:
         raise NotImplementedError

@@ -1,7 +1,7 @@
 """Position encodings (registry POSITIONS), one module per kind, all with the same three hooks:
 
   additive(positions)        (B, T, C) added to the token embeddings, or None   (sinusoidal, learned)
-  rotary(positions, length)  (cos, sin), each (B, T, R/2), for q/k, or None      (rope)
+  rotary(positions, length)  (B, T, R/2) complex rotations for q/k, or None       (rope)
   alibi_slopes()             (H,) per-head slopes of the linear distance bias, or None   (alibi)
 
 positions (B, T) are each token's index (within its document when documents are packed); `length`
@@ -18,17 +18,17 @@ from torch import Tensor, nn
 from model.config import ModelConfig
 from model.init import trunc_normal_
 from model.registry import POSITIONS
-from model.rope import rope_angles, rope_frequencies
+from model.rope import rope_frequencies, rope_rotations
 
 
 class PositionEncoding(nn.Module):
     def additive(self, positions: Tensor) -> Tensor | None:
         return None
 
-    def rotary(self, positions: Tensor, length: int) -> tuple[Tensor, Tensor] | None:
+    def rotary(self, positions: Tensor, length: int) -> Tensor | None:
         return None
 
-    def alibi_slopes(self) -> Tensor | None:
+    def alibi_slopes(self, device: torch.device | None = None) -> Tensor | None:
         return None
 
     def init_weights(self, std: float) -> None:
@@ -56,8 +56,8 @@ class Rotary(PositionEncoding):
         _, self.factor = rope_frequencies(self.cfg, self.rotary_dim, self.original, self.original)
         self._inv_freq: dict[torch.device, Tensor] = {}
 
-    def rotary(self, positions: Tensor, length: int) -> tuple[Tensor, Tensor]:
-        return rope_angles(positions, self.inv_freq(positions.device, length), self.factor)
+    def rotary(self, positions: Tensor, length: int) -> Tensor:
+        return rope_rotations(positions, self.inv_freq(positions.device, length), self.factor)
 
     def inv_freq(self, device: torch.device, length: int) -> Tensor:
         """(R/2,) fp32 on `device`; dynamic NTK recomputes it for lengths beyond the original."""
@@ -90,9 +90,13 @@ class ALiBi(PositionEncoding):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_heads = cfg.attention.n_heads
+        self._slopes: dict[torch.device, Tensor] = {}  # per device: no host-to-device copy per step
 
-    def alibi_slopes(self) -> Tensor:
-        return alibi_slopes(self.n_heads)
+    def alibi_slopes(self, device: torch.device | None = None) -> Tensor:
+        device = torch.device(device or "cpu")
+        if device not in self._slopes:
+            self._slopes[device] = alibi_slopes(self.n_heads).to(device)
+        return self._slopes[device]
 
 
 @POSITIONS.register("sinusoidal")

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
+from model.errors import ConfigError
+
 T = TypeVar("T")
 
 
@@ -26,7 +28,7 @@ class Registry(Generic[T]):
 
     def get(self, name: str) -> T:
         if name not in self._entries:
-            raise KeyError(
+            raise ConfigError(
                 f"unknown {self.what} {name!r}; choose one of: {', '.join(self.names())}"
             )
         return self._entries[name]

@@ -1,7 +1,9 @@
 """Rotary position embedding: frequency ladders with context-extension variants, and the two pairings.
 
-Shapes: positions (B, T) int; inv_freq (R/2,); cos, sin (B, T, R/2); x (B, T, H, D) with R <= D the
-rotary dims (partial rotary rotates the first R dims of each head and passes the rest through).
+Shapes: positions (B, T) int; inv_freq (R/2,); rot (B, T, R/2) complex64 = factor * e^(i pos inv_freq);
+x (B, T, H, D) with R <= D the rotary dims (partial rotary rotates the first R dims of each head and
+passes the rest through). The rotations travel as one complex tensor, not as float cos/sin, so that
+FSDP2's mixed-precision input casting (which casts floating tensors to bf16) leaves them in fp32.
 
 Pairings. RoPE rotates 2-D pairs of dims, pair i by angle pos * inv_freq[i]:
   interleaved: pair i = dims (2i, 2i+1)      Meta's original Llama, GPT-J, DeepSeek's reference code
@@ -128,13 +130,19 @@ def rope_frequencies(
     return ROPE_SCALINGS.get(cfg.scaling)(cfg, rotary_dim, original, length)
 
 
-def rope_angles(positions: Tensor, inv_freq: Tensor, factor: float) -> tuple[Tensor, Tensor]:
-    """cos, sin of positions * inv_freq, times the attention factor: (B, T, R/2) each, fp32."""
+def rope_rotations(positions: Tensor, inv_freq: Tensor, factor: float) -> Tensor:
+    """factor * (cos + i sin) of positions * inv_freq: (B, T, R/2) complex64."""
     angles = positions.float()[..., None] * inv_freq.float()
-    return angles.cos() * factor, angles.sin() * factor
+    return torch.polar(torch.full_like(angles, factor), angles)
 
 
-# ---- applying the rotation (registry ROPE_PAIRINGS): x (B, T, H, D), cos/sin (B, T, R/2) -------------
+def cos_sin(rot: Tensor) -> tuple[Tensor, Tensor]:
+    """(B, T, R/2) complex -> cos, sin each (B, T, 1, R/2) fp32, broadcast over heads."""
+    parts = torch.view_as_real(rot)[:, :, None]  # (B, T, 1, R/2, 2)
+    return parts[..., 0], parts[..., 1]
+
+
+# ---- applying the rotation (registry ROPE_PAIRINGS): x (B, T, H, D), rot (B, T, R/2) complex -------
 
 
 def _rotate(x1: Tensor, x2: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
@@ -142,20 +150,20 @@ def _rotate(x1: Tensor, x2: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, T
 
 
 @ROPE_PAIRINGS.register("half")
-def apply_rope_half(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    r = 2 * cos.shape[-1]
-    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
-    rot, rest = x[..., :r].float(), x[..., r:]
-    a, b = _rotate(rot[..., : r // 2], rot[..., r // 2 :], cos, sin)
+def apply_rope_half(x: Tensor, rot: Tensor) -> Tensor:
+    r = 2 * rot.shape[-1]
+    cos, sin = cos_sin(rot)
+    part, rest = x[..., :r].float(), x[..., r:]
+    a, b = _rotate(part[..., : r // 2], part[..., r // 2 :], cos, sin)
     return torch.cat([a.to(x.dtype), b.to(x.dtype), rest], dim=-1)
 
 
 @ROPE_PAIRINGS.register("interleaved")
-def apply_rope_interleaved(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    r = 2 * cos.shape[-1]
-    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
-    rot, rest = x[..., :r].float(), x[..., r:]
-    a, b = _rotate(rot[..., 0::2], rot[..., 1::2], cos, sin)
+def apply_rope_interleaved(x: Tensor, rot: Tensor) -> Tensor:
+    r = 2 * rot.shape[-1]
+    cos, sin = cos_sin(rot)
+    part, rest = x[..., :r].float(), x[..., r:]
+    a, b = _rotate(part[..., 0::2], part[..., 1::2], cos, sin)
     return torch.cat([torch.stack([a, b], dim=-1).flatten(-2).to(x.dtype), rest], dim=-1)
 
 

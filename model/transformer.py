@@ -86,6 +86,11 @@ class Transformer(nn.Module):
             return F.linear(h, self.head_weight)
         return chunked_cross_entropy(h, self.head_weight, targets, self.cfg.loss_chunk_tokens)
 
+    def last_logits(self, tokens: Tensor, *, cache: Cache | None = None) -> Tensor:
+        """(B, V) logits of the last position only: what sampling needs, without (B, T, V)."""
+        h = self.hidden_states(tokens, cache=cache)[:, -1]
+        return F.linear(h, self.head_weight)
+
     def hidden_states(
         self, tokens: Tensor, *, doc_ids: Tensor | None = None, cache: Cache | None = None
     ) -> Tensor:
@@ -120,7 +125,7 @@ class Transformer(nn.Module):
             start,
             window=self.cfg.attention.sliding_window,
             doc_ids=doc_ids,
-            alibi_slopes=self.pos.alibi_slopes(),
+            alibi_slopes=self.pos.alibi_slopes(positions.device),
             device=positions.device,
             dtype=dtype,
         )

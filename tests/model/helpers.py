@@ -114,7 +114,8 @@ def ref_rope(
 
 
 def ref_allowed(T: int, start: int = 0, window: int = 0, doc_ids: Tensor | None = None) -> Tensor:
-    """(B|1, T, S) bool: key j visible from query i, by explicit loops over (i, j)."""
+    """(B|1, T, S) bool: key j visible from query i, by explicit loops over (i, j).
+    A document is a run of equal consecutive ids: j and i share one when every id between is equal."""
     S = start + T
     B = 1 if doc_ids is None else doc_ids.shape[0]
     allowed = torch.zeros(B, T, S, dtype=torch.bool)
@@ -124,7 +125,7 @@ def ref_allowed(T: int, start: int = 0, window: int = 0, doc_ids: Tensor | None 
             for j in range(S):
                 ok = j <= i and (window == 0 or i - j < window)
                 if doc_ids is not None:
-                    ok = ok and bool(doc_ids[b, i] == doc_ids[b, j])
+                    ok = ok and bool((doc_ids[b, j : i + 1] == doc_ids[b, i]).all())
                 allowed[b, t, j] = ok
     return allowed
 

@@ -326,6 +326,17 @@ def test_documents_are_isolated(position, window):
     assert (unmasked[:, d2] - unmasked_ref[:, d2]).abs().max() > 1e-3
 
 
+def test_a_reused_document_id_starts_a_new_document():
+    """Loaders may reuse ids (e.g. per-row 0/1 alternation): the third run [0, 0] must not see the
+    first run [0, 0], exactly as its positions restart at 0."""
+    model = tiny_model(tiny_config(attention={"n_kv_heads": 2}))
+    tokens = torch.randint(0, 61, (1, 6), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        packed = model(tokens, doc_ids=torch.tensor([[0, 0, 1, 1, 0, 0]]))
+        alone = model(tokens[:, 4:])
+    torch.testing.assert_close(packed[:, 4:], alone, atol=ATOL, rtol=RTOL)
+
+
 def test_documents_in_a_batch_with_different_boundaries():
     cfg = tiny_config(attention={"n_kv_heads": 2})
     model = tiny_model(cfg)

@@ -74,6 +74,14 @@ from trainer.config import CONF_DIR, register_configs
             "qk_norm=true is not supported with attention.kind='mla'",
         ),
         (lambda: ModelConfig(n_layers=0), "model.n_layers=0 must be > 0"),
+        (
+            lambda: ModelConfig(
+                d_model=8,
+                attention=AttentionConfig(n_heads=4),
+                rope=RopeConfig(scaling="ntk", factor=2.0),
+            ),
+            "model.rope.scaling='ntk' needs more than 2 rotary dims",
+        ),
     ],
 )
 def test_bad_configs_fail_at_construction_naming_the_field(make, message):

@@ -157,6 +157,10 @@ def test_export_refuses_to_overwrite_and_leaves_no_partial_directory(tmp_path):
         ),
         (dict(rope=RopeConfig(fraction=0.5)), "rope.fraction=0.5"),
         (dict(rope=RopeConfig(scaling="ntk", factor=2.0)), "rope.scaling='ntk'"),
+        (
+            dict(rope=RopeConfig(scaling="yarn", factor=4.0, mscale=1.0, mscale_all_dim=1.0)),
+            "rope.mscale_all_dim=1.0",
+        ),
     ],
 )
 def test_unsupported_options_name_themselves(overrides, option, tmp_path):
@@ -170,6 +174,34 @@ def test_unsupported_options_name_themselves(overrides, option, tmp_path):
         save_hf(Transformer(cfg), tmp_path / "hf")
     assert option in str(err.value)
     assert not (tmp_path / "hf").exists()
+
+
+def test_two_rotary_dims_export_without_error(tmp_path):
+    cfg = ModelConfig(vocab_size=VOCAB, d_model=8, n_layers=1, attention=AttentionConfig(n_heads=4))
+    assert cfg.rotary_dim == 2
+    save_hf(Transformer(cfg), tmp_path / "hf")
+    assert load_hf(tmp_path / "hf").cfg.head_dim == 2
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
+        ({"use_sliding_window": True}, "sliding-window layers"),
+        (
+            {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "truncate": False}},
+            "rope parameter truncate=False",
+        ),
+        ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "rope_type='longrope'"),
+    ],
+)
+def test_import_refuses_settings_it_would_drop(change, message, tmp_path):
+    torch.manual_seed(4)
+    save_hf(Transformer(CASES["gqa_untied"]), tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(ConfigError, match=message):
+        load_hf(tmp_path / "hf")
 
 
 def test_import_errors_are_clear(tmp_path):

@@ -160,3 +160,13 @@ def test_exceeding_cache_capacity_raises(case):
         with pytest.raises(ValueError, match=r"5 are used and 1 more"):
             model(tokens[:, 5:], cache=cache)
         assert cache.length == 5
+
+
+@pytest.mark.parametrize("case", ["gqa", "mla_q_lora"])
+def test_last_logits_is_the_last_row_of_the_full_logits(case):
+    model = build(case)
+    tokens = torch.randint(0, 61, (2, 9), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model.last_logits(tokens), model(tokens)[:, -1], atol=ATOL, rtol=RTOL
+        )

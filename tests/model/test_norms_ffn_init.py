@@ -198,8 +198,9 @@ def stats_config(**overrides) -> ModelConfig:
     return tiny_config(**kw)
 
 
-def expected_stds(cfg: ModelConfig, gain: float = 1.0) -> dict[str, float]:
-    """Expected std of every weight matrix by role, written from the rules, before truncation."""
+def expected_stds(cfg: ModelConfig, gain: float | None = None) -> dict[str, float]:
+    """Expected std of every weight matrix by role, written from the rules, before truncation.
+    A DeepNorm gain replaces the depth scaling (DeepNet: beta is the depth-dependent factor)."""
     s, L = cfg.init.std, cfg.n_layers
     out = {"embed.weight": s, "head.weight": s, "pos.weight": s}
     for layer in range(L):
@@ -208,16 +209,18 @@ def expected_stds(cfg: ModelConfig, gain: float = 1.0) -> dict[str, float]:
             "total": 1 / math.sqrt(2 * L),
             "layer": 1 / math.sqrt(2 * (layer + 1)),
         }[cfg.init.depth_scaling]
+        if gain is not None:
+            depth = 1.0
         p = f"layers.{layer}."
         out |= {
             p + "attn.q_proj.weight": s,
             p + "attn.k_proj.weight": s,
             p + "attn.gate_proj.weight": s,
-            p + "attn.v_proj.weight": s * gain,
-            p + "attn.o_proj.weight": s * depth * gain,
-            p + "ffn.gate_proj.weight": s * gain,
-            p + "ffn.up_proj.weight": s * gain,
-            p + "ffn.down_proj.weight": s * depth * gain,
+            p + "attn.v_proj.weight": s * (gain or 1.0),
+            p + "attn.o_proj.weight": s * depth * (gain or 1.0),
+            p + "ffn.gate_proj.weight": s * (gain or 1.0),
+            p + "ffn.up_proj.weight": s * (gain or 1.0),
+            p + "ffn.down_proj.weight": s * depth * (gain or 1.0),
         }
     return out
 
@@ -262,7 +265,8 @@ def test_init_on_meta_then_materialize():
 
 
 def test_deepnorm_init_gain():
-    """DeepNorm scales v_proj, o_proj and FFN init by beta = (8L)^(-1/4); q/k/gate keep std."""
+    """DeepNorm initializes v_proj, o_proj and FFN weights with std x beta, beta = (8L)^(-1/4), in
+    place of the depth scaling of output projections; q/k keep std."""
     cfg = stats_config(residual="deepnorm")
     beta = (8 * cfg.n_layers) ** -0.25
     assert beta < 0.5  # far enough from 1 that STD_RTOL separates scaled from unscaled
@@ -271,14 +275,15 @@ def test_deepnorm_init_gain():
     torch.manual_seed(0)
     post = Transformer(stats_config(residual="post"))
     check_init_statistics(deep, expected_stds(cfg, gain=beta))
-    check_init_statistics(post, expected_stds(cfg, gain=1.0))
+    check_init_statistics(post, expected_stds(cfg))
+    depth = 1 / math.sqrt(2 * cfg.n_layers)  # post-norm keeps the configured "total" depth scaling
     for name in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj", "ffn.down_proj"):
         ratio = (
             deep.get_parameter(f"layers.2.{name}.weight").std()
             / post.get_parameter(f"layers.2.{name}.weight").std()
         )
-        scaled = name in ("attn.v_proj", "attn.o_proj", "ffn.down_proj")
-        assert abs(ratio.item() / (beta if scaled else 1.0) - 1) < STD_RTOL, name
+        expected = {"attn.v_proj": beta, "attn.o_proj": beta / depth, "ffn.down_proj": beta / depth}
+        assert abs(ratio.item() / expected.get(name, 1.0) - 1) < STD_RTOL, name
 
 
 def test_tied_embeddings():
@@ -299,3 +304,19 @@ def test_tied_embeddings():
     unseen = sorted(set(range(cfg.vocab_size)) - set(tokens.flatten().tolist()))[0]
     model(tokens).sum().backward()
     assert model.embed.weight.grad[unseen].abs().sum() > 0
+
+
+def test_mla_deepnorm_scales_value_rows_of_the_joint_kv_projection():
+    """kv_b_proj stacks [k_nope | v] rows per head: only the value rows take DeepNorm's beta."""
+    cfg = stats_config(
+        residual="deepnorm",
+        position="rope",
+        attention={"kind": "mla", "n_heads": 4, "qk_norm": False, "output_gate": False},
+        mla={"kv_lora_rank": 256, "qk_nope_head_dim": 64, "qk_rope_head_dim": 8, "v_head_dim": 64},
+    )
+    beta = (8 * cfg.n_layers) ** -0.25
+    weight = Transformer(cfg).layers["1"].attn.kv_b_proj.weight.view(4, 128, 256)
+    keys, values = weight[:, :64].std().item(), weight[:, 64:].std().item()
+    trunc = 0.98658  # std of a normal truncated at +-3 sigma, relative to sigma
+    assert abs(keys / (cfg.init.std * trunc) - 1) < STD_RTOL
+    assert abs(values / (cfg.init.std * beta * trunc) - 1) < STD_RTOL

@@ -15,8 +15,8 @@ from model.rope import (
     base_inv_freq,
     half_to_interleaved,
     interleaved_to_half,
-    rope_angles,
     rope_frequencies,
+    rope_rotations,
     softmax_multiplier,
     yarn_mscale,
 )
@@ -38,8 +38,8 @@ FREQ_RTOL = 1e-6
 def rotate(x: torch.Tensor, pos: int, rotary_dim: int, pairing: str, theta=10000.0):
     """Apply the module's RoPE to x (D,) at one position, as a (1, 1, 1, D) batch."""
     inv_freq = base_inv_freq(theta, rotary_dim)
-    cos, sin = rope_angles(torch.tensor([[pos]]), inv_freq, 1.0)
-    return ROPE_PAIRINGS.get(pairing)(x[None, None, None], cos, sin)[0, 0, 0]
+    rot = rope_rotations(torch.tensor([[pos]]), inv_freq, 1.0)
+    return ROPE_PAIRINGS.get(pairing)(x[None, None, None], rot)[0, 0, 0]
 
 
 # ---- rotation properties -----------------------------------------------------------------------
@@ -85,8 +85,8 @@ def test_rope_matches_reference_implementation(pairing, fraction):
     x = torch.randn(B, T, H, D, generator=g)
     positions = torch.randint(0, 500, (B, T), generator=g)
     inv_freq = base_inv_freq(500.0, R)
-    cos, sin = rope_angles(positions, inv_freq, 1.3)
-    got = ROPE_PAIRINGS.get(pairing)(x, cos, sin)
+    rot = rope_rotations(positions, inv_freq, 1.3)
+    got = ROPE_PAIRINGS.get(pairing)(x, rot)
     want = ref_rope(x, positions, ref_inv_freq(500.0, R), pairing, factor=1.3)
     # positions up to 500 rad: fp32 angle rounding ~ 500 * 6e-8 = 3e-5 rad
     torch.testing.assert_close(got, want, atol=2e-4, rtol=0)
@@ -109,22 +109,20 @@ def test_pairing_conversion_by_permutation(fraction):
     q = torch.randn(B, T, H, D, generator=g)
     k = torch.randn(B, T, H, D, generator=g)
     positions = torch.arange(T).expand(B, T) * 3
-    cos, sin = rope_angles(positions, base_inv_freq(10000.0, R), 1.0)
+    rot = rope_rotations(positions, base_inv_freq(10000.0, R), 1.0)
     half, inter = ROPE_PAIRINGS.get("half"), ROPE_PAIRINGS.get("interleaved")
     for x in (q, k):
         torch.testing.assert_close(
-            half(x[..., perm], cos, sin), inter(x, cos, sin)[..., perm], atol=ROT_TOL, rtol=0
+            half(x[..., perm], rot), inter(x, rot)[..., perm], atol=ROT_TOL, rtol=0
         )
         torch.testing.assert_close(
-            half(x[..., perm], cos, sin)[..., inv], inter(x, cos, sin), atol=ROT_TOL, rtol=0
+            half(x[..., perm], rot)[..., inv], inter(x, rot), atol=ROT_TOL, rtol=0
         )
     # the two pairings really differ without the permutation
-    assert not torch.allclose(half(q, cos, sin), inter(q, cos, sin), atol=1e-2)
+    assert not torch.allclose(half(q, rot), inter(q, rot), atol=1e-2)
     # and scores agree: q.k is invariant under the same permutation of both
-    s_inter = torch.einsum("bthd,bshd->bhts", inter(q, cos, sin), inter(k, cos, sin))
-    s_half = torch.einsum(
-        "bthd,bshd->bhts", half(q[..., perm], cos, sin), half(k[..., perm], cos, sin)
-    )
+    s_inter = torch.einsum("bthd,bshd->bhts", inter(q, rot), inter(k, rot))
+    s_half = torch.einsum("bthd,bshd->bhts", half(q[..., perm], rot), half(k[..., perm], rot))
     torch.testing.assert_close(s_half, s_inter, atol=1e-4, rtol=1e-5)
 
 
