@@ -82,14 +82,21 @@ class FlopsPerToken:
         return self.total / 3
 
 
+def score_width(model: Transformer) -> int:
+    """Sum over layers of H x (Dqk + Dv): the multiply-adds per (query, key) pair in the forward,
+    and also the elements per token an MHA cache (a key and a value per query head) would store."""
+    total = 0
+    for block in model.layers.values():
+        heads, qk_dim, v_dim = block.attn.score_dims()
+        total += heads * (qk_dim + v_dim)
+    return total
+
+
 def training_flops_per_token(model: Transformer, seq_len: int) -> FlopsPerToken:
     matmul = sum(matmul_params_per_token(block) for block in model.layers.values())
     matmul += model.head_weight.numel()  # the head is a matmul even when tied
     ctx = average_context(seq_len, model.cfg.attention.sliding_window)
-    attention = 0.0
-    for block in model.layers.values():
-        heads, qk_dim, v_dim = block.attn.score_dims()
-        attention += heads * (qk_dim + v_dim) * ctx
+    attention = score_width(model) * ctx
     return FlopsPerToken(matmul=6.0 * matmul, attention=6.0 * attention, seq_len=seq_len)
 
 
@@ -106,11 +113,7 @@ class KVCacheSize:
 def kv_cache_size(model: Transformer, dtype: str = "bf16") -> KVCacheSize:
     width = DTYPE_BYTES[dtype]
     ours = sum(block.attn.kv_cache_elements_per_token() for block in model.layers.values())
-    mha = 0
-    for block in model.layers.values():
-        heads, qk_dim, v_dim = block.attn.score_dims()
-        mha += heads * (qk_dim + v_dim)
-    return KVCacheSize(bytes_per_token=ours * width, mha_bytes_per_token=mha * width)
+    return KVCacheSize(bytes_per_token=ours * width, mha_bytes_per_token=score_width(model) * width)
 
 
 @dataclass(frozen=True)
