@@ -74,7 +74,7 @@ def prepare(cfg: PrepareConfig) -> Manifest:
     out.mkdir(parents=True, exist_ok=True)
     source = Source(cfg.source, _source_options(cfg))
     _claim(out, cfg)
-    if (out / MANIFEST).is_file() and not _forget_damaged_shards(out):
+    if (out / MANIFEST).is_file() and not _forget_damaged_shards(out, cfg.progress):
         log.info("%s is already prepared (all shards verified)", out)
         return Manifest.load(out)
     split = DocumentSplit(cfg.val_fraction, cfg.split_seed)
@@ -153,13 +153,15 @@ def _has_output(out: Path) -> bool:
     return (out / "tokenizer" / META_FILE).is_file() or any(True for _ in shard_records)
 
 
-def _forget_damaged_shards(out: Path) -> bool:
+def _forget_damaged_shards(out: Path, progress: bool) -> bool:
     """Verify every shard of a finished dataset; on damage, drop the manifest and the records
     from the first bad shard on, so the writer redoes exactly those. Returns True on damage."""
     manifest = Manifest.load(out)
     damaged = False
     for name, records in manifest.splits.items():
-        for k, rec in enumerate(tqdm(records, desc=f"verifying {name}", leave=False)):
+        for k, rec in enumerate(
+            tqdm(records, desc=f"verifying {name}", leave=False, disable=not progress)
+        ):
             problem = _shard_problem(out, rec)
             if problem:
                 log.warning("%s; rewriting %s shards from %d on", problem, name, k)

@@ -1,0 +1,218 @@
+"""Throughput of `data.prepare` (MB/s of UTF-8 text) vs tiktoken's own batch encoder.
+
+The corpus is the Python standard library's sources (the default `source=stdlib`), read as UTF-8
+with undecodable files skipped, as the pipeline does. For each tokenizer, in the same run and with
+the same number of cores:
+- raw: `encoding.encode_ordinary_batch(texts, num_threads=cores)` on the texts already in memory;
+- pipeline: `prepare(PrepareConfig(source="stdlib", out=<fresh dir>, tokenizer=..., workers=cores))`
+  end to end: reading the files, splitting, tokenizing in worker processes, writing the shards
+  and the manifest.
+The trained BPE (vocab 8192, rustbpe on the same corpus) is trained once before any timing and
+passed to `prepare` as a saved tokenizer directory, so no training is timed. The two
+measurements alternate and the best of `--repeats` counts. MB = 10**6 bytes of UTF-8 text.
+
+    python bench/prepare_throughput.py [--repeats 3] [--cores N] [--max-documents 0]
+Writes bench/results/prepare_throughput_cpu.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import json
+import logging
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from data.bpe import train_bpe
+from data.config import PrepareConfig
+from data.prepare import prepare
+from data.sources import stdlib_files
+from data.tokenizer import load_tokenizer
+
+TARGET_RATIO = 0.80
+
+
+def read_corpus(max_documents: int) -> list[str]:
+    """The documents `source=stdlib` yields: UTF-8 files in order, undecodable and empty skipped."""
+    texts = []
+    for index, path in enumerate(stdlib_files()):
+        if max_documents and index >= max_documents:
+            break
+        try:
+            text = path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+        if text:
+            texts.append(text)
+    return texts
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine(cores: int) -> dict:
+    versions = {}
+    for package in ("torch", "tiktoken", "rustbpe", "numpy"):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            versions[package] = None
+    return {
+        "cpu": cpu_model(),
+        "cores_available": len(os.sched_getaffinity(0)),
+        "cores_used": cores,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        **versions,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def time_raw(encoding, texts: list[str], cores: int) -> tuple[float, int]:
+    start = time.perf_counter()
+    ids = encoding.encode_ordinary_batch(texts, num_threads=cores)
+    elapsed = time.perf_counter() - start
+    return elapsed, sum(len(x) for x in ids)
+
+
+def time_pipeline(
+    tokenizer: str, cores: int, max_documents: int, scratch: Path
+) -> tuple[float, int]:
+    out = Path(tempfile.mkdtemp(prefix="prepare-", dir=scratch))
+    cfg = PrepareConfig(
+        source="stdlib",
+        out=str(out),
+        tokenizer=tokenizer,
+        workers=cores,
+        max_documents=max_documents,
+        progress=False,
+    )
+    start = time.perf_counter()
+    manifest = prepare(cfg)
+    elapsed = time.perf_counter() - start
+    tokens = manifest.tokens("train") + manifest.tokens("val")
+    shutil.rmtree(out)
+    return elapsed, tokens
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--cores", type=int, default=0, help="0 = every available core")
+    parser.add_argument("--max-documents", type=int, default=0, help="0 = the whole corpus")
+    parser.add_argument("--vocab-size", type=int, default=8192)
+    parser.add_argument(
+        "--tokenizers", default="bpe,cl100k_base", help="comma-separated: bpe and/or names"
+    )
+    parser.add_argument(
+        "--bpe-dir", default="", help="reuse a saved trained tokenizer instead of training one"
+    )
+    parser.add_argument("--scratch", default="", help="directory for the outputs (default: tmp)")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = parser.parse_args()
+    cores = args.cores or len(os.sched_getaffinity(0))
+    logging.getLogger("data").setLevel(logging.ERROR)  # skipped-file warnings, once per pass
+
+    texts = read_corpus(args.max_documents)
+    text_bytes = sum(len(t.encode("utf-8")) for t in texts)
+    print(f"corpus: {len(texts)} documents, {text_bytes / 1e6:.1f} MB of UTF-8; {cores} cores")
+
+    scratch = Path(tempfile.mkdtemp(prefix="prepare-bench-", dir=args.scratch or None))
+    rows = []
+    try:
+        specs = {}
+        train_seconds = None
+        for name in args.tokenizers.split(","):
+            if name != "bpe":
+                specs[name] = name
+            elif args.bpe_dir:
+                specs[f"bpe{args.vocab_size}"] = args.bpe_dir
+            else:
+                start = time.perf_counter()
+                bpe = train_bpe(texts, args.vocab_size, name=f"stdlib-bpe{args.vocab_size}")
+                train_seconds = time.perf_counter() - start
+                specs[f"bpe{args.vocab_size}"] = str(bpe.save(scratch / "bpe"))
+                print(f"trained {bpe} in {train_seconds:.1f} s (not timed below)")
+
+        for label, spec in specs.items():
+            tokenizer = load_tokenizer(spec)
+            raw_times, pipe_times = [], []
+            raw_tokens = pipe_tokens = 0
+            for _ in range(args.repeats):
+                seconds, raw_tokens = time_raw(tokenizer.encoding, texts, cores)
+                raw_times.append(seconds)
+                seconds, pipe_tokens = time_pipeline(spec, cores, args.max_documents, scratch)
+                pipe_times.append(seconds)
+                print(f"  {label}: raw {raw_times[-1]:.2f} s, pipeline {pipe_times[-1]:.2f} s")
+            # every document ends with one EOT in the shards: equal counts mean equal text
+            if pipe_tokens != raw_tokens + len(texts):
+                raise SystemExit(
+                    f"{label}: the pipeline wrote {pipe_tokens} tokens but the raw encoder gives "
+                    f"{raw_tokens} + {len(texts)} EOT: not the same text"
+                )
+            raw_mbs = text_bytes / 1e6 / min(raw_times)
+            pipe_mbs = text_bytes / 1e6 / min(pipe_times)
+            rows.append(
+                {
+                    "tokenizer": label,
+                    "vocab_size": tokenizer.vocab_size,
+                    "documents": len(texts),
+                    "text_bytes": text_bytes,
+                    "tokens": raw_tokens,
+                    "cores": cores,
+                    "raw_seconds": raw_times,
+                    "pipeline_seconds": pipe_times,
+                    "raw_mb_per_s": raw_mbs,
+                    "pipeline_mb_per_s": pipe_mbs,
+                    "ratio": pipe_mbs / raw_mbs,
+                    "meets_target": pipe_mbs / raw_mbs >= TARGET_RATIO,
+                }
+            )
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+    print()
+    print(
+        f"Best of {args.repeats}; {len(texts)} documents, {text_bytes / 1e6:.1f} MB "
+        f"(target: pipeline/raw >= {TARGET_RATIO:.2f})"
+    )
+    print()
+    print("| tokenizer | raw encoder MB/s | pipeline MB/s | pipeline/raw | cores |")
+    print("|---|---:|---:|---:|---:|")
+    for row in rows:
+        print(
+            f"| {row['tokenizer']} | {row['raw_mb_per_s']:.2f} | {row['pipeline_mb_per_s']:.2f} "
+            f"| {row['ratio']:.2f} | {row['cores']} |"
+        )
+    result = {
+        "machine": machine(cores),
+        "args": vars(args),
+        "target_ratio": TARGET_RATIO,
+        "bpe_train_seconds": train_seconds,
+        "rows": rows,
+    }
+    out = Path(args.out) / "prepare_throughput_cpu.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()
