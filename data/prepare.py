@@ -108,6 +108,7 @@ def prepare(cfg: PrepareConfig) -> Manifest:
         },
     }
     atomic_write_json(out / MANIFEST, manifest)
+    _warn_about_dropped_input(source)
     result = Manifest.load(out)
     log.info(
         "wrote %s: %d train tokens in %d shards, %d validation tokens (%s, %s)",
@@ -119,6 +120,17 @@ def prepare(cfg: PrepareConfig) -> Manifest:
         tokenizer.identity.short(),
     )
     return result
+
+
+def _warn_about_dropped_input(source: Source) -> None:
+    report = source.report
+    if report.skipped_count or report.replaced_count:
+        log.warning(
+            "%d inputs skipped and %d with replaced bytes (listed under `source` in %s)",
+            report.skipped_count,
+            report.replaced_count,
+            MANIFEST,
+        )
 
 
 def _source_options(cfg: PrepareConfig) -> SourceOptions:

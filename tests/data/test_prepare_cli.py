@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -60,3 +62,44 @@ def test_bad_input_fails_with_a_message_and_no_traceback(
     assert result.returncode == code, result.stderr
     assert message.format(**fill) in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_killed_run_resumes_to_the_same_bytes(tokenizer_dir, tmp_path):
+    """SIGKILL (no cleanup at all) once the first shards are committed, then run again: the
+    result equals an uninterrupted run's, file for file."""
+    common = [
+        "source=stdlib",
+        "max_documents=250",
+        "shard_tokens=20000",
+        f"tokenizer={tokenizer_dir}",
+        "workers=1",
+        "progress=false",
+    ]
+    killed = tmp_path / "killed"
+    env = os.environ | {"PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "data.prepare", *common, f"out={killed}"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (killed / "train" / "00002.json").exists():
+            assert proc.poll() is None, "preparation ended before it could be interrupted"
+            assert time.monotonic() < deadline, "no shard committed within 120 s"
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait()
+    assert not (killed / "manifest.json").exists()
+    assert run_prepare(*common, f"out={killed}", cwd=tmp_path).returncode == 0
+    whole = tmp_path / "whole"
+    assert run_prepare(*common, f"out={whole}", cwd=tmp_path).returncode == 0
+    files = sorted(p.relative_to(whole) for p in whole.rglob("*") if p.is_file())
+    assert len(files) > 20
+    for rel in files:
+        if rel.name != "prepare.log":
+            assert (killed / rel).read_bytes() == (whole / rel).read_bytes(), rel
+    assert sorted(p.relative_to(killed) for p in killed.rglob("*") if p.is_file()) == files
