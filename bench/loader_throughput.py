@@ -128,7 +128,7 @@ def training_rate(
         "steps": steps,
         "seconds_per_step": seconds,
         "tokens_per_s": batch * seq_len / seconds,
-        "final_loss": float(loss),
+        "final_loss": loss.detach().item(),
         "parameters": sum(p.numel() for p in model.parameters()),
     }
 
@@ -202,16 +202,16 @@ def main() -> None:
         f"forward + backward + AdamW, {torch.get_num_threads()} threads"
     )
     print()
-    print("| measured | tokens/s | per process | ratio to training |")
-    print("|---|---:|---:|---:|")
+    print("| measured | tokens/s | tokens/s per process | ratio to training | per process |")
+    print("|---|---:|---:|---:|---:|")
     for row in loaders:
         print(
             f"| loader, num_workers={row['num_workers']} | {row['tokens_per_s']:,.0f} "
-            f"| {row['tokens_per_s_per_process']:,.0f} "
+            f"| {row['tokens_per_s_per_process']:,.0f} | {row['ratio_to_training']:,.0f} "
             f"| {row['ratio_per_process_to_training']:,.0f} |"
         )
     for row in training:
-        print(f"| training, {row['precision']} | {row['tokens_per_s']:,.0f} | | |")
+        print(f"| training, {row['precision']} | {row['tokens_per_s']:,.0f} | | | |")
     if in_process is not None:
         verdict = "meets" if in_process["ratio_to_training"] > REQUIRED_RATIO else "misses"
         print(

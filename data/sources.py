@@ -12,6 +12,7 @@ from __future__ import annotations
 import fnmatch
 import glob
 import logging
+import os
 import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -255,11 +256,10 @@ def stdlib_files() -> list[Path]:
     ordered by relative path so each machine with the same Python reads the same text."""
     root = Path(sysconfig.get_paths()["stdlib"])
     excluded = {"site-packages", "dist-packages"}
-    files = [
-        f
-        for f in root.rglob("*.py")
-        if f.is_file() and not excluded & set(f.relative_to(root).parts)
-    ]
+    files = []
+    for directory, subdirs, names in os.walk(root):
+        subdirs[:] = [d for d in subdirs if d not in excluded]  # prune: never walk into them
+        files.extend(Path(directory, n) for n in names if n.endswith(".py"))
     if not files:
         raise DataError(f"no Python sources under the standard library at {root}")
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())

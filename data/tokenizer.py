@@ -75,7 +75,14 @@ class Tokenizer:
             name, pat_str=pattern, mergeable_ranks=ranks, special_tokens=self.special_tokens
         )
         self.eot_id = self.special_tokens[EOT]
-        self.identity = TokenizerIdentity(name=name, hash=self._hash())
+        self._identity: TokenizerIdentity | None = None
+
+    @property
+    def identity(self) -> TokenizerIdentity:
+        """Computed on first use (hashing 100k ranks takes a moment that encoders need not pay)."""
+        if self._identity is None:
+            self._identity = TokenizerIdentity(name=self.name, hash=self._hash())
+        return self._identity
 
     @property
     def vocab_size(self) -> int:
