@@ -1,8 +1,9 @@
-"""Structured-config registration for the Hydra app: the schema that `conf/config.yaml` is typed by.
+"""The root config of `python -m trainer` and its structured-config registration.
 
-Registering the dataclasses makes a misspelled key or a wrong type fail when the config is
-composed, before any process group or file is touched. The trainer issue adds the data, optim,
-trainer, checkpoint, logging and parallel groups beside `model`.
+Each group is the owning component's dataclass (model.config.ModelConfig, data.config.LoaderConfig,
+optim.config.OptimConfig) or a trainer dataclass below. Registering them as Hydra structured
+configs makes a misspelled key or a wrong type fail when the config is composed, before any
+process group or file is touched; `check_cross_fields` then checks the rules that span groups.
 """
 
 from __future__ import annotations
@@ -12,15 +13,101 @@ from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
 
+from data.config import LoaderConfig
 from model.config import ModelConfig
+from model.errors import ConfigError
+from optim.config import OptimConfig
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+PRECISIONS = ("bf16", "fp32")
+WANDB_MODES = ("disabled", "offline", "online")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+@dataclass(kw_only=True)
+class TrainerConfig:
+    max_steps: int = 300  # optimizer steps
+    batch_size: int = 16  # sequences per global batch (all ranks, all micro-batches)
+    micro_batch_size: int = 0  # sequences per forward on one rank; 0 = the whole local batch
+    log_every: int = 10  # steps between metrics.jsonl rows
+    eval_every: int = 100  # steps between evaluations (and at the end); 0 = only at the end
+    sample_tokens: int = 48  # tokens sampled after each evaluation (0 = none)
+    sample_prompt: str = "def "  # prompt of that sample
+    grad_clip: float = 1.0  # global gradient-norm clip; 0 = off
+    precision: str = "bf16"  # bf16 (autocast, fp32 weights and optimizer) | fp32
+    compile: bool = False  # torch.compile each block
+    doc_mask: bool = False  # attention within documents, positions restart at each (packed data)
+    device: str = "auto"  # auto (cuda when available) | cpu | cuda
+    max_bad_steps: int = 5  # consecutive skipped steps (non-finite or spiking) before stopping
+    spike_factor: float = 0.0  # skip a step whose loss exceeds this x the running mean; 0 = off
+    threads: int = 0  # torch intra-op threads on CPU; 0 = torch's default
+    peak_flops: float = 0.0  # per-device peak FLOP/s for MFU; 0 = table (GPU) or measured (CPU)
+    fault_step: int = -1  # testing: raise SIGKILL on this step (once per run directory)
+
+    def __post_init__(self) -> None:
+        for key in ("max_steps", "batch_size", "log_every"):
+            _require(getattr(self, key) >= 1, f"trainer.{key}={getattr(self, key)} must be >= 1")
+        for key in ("micro_batch_size", "eval_every", "sample_tokens", "max_bad_steps", "threads"):
+            _require(getattr(self, key) >= 0, f"trainer.{key}={getattr(self, key)} must be >= 0")
+        _require(self.grad_clip >= 0, f"trainer.grad_clip={self.grad_clip} must be >= 0")
+        _require(
+            self.precision in PRECISIONS,
+            f"trainer.precision={self.precision!r} is not one of {PRECISIONS}",
+        )
+        _require(self.device in DEVICES, f"trainer.device={self.device!r} is not one of {DEVICES}")
+        _require(
+            self.max_bad_steps >= 1, f"trainer.max_bad_steps={self.max_bad_steps} must be >= 1"
+        )
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    every: int = 100  # steps between checkpoints (one is also written at the end); 0 = end only
+    keep: int = 3  # complete checkpoints kept (oldest removed first)
+    async_save: bool = False  # write in the background (dcp.async_save) while training goes on
+
+    def __post_init__(self) -> None:
+        _require(self.every >= 0, f"checkpoint.every={self.every} must be >= 0")
+        _require(self.keep >= 1, f"checkpoint.keep={self.keep} must be >= 1")
+
+
+@dataclass(kw_only=True)
+class LoggingConfig:
+    wandb: str = "disabled"  # disabled | offline | online
+    project: str = "lmforge"
+    entity: str | None = None
+    name: str | None = None  # run name shown in wandb; default: the run directory's name
+    progress: bool = True  # a progress bar of steps on the console
+
+    def __post_init__(self) -> None:
+        _require(
+            self.wandb in WANDB_MODES, f"logging.wandb={self.wandb!r} is not one of {WANDB_MODES}"
+        )
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    dp_shard: int = -1  # ranks that shard dense weights (FSDP2); -1 = all that remain
+    dp_replicate: int = 1  # replicas of the sharded group (HSDP when both > 1)
+    ep: int = 1  # expert-parallel ranks, borrowed from the data-parallel ones
 
 
 @dataclass(kw_only=True)
 class RootConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
-    seed: int = 0  # seeds weight init (and later data order and dropout)
+    data: LoaderConfig = field(default_factory=LoaderConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    seed: int = 0  # seeds weight init, the data order and sampling
+    resume: str = "auto"  # auto (newest complete checkpoint in this run directory) | none | <path>
 
 
 def register_configs() -> None:

@@ -1,0 +1,43 @@
+"""Learning-rate schedules as pure functions of the step (nothing to checkpoint but the step).
+
+All start with a linear warmup from 0 (step 0 gets lr/warmup, so no step is wasted at lr=0):
+- cosine: from lr down to lr * min_lr_ratio at `total_steps`;
+- wsd: warmup, constant lr, then over the last `decay_fraction` of the steps a decay to
+  lr * min_lr_ratio with shape linear, cosine or sqrt (1 - sqrt(progress), MiniCPM's choice);
+- constant: lr after warmup.
+"""
+
+from __future__ import annotations
+
+import math
+
+from optim.config import OptimConfig
+
+
+def _decay(progress: float, shape: str) -> float:
+    """Fraction of the way from the peak (1) to the floor (0) still left, progress in [0, 1]."""
+    progress = min(max(progress, 0.0), 1.0)
+    if shape == "linear":
+        return 1.0 - progress
+    if shape == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    return 1.0 - math.sqrt(progress)
+
+
+def lr_multiplier(cfg: OptimConfig, step: int, total_steps: int) -> float:
+    """lr(step) / cfg.lr for the step about to be taken (0-based)."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    floor = cfg.min_lr_ratio
+    if cfg.schedule == "constant":
+        return 1.0
+    if cfg.schedule == "cosine":
+        span = max(1, total_steps - cfg.warmup_steps)
+        left = _decay((step - cfg.warmup_steps) / span, "cosine")
+        return floor + (1.0 - floor) * left
+    decay_steps = max(1, round(cfg.decay_fraction * total_steps))
+    decay_start = total_steps - decay_steps
+    if step < decay_start:
+        return 1.0
+    left = _decay((step - decay_start) / decay_steps, cfg.decay_shape)
+    return floor + (1.0 - floor) * left

@@ -1,0 +1,54 @@
+"""`python -m trainer [overrides]`: train (the same command under torchrun or srun).
+
+Hydra composes `conf/config.yaml` with the overrides, typed by trainer.config.RootConfig, so a
+misspelled key or a wrong type stops here before anything starts. Errors in the values (a rule
+of a config dataclass, a dataset problem) end the run with their message and exit code 2 or 1,
+without a traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from data.errors import DataError
+from model.errors import ConfigError
+from optim.errors import OptimConfigError
+from trainer.checkpoint import CheckpointError
+from trainer.config import CONF_DIR, register_configs
+from trainer.runtime import ranks_from_env, register_resolvers, setup_logging
+
+register_configs()
+register_resolvers()
+
+
+@hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
+def main(dict_cfg: DictConfig) -> None:
+    try:
+        cfg = OmegaConf.to_object(dict_cfg)
+    except (ConfigError, DataError, OptimConfigError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    ranks = ranks_from_env()
+    setup_logging(run_dir, ranks)
+    import logging
+
+    from trainer.app import train
+
+    log = logging.getLogger("trainer")
+    log.info("run directory: %s", run_dir)
+    try:
+        code = train(cfg, run_dir, ranks)
+    except (ConfigError, DataError, OptimConfigError, CheckpointError) as err:
+        log.error("%s", err)
+        code = 1
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""`train(cfg, run_dir)`: build every part from the root config, resume if asked, run the loop.
+
+The composition root: the only code that reads the whole config. Building is split into small
+functions (trainer.build) so that each component receives only its own settings.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from model.accounting import param_counts, training_flops_per_token
+from model.errors import ConfigError
+from optim.builder import build_optimizer
+from trainer.build import (
+    build_loader,
+    build_trainable_model,
+    check_cross_fields,
+    dataset_manifest,
+    resolve_model_config,
+)
+from trainer.checkpoint import resume
+from trainer.config import RootConfig
+from trainer.loop import Training
+from trainer.metrics import MetricsFile
+from trainer.mfu import device_peak
+from trainer.runtime import Ranks, describe_environment, pick_device, seed_everything, set_rng_state
+from trainer.signals import StopFlag
+from trainer.step import LossTracker
+from trainer.wandb_run import WandbRun
+
+log = logging.getLogger("trainer")
+
+
+def autocast_factory(precision: str, device: torch.device):
+    if precision == "bf16":
+        return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext
+
+
+def build_training(cfg: RootConfig, run_dir: Path, ranks: Ranks) -> Training:
+    if ranks.world_size > 1:
+        raise ConfigError(
+            f"WORLD_SIZE={ranks.world_size}: multi-process training (FSDP2, expert parallelism) "
+            "is not available yet; launch a single process"
+        )
+    tcfg = cfg.trainer
+    if tcfg.threads:
+        torch.set_num_threads(tcfg.threads)
+    device = pick_device(tcfg.device, ranks.local_rank)
+    manifest = dataset_manifest(cfg.data, ranks.is_main)
+    model_cfg = resolve_model_config(cfg.model, manifest)
+    micro_batches = check_cross_fields(model_cfg, cfg.data, tcfg, ranks.world_size)
+    seed_everything(cfg.seed)
+    model = build_trainable_model(model_cfg, device, cfg.seed, tcfg.compile)
+    optimizer = build_optimizer(cfg.optim, model)
+    loader = build_loader(
+        cfg.data, manifest, tcfg.batch_size, ranks.rank, ranks.world_size, cfg.seed
+    )
+    loader.manifest.check_tokenizer(manifest.tokenizer)
+    dtype = torch.bfloat16 if tcfg.precision == "bf16" else torch.float32
+    peak, peak_source = device_peak(device, dtype, tcfg.peak_flops)
+    flops = training_flops_per_token(model, cfg.data.seq_len).total
+    counts = param_counts(model)
+    log.info("%s; device %s", describe_environment(), device)
+    log.info(
+        "model: %s parameters, %.3g training FLOPs/token at seq_len %d; vocab %d (tokenizer %s)",
+        f"{counts.total:,}",
+        flops,
+        cfg.data.seq_len,
+        model_cfg.vocab_size,
+        manifest.tokenizer.short(),
+    )
+    log.info("MFU peak: %.3g FLOP/s per device (%s)", peak, peak_source)
+    log.info(
+        "data: %s, %d training windows of %d tokens; %d micro-batch(es) of %d per step",
+        manifest.root,
+        loader.windows,
+        cfg.data.seq_len,
+        micro_batches,
+        tcfg.batch_size // ranks.world_size // micro_batches,
+    )
+    config_yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    training = Training(
+        cfg=cfg,
+        run_dir=run_dir,
+        ranks=ranks,
+        device=device,
+        model=model,
+        optimizer=optimizer,
+        loader=loader,
+        autocast=autocast_factory(tcfg.precision, device),
+        micro_batches=micro_batches,
+        flops_per_token=flops,
+        peak_flops=peak,
+        metrics=MetricsFile(run_dir / "metrics.jsonl", ranks.is_main),
+        wandb=None,  # type: ignore[arg-type]  (set below, once the resumed run id is known)
+        stop=StopFlag(),
+        tracker=LossTracker(tcfg.spike_factor),
+        config_yaml=config_yaml,
+    )
+    wandb_id = _resume_into(training, cfg.resume)
+    training.wandb = WandbRun(
+        cfg.logging,
+        run_dir,
+        OmegaConf.to_container(OmegaConf.structured(cfg)),
+        wandb_id,
+        ranks.is_main,
+    )
+    return training
+
+
+def _resume_into(training: Training, resume_from: str) -> str | None:
+    restored = resume(
+        resume_from,
+        training.run_dir / "checkpoints",
+        training.model,
+        training.optimizer,
+        training.ranks.rank,
+    )
+    if restored is None:
+        if resume_from == "auto":
+            log.info("no checkpoint in %s: starting from scratch", training.run_dir / "checkpoints")
+        return None
+    extra = restored.extra
+    training.step, training.tokens = extra["step"], extra["tokens"]
+    training.bad_streak, training.skipped_total = extra["bad_streak"], extra["skipped_total"]
+    training.tracker.load_state_dict(extra["loss_tracker"])
+    training.loader.load_state_dict(extra["loader"])
+    set_rng_state(extra["rng"])
+    training.metrics.truncate_after(training.step)
+    log.info(
+        "resumed from %s at step %d (%d tokens)", restored.path, training.step, training.tokens
+    )
+    return extra.get("wandb_id")
+
+
+def train(cfg: RootConfig, run_dir: Path, ranks: Ranks) -> int:
+    training = build_training(cfg, run_dir, ranks)
+    training.stop.install()
+    return training.run()

@@ -1,0 +1,112 @@
+"""Builders of the composition root: dataset, loader, model and the cross-field checks.
+
+Each takes only its own sub-configs (never the root config into a component), and every rule that
+spans groups fails here, at start-up, with a message that names the keys involved.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from data.config import LoaderConfig, PrepareConfig
+from data.loader import TokenLoader
+from data.manifest import Manifest
+from data.prepare import prepare
+from model.config import ModelConfig
+from model.errors import ConfigError
+from model.transformer import Transformer, build_model
+from trainer.config import TrainerConfig
+
+log = logging.getLogger("trainer")
+VOCAB_MULTIPLE = 64
+
+
+def dataset_manifest(data: LoaderConfig, is_main: bool) -> Manifest:
+    """The manifest at `data.path`; with `data.path=""`, the default corpus (prepared on first
+    use by rank 0, then reused)."""
+    if data.path:
+        return Manifest.load(data.path)
+    default = PrepareConfig(progress=is_main)
+    path = default.output_dir()
+    if not (path / "manifest.json").is_file():
+        if not is_main:
+            raise ConfigError(
+                f"the default dataset {path} is not prepared; run `python -m data.prepare` once "
+                "(or a single-process `python -m trainer`) before launching several ranks"
+            )
+        log.info("preparing the default corpus (Python's standard library) in %s", path)
+        prepare(default)
+    return Manifest.load(path)
+
+
+def resolve_model_config(model: ModelConfig, manifest: Manifest) -> ModelConfig:
+    """`model.vocab_size=0` takes the tokenizer's vocabulary padded to a multiple of 64; an
+    explicit vocabulary must cover every token id."""
+    tokenizer_vocab = manifest.vocab_size
+    if model.vocab_size == 0:
+        padded = -(-tokenizer_vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+        return dataclasses.replace(model, vocab_size=padded)
+    if model.vocab_size < tokenizer_vocab:
+        raise ConfigError(
+            f"model.vocab_size={model.vocab_size} is smaller than the tokenizer's {tokenizer_vocab} "
+            f"ids ({manifest.tokenizer.short()} in {manifest.root}); set model.vocab_size=0 to "
+            f"take the tokenizer's, padded to a multiple of {VOCAB_MULTIPLE}"
+        )
+    return model
+
+
+def check_cross_fields(
+    model: ModelConfig, data: LoaderConfig, trainer: TrainerConfig, dp_size: int
+) -> int:
+    """Batch arithmetic and sequence length; returns micro-batches per step."""
+    local, remainder = divmod(trainer.batch_size, dp_size)
+    if remainder:
+        raise ConfigError(
+            f"trainer.batch_size={trainer.batch_size} is not divisible by the {dp_size} "
+            f"data-parallel ranks"
+        )
+    micro = trainer.micro_batch_size or local
+    if local % micro:
+        raise ConfigError(
+            f"trainer.batch_size={trainer.batch_size} is not divisible by trainer.micro_batch_size="
+            f"{micro} x {dp_size} data-parallel ranks"
+        )
+    limit = model.max_seq_len
+    if model.rope.scaling != "none":
+        limit = max(limit, int(model.rope_original_max_seq_len * model.rope.factor))
+    if data.seq_len > limit:
+        raise ConfigError(
+            f"data.seq_len={data.seq_len} exceeds the model's context of {limit} tokens "
+            f"(model.max_seq_len={model.max_seq_len}, rope scaling {model.rope.scaling!r} x "
+            f"{model.rope.factor}); lower data.seq_len or raise model.max_seq_len"
+        )
+    return local // micro
+
+
+def build_loader(
+    data: LoaderConfig, manifest: Manifest, global_batch: int, rank: int, size: int, seed: int
+) -> TokenLoader:
+    resolved = dataclasses.replace(data, path=str(manifest.root))
+    return TokenLoader(
+        resolved,
+        global_batch=global_batch,
+        dp_rank=rank,
+        dp_size=size,
+        seed=seed,
+        pin_memory=torch.cuda.is_available(),
+    )
+
+
+def build_trainable_model(
+    cfg: ModelConfig, device: torch.device, seed: int, compile_blocks: bool
+) -> Transformer:
+    """Meta build, then materialize on `device` and initialize from `seed` (fp32 weights)."""
+    torch.manual_seed(seed)
+    model = build_model(cfg, device=device)
+    if compile_blocks:
+        for block in model.layers.values():
+            block.compile()
+    return model

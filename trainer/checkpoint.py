@@ -1,0 +1,146 @@
+"""DCP checkpoints that appear only when complete, and resume from the newest good one.
+
+    checkpoints/step_00000100/   .metadata + *.distcp (model and optimizer, via DCP)
+                                 trainer_rank<R>.pt (step, loader, RNG states, wandb id, config)
+    checkpoints/latest           the name of the newest complete checkpoint
+
+A checkpoint is written to `step_<N>.tmp/`, renamed to `step_<N>/` when every rank has written
+its part, and only then named in `latest`; the oldest beyond `keep` are deleted. Model and
+optimizer states come from `torch.distributed.checkpoint.state_dict`, which gives parameter-name
+keyed states for plain and FSDP2 models alike, so DCP can reshard them on load.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from data.atomic import atomic_write_bytes
+
+log = logging.getLogger("trainer.checkpoint")
+LATEST = "latest"
+PREFIX = "step_"
+
+
+class CheckpointError(RuntimeError):
+    """No usable checkpoint where one was asked for."""
+
+
+@dataclass
+class Restored:
+    path: Path
+    extra: dict[str, Any]  # step, loader state, rng, wandb id, ...
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+@contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    """DCP warns that it assumes a single process when no process group exists: that is meant."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        yield
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"{PREFIX}{step:08d}"
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Finished checkpoints, newest first (temporaries are never listed)."""
+    if not root.is_dir():
+        return []
+    found = [
+        p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and p.suffix == ""
+    ]
+    return sorted(found, key=lambda p: int(p.name[len(PREFIX) :]), reverse=True)
+
+
+def save_checkpoint(
+    root: Path,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    extra: dict[str, Any],
+    rank: int,
+    keep: int,
+) -> Path:
+    final = step_dir(root, step)
+    tmp = final.with_name(final.name + ".tmp")
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    with _quiet_single_process():
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    torch.save(extra, tmp / f"trainer_rank{rank}.pt")
+    _barrier()
+    if rank == 0:
+        if final.exists():  # a re-save of the same step (after a resume): replace it
+            shutil.rmtree(final)
+        tmp.rename(final)
+        atomic_write_bytes(root / LATEST, (final.name + "\n").encode())
+        for old in complete_checkpoints(root)[keep:]:
+            shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+    return final
+
+
+def load_checkpoint(
+    path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, rank: int
+) -> dict[str, Any]:
+    """Load model and optimizer in place; returns this rank's extra state."""
+    extra_path = path / f"trainer_rank{rank}.pt"
+    if not (path / ".metadata").is_file() or not extra_path.is_file():
+        raise CheckpointError(f"{path} is incomplete (no .metadata or {extra_path.name})")
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    with _quiet_single_process():
+        dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
+    return torch.load(extra_path, weights_only=False)
+
+
+def resume(
+    resume_from: str,
+    root: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    rank: int,
+) -> Restored | None:
+    """`auto`: newest complete checkpoint under `root` (falling back past damaged ones);
+    `none`: start fresh; anything else: that checkpoint directory, which must load."""
+    if resume_from == "none":
+        return None
+    if resume_from != "auto":
+        path = Path(resume_from).expanduser()
+        try:
+            return Restored(path, load_checkpoint(path, model, optimizer, rank))
+        except Exception as err:
+            raise CheckpointError(f"resume={resume_from} cannot be loaded: {err}") from err
+    for path in complete_checkpoints(root):
+        try:
+            extra = load_checkpoint(path, model, optimizer, rank)
+        except Exception as err:
+            log.warning("checkpoint %s is damaged (%s); trying the one before it", path, err)
+            continue
+        return Restored(path, extra)
+    return None

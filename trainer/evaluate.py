@@ -1,0 +1,69 @@
+"""Evaluation on the fixed validation batches, and a short sample from the model."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+
+import torch
+import torch.distributed as dist
+
+from data.loader import TokenLoader
+from data.tokenizer import Tokenizer
+from model.generate import generate
+from model.transformer import Transformer
+
+
+@torch.no_grad()
+def validation_loss(
+    model: Transformer,
+    loader: TokenLoader,
+    device: torch.device,
+    autocast: Callable[[], AbstractContextManager],
+    doc_mask: bool,
+    stop: Callable[[], bool],
+) -> float | None:
+    """Mean loss over the validation batches (all ranks); None when stopped part-way."""
+    total = torch.zeros(2, dtype=torch.float64, device=device)  # (sum of losses, batches)
+    for batch in loader.validation():
+        if stop():
+            return None
+        batch = batch.to(device, non_blocking=True)
+        with autocast():
+            loss = model(batch.inputs, batch.targets, doc_ids=batch.doc_ids if doc_mask else None)
+        total += torch.stack([loss.double(), torch.ones((), dtype=torch.float64, device=device)])
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(total)
+    return float(total[0] / total[1]) if total[1] > 0 else float("nan")
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(min(loss, 50.0))
+
+
+@torch.no_grad()
+def sample_text(
+    model: Transformer,
+    tokenizer: Tokenizer,
+    prompt: str,
+    max_new_tokens: int,
+    device: torch.device,
+    seed: int,
+) -> str:
+    """Temperature-0.8, top-50 continuation of `prompt`, from a private generator (the training
+    RNG streams are left untouched, so sampling never changes the run)."""
+    ids = tokenizer.encoding.encode_ordinary(prompt) or [tokenizer.eot_id]
+    prompt_ids = torch.tensor([ids], device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out = generate(
+        model,
+        prompt_ids,
+        max_new_tokens,
+        temperature=0.8,
+        top_k=50,
+        eos_id=tokenizer.eot_id,
+        generator=gen,
+    )
+    new = [t for t in out[0, len(ids) :].tolist() if t != tokenizer.eot_id]
+    return prompt + tokenizer.decode([t for t in new if t < tokenizer.vocab_size])

@@ -1,0 +1,286 @@
+"""The training loop: steps, logging rows, evaluation, checkpoints, stop signals, bad steps.
+
+`Training` holds what `trainer.app.build_training` made; `run()` trains from the current step
+to `trainer.max_steps` and returns the process exit code (0 done or stopped by a signal, 1 too
+many bad steps).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from data.loader import TokenLoader
+from model.transformer import Transformer
+from optim.schedules import lr_multiplier
+from trainer.checkpoint import save_checkpoint
+from trainer.config import RootConfig
+from trainer.console import console
+from trainer.evaluate import perplexity, sample_text, validation_loss
+from trainer.metrics import MetricsFile, memory_bytes
+from trainer.plot import plot_losses
+from trainer.runtime import Ranks, rng_state
+from trainer.signals import StopFlag
+from trainer.step import LossTracker, train_step
+from trainer.wandb_run import WandbRun
+
+log = logging.getLogger("trainer")
+
+
+@dataclass
+class Training:
+    cfg: RootConfig
+    run_dir: Path
+    ranks: Ranks
+    device: torch.device
+    model: Transformer
+    optimizer: torch.optim.Optimizer
+    loader: TokenLoader
+    autocast: Callable[[], AbstractContextManager]
+    micro_batches: int
+    flops_per_token: float
+    peak_flops: float
+    metrics: MetricsFile
+    wandb: WandbRun
+    stop: StopFlag
+    step: int = 0
+    tokens: int = 0
+    bad_streak: int = 0
+    skipped_total: int = 0
+    tracker: LossTracker = field(default_factory=lambda: LossTracker(0.0))
+    config_yaml: str = ""
+
+    # -- state ---------------------------------------------------------------------------------
+    def extra_state(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "tokens": self.tokens,
+            "bad_streak": self.bad_streak,
+            "skipped_total": self.skipped_total,
+            "loss_tracker": self.tracker.state_dict(),
+            "loader": self.loader.state_dict(),
+            "rng": rng_state(),
+            "wandb_id": self.wandb.id,
+            "config": self.config_yaml,
+        }
+
+    def save(self, reason: str) -> None:
+        path = save_checkpoint(
+            self.run_dir / "checkpoints",
+            self.step,
+            self.model,
+            self.optimizer,
+            self.extra_state(),
+            self.ranks.rank,
+            self.cfg.checkpoint.keep,
+        )
+        log.info("checkpoint %s saved (%s)", path, reason)
+
+    # -- the loop ------------------------------------------------------------------------------
+    def run(self) -> int:
+        tcfg = self.cfg.trainer
+        tokens_per_step = tcfg.batch_size * self.cfg.data.seq_len
+        window = _Window()
+        batches = iter(self.loader)
+        with self._progress() as progress:
+            task = progress.add_task("training", total=tcfg.max_steps, completed=self.step)
+            while self.step < tcfg.max_steps:
+                if self.stop.requested():
+                    self.save(f"{self.stop.name()} received")
+                    log.info(
+                        "stopped by %s at step %d; resume continues here",
+                        self.stop.name(),
+                        self.step,
+                    )
+                    return 0
+                waited = time.perf_counter()
+                batch = next(batches).to(self.device, non_blocking=True)
+                window.data_wait += time.perf_counter() - waited
+                lr = self.cfg.optim.lr * lr_multiplier(self.cfg.optim, self.step, tcfg.max_steps)
+                for group in self.optimizer.param_groups:
+                    group["lr"] = lr
+                result = train_step(
+                    self.model,
+                    self.optimizer,
+                    batch,
+                    self.micro_batches,
+                    self.autocast,
+                    tcfg.grad_clip,
+                    self.cfg.trainer.doc_mask,
+                    self.tracker,
+                )
+                self.step += 1
+                self.tokens += tokens_per_step
+                window.add(result.loss, result.grad_norm, tokens_per_step, bool(result.skipped))
+                progress.update(task, completed=self.step, description=f"loss {result.loss:.3f}")
+                if result.skipped and self._bad_step(result.skipped):
+                    return 1
+                if not result.skipped:
+                    self.bad_streak = 0
+                last = self.step == tcfg.max_steps
+                if self.step % tcfg.log_every == 0 or last:
+                    self._log_row(window, lr)
+                    window = _Window()
+                evaluate = (tcfg.eval_every and self.step % tcfg.eval_every == 0) or last
+                if evaluate and not self._evaluate():
+                    continue  # stopped inside evaluation: the next check saves and exits
+                every = self.cfg.checkpoint.every
+                if (every and self.step % every == 0) or last:
+                    self.save("end of training" if last else "scheduled")
+                self._maybe_inject_fault()
+        self.wandb.finish()
+        log.info(
+            "done: %d steps, %d tokens, %d skipped steps",
+            self.step,
+            self.tokens,
+            self.skipped_total,
+        )
+        return 0
+
+    def _progress(self) -> Progress:
+        return Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeRemainingColumn(),
+            console=console,
+            disable=not (self.ranks.is_main and self.cfg.logging.progress),
+            transient=False,
+        )
+
+    def _bad_step(self, reason: str) -> bool:
+        """Count a skipped step; True when the run must stop."""
+        self.bad_streak += 1
+        self.skipped_total += 1
+        log.warning("step %d skipped: %s (%d in a row)", self.step, reason, self.bad_streak)
+        limit = self.cfg.trainer.max_bad_steps
+        if self.bad_streak < limit:
+            return False
+        self.save("last good state before stopping")
+        log.error(
+            "stopping: %d consecutive steps skipped (trainer.max_bad_steps=%d), the last because "
+            "%s. The checkpoint holds the last good weights; lower optim.lr, check the data "
+            "around this step, or raise trainer.max_bad_steps",
+            self.bad_streak,
+            limit,
+            reason,
+        )
+        self.wandb.finish()
+        return True
+
+    def _log_row(self, window: _Window, lr: float) -> None:
+        elapsed = max(time.perf_counter() - window.start, 1e-9)
+        tokens_per_s = window.tokens / elapsed
+        mem_key, mem = memory_bytes(self.device)
+        row = {
+            "step": self.step,
+            "loss": window.mean_loss(),
+            "lr": lr,
+            "grad_norm": window.mean_norm(),
+            "tokens": self.tokens,
+            "tokens_per_s": tokens_per_s,
+            "mfu": self.flops_per_token * tokens_per_s / (self.peak_flops * self.ranks.world_size),
+            "data_wait_s": window.data_wait,
+            "skipped_steps": self.skipped_total,
+            mem_key: mem,
+        }
+        self._emit(row)
+        log.info(
+            "step %d  loss %.4f  lr %.2e  grad_norm %.3f  %.0f tok/s  mfu %.1f%%  data wait %.2fs",
+            self.step,
+            row["loss"],
+            lr,
+            row["grad_norm"],
+            tokens_per_s,
+            100 * row["mfu"],
+            window.data_wait,
+        )
+
+    def _emit(self, row: dict[str, Any]) -> None:
+        if self.ranks.is_main:
+            self.metrics.write(row)
+            self.wandb.log(row, self.step)
+
+    def _evaluate(self) -> bool:
+        """Validation loss (+ sample, plot); False when a stop signal interrupted it."""
+        self.model.eval()
+        try:
+            val = validation_loss(
+                self.model,
+                self.loader,
+                self.device,
+                self.autocast,
+                self.cfg.trainer.doc_mask,
+                self.stop.requested,
+            )
+            if val is None:
+                return False
+            row = {
+                "step": self.step,
+                "tokens": self.tokens,
+                "val_loss": val,
+                "val_ppl": perplexity(val),
+            }
+            self._emit(row)
+            log.info(
+                "step %d  validation loss %.4f  perplexity %.1f", self.step, val, row["val_ppl"]
+            )
+            if self.cfg.trainer.sample_tokens and self.ranks.is_main:
+                text = sample_text(
+                    self.model,
+                    self.loader.tokenizer,
+                    self.cfg.trainer.sample_prompt,
+                    self.cfg.trainer.sample_tokens,
+                    self.device,
+                    seed=self.cfg.seed + self.step,
+                )
+                log.info("sample at step %d: %r", self.step, text)
+        finally:
+            self.model.train()
+        if self.ranks.is_main:
+            plot_losses(self.metrics.rows(), self.run_dir / "loss.png")
+        return True
+
+    def _maybe_inject_fault(self) -> None:
+        """trainer.fault_step: SIGKILL this process once at that step (tests of exact resume)."""
+        if self.step != self.cfg.trainer.fault_step:
+            return
+        marker = self.run_dir / f".fault_step_{self.step}_rank{self.ranks.rank}"
+        if marker.exists():
+            return
+        marker.touch()
+        log.warning("fault injection: SIGKILL at step %d", self.step)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class _Window:
+    """Sums over the steps since the last log row."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.losses: list[float] = []
+        self.norms: list[float] = []
+        self.tokens = 0
+        self.data_wait = 0.0
+
+    def add(self, loss: float, norm: float, tokens: int, skipped: bool) -> None:
+        self.tokens += tokens
+        if not skipped:
+            self.losses.append(loss)
+            self.norms.append(norm)
+
+    def mean_loss(self) -> float:
+        return sum(self.losses) / len(self.losses) if self.losses else float("nan")
+
+    def mean_norm(self) -> float:
+        return sum(self.norms) / len(self.norms) if self.norms else float("nan")

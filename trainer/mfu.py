@@ -1,0 +1,67 @@
+"""Peak FLOP/s of the training device, for MFU = achieved model FLOP/s / peak.
+
+GPUs: dense (no sparsity) tensor-core peaks from the vendors' data sheets, matched by name.
+CPUs have no such table: a short square-matmul measurement in the training dtype at start-up
+stands in for the peak (so CPU MFU reads "fraction of what this machine's matmul reaches").
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+# name fragment -> (bf16 dense peak, tf32 dense peak) in FLOP/s, for SXM parts where both exist
+GPU_PEAKS = {
+    "B200": (2.25e15, 1.1e15),
+    "H200": (989e12, 494e12),
+    "H100": (989e12, 494e12),
+    "GH200": (989e12, 494e12),
+    "A100": (312e12, 156e12),
+    "L40S": (362e12, 183e12),
+    "A10G": (70e12, 35e12),
+    "L4": (121e12, 60e12),
+    "RTX 4090": (165e12, 82.6e12),
+}
+
+
+def gpu_peak(name: str, dtype: torch.dtype) -> float | None:
+    for fragment, (bf16, tf32) in GPU_PEAKS.items():
+        if fragment in name:
+            return bf16 if dtype == torch.bfloat16 else tf32
+    return None
+
+
+def measure_matmul_peak(device: torch.device, dtype: torch.dtype, seconds: float = 1.0) -> float:
+    """Best FLOP/s of repeated n x n matmuls (n = 1024 on CPU, 8192 on GPU) over ~`seconds`."""
+    n = 8192 if device.type == "cuda" else 1024
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    best, deadline = 0.0, time.perf_counter() + seconds
+    for _ in range(3):  # warm-up (thread pools, kernels)
+        a @ b
+    while time.perf_counter() < deadline or best == 0.0:
+        _sync(device)
+        start = time.perf_counter()
+        for _ in range(4):
+            a @ b
+        _sync(device)
+        best = max(best, 4 * 2 * n**3 / (time.perf_counter() - start))
+    return best
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def device_peak(device: torch.device, dtype: torch.dtype, configured: float) -> tuple[float, str]:
+    """(peak FLOP/s, how it was obtained) for MFU."""
+    if configured > 0:
+        return configured, "configured (trainer.peak_flops)"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        peak = gpu_peak(name, dtype)
+        if peak is not None:
+            return peak, f"data sheet of {name}"
+    return measure_matmul_peak(device, dtype), f"measured {dtype} matmul on {device.type}"

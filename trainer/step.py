@@ -1,0 +1,89 @@
+"""One optimizer step: gradient accumulation over micro-batches, clipping, and the skip rule.
+
+A step whose loss or gradient norm is not finite (or whose loss spikes above `spike_factor` x
+the running mean of recent good losses) makes no update: the gradients are dropped and the
+caller counts it. The check costs one host sync per step (the loss and norm are needed on the
+host to log them anyway).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+
+import torch
+
+from data.loader import Batch
+from model.transformer import Transformer
+
+EMA_DECAY = 0.98  # running mean of good losses for the spike rule (about 50 steps)
+
+
+@dataclass
+class StepResult:
+    loss: float
+    grad_norm: float
+    skipped: str  # "" when the update was applied, else why not
+
+
+class LossTracker:
+    """Running mean of applied-step losses; judges spikes once it has seen a few steps."""
+
+    def __init__(self, spike_factor: float):
+        self.factor, self.mean, self.seen = spike_factor, 0.0, 0
+
+    def spike(self, loss: float) -> bool:
+        return self.factor > 0 and self.seen >= 20 and loss > self.factor * self.mean
+
+    def update(self, loss: float) -> None:
+        self.seen += 1
+        self.mean = loss if self.seen == 1 else EMA_DECAY * self.mean + (1 - EMA_DECAY) * loss
+
+    def state_dict(self) -> dict:
+        return {"mean": self.mean, "seen": self.seen}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.mean, self.seen = float(state["mean"]), int(state["seen"])
+
+
+def split_micro_batches(batch: Batch, count: int) -> list[Batch]:
+    if count == 1:
+        return [batch]
+    parts = [t.chunk(count) for t in batch]
+    return [Batch(*fields) for fields in zip(*parts)]
+
+
+def train_step(
+    model: Transformer,
+    optimizer: torch.optim.Optimizer,
+    batch: Batch,
+    micro_batches: int,
+    autocast: Callable[[], AbstractContextManager],
+    grad_clip: float,
+    doc_mask: bool,
+    tracker: LossTracker,
+) -> StepResult:
+    loss_sum = torch.zeros((), device=batch.inputs.device)
+    for mb in split_micro_batches(batch, micro_batches):
+        with autocast():
+            loss = model(mb.inputs, mb.targets, doc_ids=mb.doc_ids if doc_mask else None)
+        (loss / micro_batches).backward()
+        loss_sum += loss.detach().float()
+    params = [p for p in model.parameters() if p.grad is not None]
+    max_norm = grad_clip if grad_clip > 0 else float("inf")
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+    loss_value, norm_value = (loss_sum / micro_batches).item(), float(norm)
+    reason = ""
+    if not math.isfinite(loss_value):
+        reason = f"loss is {loss_value}"
+    elif not math.isfinite(norm_value):
+        reason = f"gradient norm is {norm_value}"
+    elif tracker.spike(loss_value):
+        reason = f"loss {loss_value:.3f} > {tracker.factor} x running mean {tracker.mean:.3f}"
+    if not reason:
+        optimizer.step()
+        tracker.update(loss_value)
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(loss_value, norm_value, reason)
