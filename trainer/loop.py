@@ -7,6 +7,7 @@ many bad steps).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -72,6 +73,8 @@ class Training:
             "rng": rng_state(),
             "wandb_id": self.wandb.id,
             "config": self.config_yaml,
+            "model_config": dataclasses.asdict(self.model.cfg),
+            "tokenizer_dir": str(self.loader.manifest.root / "tokenizer"),
         }
 
     def save(self, reason: str) -> None:
