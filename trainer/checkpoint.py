@@ -25,12 +25,15 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from data.atomic import atomic_write_bytes
 
 log = logging.getLogger("trainer.checkpoint")
 LATEST = "latest"
+# what a damaged checkpoint raises: DCP's CheckpointException derives from BaseException
+LOAD_ERRORS = (Exception, CheckpointException)
 PREFIX = "step_"
 
 
@@ -134,13 +137,21 @@ def resume(
         path = Path(resume_from).expanduser()
         try:
             return Restored(path, load_checkpoint(path, model, optimizer, rank))
-        except Exception as err:
-            raise CheckpointError(f"resume={resume_from} cannot be loaded: {err}") from err
+        except LOAD_ERRORS as err:
+            raise CheckpointError(f"resume={resume_from} cannot be loaded: {_brief(err)}") from err
     for path in complete_checkpoints(root):
         try:
             extra = load_checkpoint(path, model, optimizer, rank)
-        except Exception as err:
-            log.warning("checkpoint %s is damaged (%s); trying the one before it", path, err)
+        except LOAD_ERRORS as err:
+            log.warning(
+                "checkpoint %s is damaged (%s); trying the one before it", path, _brief(err)
+            )
             continue
         return Restored(path, extra)
     return None
+
+
+def _brief(err: BaseException) -> str:
+    """One line: DCP's exceptions carry every rank's whole traceback in their text."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return f"{type(err).__name__}: {lines[-1] if lines else ''}"

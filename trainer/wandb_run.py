@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ class WandbRun:
         import wandb
 
         os.environ.setdefault("WANDB_SILENT", "true")
-        self.id = run_id or wandb.util.generate_id()
+        self.id = run_id or uuid.uuid4().hex[:8]  # wandb ids: lowercase letters and digits
         self.run = wandb.init(
             mode=cfg.wandb,
             project=cfg.project,

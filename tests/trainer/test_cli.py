@@ -1,0 +1,196 @@
+"""`python -m trainer` end to end: the run directory contract, exact resume after SIGKILL,
+fallback past a damaged checkpoint, graceful SIGTERM, config errors, wandb modes, export."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from model.config import ModelConfig, config_from_dict
+from model.transformer import build_model
+from tests.trainer.helpers import ROOT, SMALL_OVERRIDES, metric_rows, run_trainer
+
+pytestmark = pytest.mark.integration
+REQUIRED = {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu"}
+
+
+def small(dataset: Path, run_dir: Path, *extra: str) -> list[str]:
+    return [f"data.path={dataset}", f"hydra.run.dir={run_dir}", *SMALL_OVERRIDES, *extra]
+
+
+def test_the_default_run_writes_the_run_directory_contract(tmp_path):
+    """No data.path: the default corpus is prepared (into LMFORGE_DATA_DIR) on first use."""
+    run_dir = tmp_path / "run"
+    result = run_trainer(
+        f"hydra.run.dir={run_dir}",
+        "trainer.max_steps=2",
+        "trainer.log_every=1",
+        "trainer.batch_size=2",
+        "trainer.sample_tokens=4",
+        "data.val_batches=1",
+        "logging.progress=false",
+        cwd=tmp_path,
+        env={"LMFORGE_DATA_DIR": str(tmp_path / "data")},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = metric_rows(run_dir)
+    assert set(rows[0]) >= REQUIRED and rows[0]["step"] == 1
+    assert any("val_loss" in r for r in rows)
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000002"
+    assert (run_dir / "checkpoints" / "step_00000002" / ".metadata").is_file()
+    assert (run_dir / ".hydra" / "config.yaml").is_file()
+    assert (run_dir / "loss.png").is_file() and "validation loss" in (
+        run_dir / "train.log"
+    ).read_text()
+    assert (
+        tmp_path / "data" / "stdlib-py{}.{}-bpe8192".format(*sys.version_info[:2]) / "manifest.json"
+    ).is_file()
+
+
+def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    latest = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
+    out = run_dir / "final.pt"
+    dcp_to_torch_save(str(latest), str(out))
+    return torch.load(out, weights_only=False)["model"]
+
+
+def test_resume_after_sigkill_is_bitwise_exact(dataset, tmp_path):
+    common = ("trainer.max_steps=8", "checkpoint.every=4", "trainer.eval_every=0")
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    assert run_trainer(*small(dataset, whole, *common), cwd=tmp_path).returncode == 0
+    first = run_trainer(*small(dataset, killed, *common, "trainer.fault_step=4"), cwd=tmp_path)
+    assert first.returncode == -signal.SIGKILL
+    assert (killed / "checkpoints" / "latest").read_text().strip() == "step_00000004"
+    second = run_trainer(*small(dataset, killed, *common, "trainer.fault_step=4"), cwd=tmp_path)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed from" in (killed / "train.log").read_text()
+    losses = {r["step"]: r["loss"] for r in metric_rows(whole) if "loss" in r}
+    resumed = {r["step"]: r["loss"] for r in metric_rows(killed) if "loss" in r}
+    assert resumed == losses  # bitwise: JSON keeps every float digit; steps 1-4 are not repeated
+    a, b = final_weights(whole), final_weights(killed)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(dataset, tmp_path):
+    run_dir = tmp_path / "run"
+    base = ("checkpoint.every=2", "trainer.eval_every=0")
+    assert (
+        run_trainer(*small(dataset, run_dir, "trainer.max_steps=4", *base), cwd=tmp_path).returncode
+        == 0
+    )
+    shard = next((run_dir / "checkpoints" / "step_00000004").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    result = run_trainer(*small(dataset, run_dir, "trainer.max_steps=5", *base), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    log = (run_dir / "train.log").read_text()
+    assert "step_00000004 is damaged" in log and "step_00000002 at step 2" in log
+
+
+def test_sigterm_saves_and_exits_then_resume_finishes(dataset, tmp_path):
+    run_dir = tmp_path / "run"
+    args = small(dataset, run_dir, "trainer.max_steps=400", "trainer.eval_every=0")
+    env = {"PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trainer", *args],
+        cwd=tmp_path,
+        env=os.environ | env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 3):
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 0
+    log = (run_dir / "train.log").read_text()
+    assert "stopped by SIGTERM" in log
+    step = int((run_dir / "checkpoints" / "latest").read_text().strip().split("_")[1])
+    assert 3 <= step < 400
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["trainer.max_step=3"], "Could not override 'trainer.max_step'"),
+        (["trainer.max_steps=abc"], "Value 'abc' of type 'str' could not be converted to Integer"),
+        (
+            ["trainer.batch_size=6", "trainer.micro_batch_size=4"],
+            "trainer.batch_size=6 is not divisible by trainer.micro_batch_size=4",
+        ),
+        (["data.seq_len=128"], "data.seq_len=128 exceeds the model's context of 64 tokens"),
+        (["model.vocab_size=100"], "model.vocab_size=100 is smaller than the tokenizer's 300 ids"),
+        (["trainer.precision=fp16"], "trainer.precision='fp16' is not one of"),
+    ],
+)
+def test_config_errors_stop_before_training(dataset, tmp_path, overrides, message):
+    run_dir = tmp_path / "run"
+    result = run_trainer(*small(dataset, run_dir, "trainer.max_steps=2", *overrides), cwd=tmp_path)
+    assert result.returncode != 0
+    assert (
+        message in result.stderr + (run_dir / "train.log").read_text()
+        if (run_dir / "train.log").exists()
+        else message in result.stderr
+    )
+    assert not (run_dir / "metrics.jsonl").exists()
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("mode", ["offline", "disabled"])
+def test_wandb_offline_writes_a_run_and_disabled_writes_nothing(dataset, tmp_path, mode):
+    run_dir = tmp_path / "run"
+    result = run_trainer(
+        *small(dataset, run_dir, "trainer.max_steps=2", f"logging.wandb={mode}"), cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = list((run_dir / "wandb").glob("offline-run-*")) if (run_dir / "wandb").exists() else []
+    if mode == "offline":
+        assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
+    else:
+        assert not (run_dir / "wandb").exists()
+
+
+def test_export_gives_a_transformers_model_with_the_same_logits(dataset, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    run_dir = tmp_path / "run"
+    assert (
+        run_trainer(*small(dataset, run_dir, "trainer.max_steps=2"), cwd=tmp_path).returncode == 0
+    )
+    out = tmp_path / "hf"
+    result = subprocess.run(
+        [sys.executable, "-m", "trainer.export", f"path={run_dir}", f"out={out}", "dtype=fp32"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=os.environ | {"PYTHONPATH": str(ROOT)},
+    )
+    assert result.returncode == 0, result.stderr
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+
+    from trainer.export import export  # noqa: F401  (the same code path, imported for clarity)
+
+    ckpt = run_dir / "checkpoints" / "step_00000002"
+    extra = torch.load(ckpt / "trainer_rank0.pt", weights_only=False)
+    ours = build_model(config_from_dict(ModelConfig, extra["model_config"]))
+    state = {"model": ours.state_dict()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP: "assuming the intent is to load in a single process"
+        dcp.load(state, checkpoint_id=str(ckpt))
+    ours.load_state_dict(state["model"])
+    tokens = torch.randint(0, 300, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens).logits, ours(tokens), atol=1e-5, rtol=1e-5)
+    assert json.loads((out / "config.json").read_text())["vocab_size"] == 320
+    assert (out / "tokenizer" / "tokenizer.tiktoken").is_file()

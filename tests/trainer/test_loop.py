@@ -1,0 +1,108 @@
+"""The training loop in process: learning, skipped bad steps, the stop after K of them, resume
+state, and the metrics rows."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from tests.trainer.helpers import metric_rows, small_config
+from trainer.app import build_training, train
+from trainer.checkpoint import complete_checkpoints, load_checkpoint
+from trainer.runtime import Ranks
+
+ONE = Ranks(rank=0, world_size=1, local_rank=0)
+REQUIRED = {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu"}
+
+
+def test_training_lowers_the_validation_loss_and_logs_every_step(dataset, tmp_path):
+    cfg = small_config(dataset, max_steps=30, eval_every=15)
+    cfg.optim.lr = 1e-2
+    assert train(cfg, tmp_path, ONE) == 0
+    rows = metric_rows(tmp_path)
+    train_rows = [r for r in rows if "loss" in r]
+    val = [r["val_loss"] for r in rows if "val_loss" in r]
+    assert [r["step"] for r in train_rows] == list(range(1, 31))
+    assert all(set(r) >= REQUIRED for r in train_rows)
+    assert train_rows[-1]["tokens"] == 30 * 4 * 32
+    assert len(val) == 2 and val[-1] < val[0] < train_rows[0]["loss"] - 1.0  # from ~ln(320)
+    assert all(0 < r["mfu"] < 1 and r["tokens_per_s"] > 0 for r in train_rows)
+    assert (tmp_path / "loss.png").stat().st_size > 1000
+
+
+def nan_at(model, calls: set[int]):
+    """Make the loss NaN on the given forward calls (1-based)."""
+    original, count = model.forward, {"n": 0}
+
+    def forward(*args, **kwargs):
+        count["n"] += 1
+        loss = original(*args, **kwargs)
+        return loss * float("nan") if count["n"] in calls else loss
+
+    model.forward = forward
+
+
+def test_a_nan_loss_is_skipped_counted_and_leaves_the_weights_alone(dataset, tmp_path):
+    training = build_training(small_config(dataset, max_steps=6), tmp_path, ONE)
+    nan_at(training.model, {3})
+    weights = []
+    original_step = training.optimizer.step
+
+    def recording_step(*a, **k):
+        weights.append(training.step)
+        return original_step(*a, **k)
+
+    training.optimizer.step = recording_step
+    assert training.run() == 0
+    assert weights == [0, 1, 3, 4, 5]  # step index 2 (the third) made no update
+    rows = [r for r in metric_rows(tmp_path) if "loss" in r]
+    assert rows[2]["skipped_steps"] == 1 and rows[2]["loss"] == "nan"
+    assert rows[-1]["skipped_steps"] == 1 and training.skipped_total == 1
+
+
+def test_consecutive_bad_steps_stop_the_run_with_a_checkpoint_of_the_last_good_state(
+    dataset, tmp_path, caplog
+):
+    cfg = small_config(dataset, max_steps=20, max_bad_steps=3)
+    training = build_training(cfg, tmp_path, ONE)
+    nan_at(training.model, set(range(3, 100)))
+    good = {}
+    original_step = training.optimizer.step
+
+    def recording_step(*a, **k):
+        out = original_step(*a, **k)
+        good.update({n: p.detach().clone() for n, p in training.model.named_parameters()})
+        return out
+
+    training.optimizer.step = recording_step
+    assert training.run() == 1
+    assert "3 consecutive steps skipped (trainer.max_bad_steps=3)" in caplog.text
+    (ckpt,) = complete_checkpoints(tmp_path / "checkpoints")
+    assert ckpt.name == "step_00000005"
+    fresh = build_training(cfg, tmp_path / "other", ONE)
+    extra = load_checkpoint(ckpt, fresh.model, fresh.optimizer, rank=0)
+    assert extra["skipped_total"] == 3
+    for name, param in fresh.model.named_parameters():
+        assert torch.equal(param, good[name]), name
+
+
+def test_a_spike_is_skipped_when_spike_detection_is_on(dataset, tmp_path):
+    training = build_training(small_config(dataset, max_steps=3, spike_factor=2.0), tmp_path, ONE)
+    training.tracker.seen, training.tracker.mean = 50, 1.0  # an established running mean of 1.0
+    assert training.run() == 0
+    assert training.skipped_total == 3  # the first losses (~ln V) are far above 2 x 1.0
+
+
+def test_checkpoint_extra_state_is_complete(dataset, tmp_path):
+    cfg = small_config(dataset, max_steps=2)
+    assert train(cfg, tmp_path, ONE) == 0
+    (ckpt,) = complete_checkpoints(tmp_path / "checkpoints")
+    extra = torch.load(ckpt / "trainer_rank0.pt", weights_only=False)
+    assert extra["step"] == 2 and extra["tokens"] == 2 * 4 * 32
+    assert extra["loader"]["position"] == 8
+    assert {"python", "numpy", "torch"} <= set(extra["rng"])
+    assert extra["model_config"]["vocab_size"] == 320  # 300 padded to a multiple of 64
+    assert "seq_len: 32" in extra["config"]
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == ckpt.name
+    json.dumps(extra["loader"])  # the loader state is plain data
