@@ -18,12 +18,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
-import importlib.metadata
 import json
 import logging
-import os
-import platform
 import shutil
 import sys
 import tempfile
@@ -33,6 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.machine import machine
 from data.config import LoaderConfig, PrepareConfig
 from data.loader import TokenLoader
 from data.prepare import prepare
@@ -40,35 +37,6 @@ from model import build_model
 from model.presets import load_preset
 
 REQUIRED_RATIO = 100
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def machine() -> dict:
-    versions = {}
-    for package in ("tiktoken", "numpy"):
-        try:
-            versions[package] = importlib.metadata.version(package)
-        except importlib.metadata.PackageNotFoundError:
-            versions[package] = None
-    return {
-        "cpu": cpu_model(),
-        "cores_available": len(os.sched_getaffinity(0)),
-        "torch_threads": torch.get_num_threads(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        **versions,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
 
 
 def loader_rate(
@@ -219,7 +187,7 @@ def main() -> None:
             f"{in_process['ratio_to_training']:,.0f} ({verdict} the required > {REQUIRED_RATIO})"
         )
     result = {
-        "machine": machine(),
+        "machine": machine(("torch", "tiktoken", "numpy"), torch_threads=torch.get_num_threads()),
         "args": vars(args),
         "dataset": args.dataset or "stdlib, tokenizer=train, vocab_size=8192 (temporary)",
         "prepare_seconds": prepare_seconds,

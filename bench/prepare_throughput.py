@@ -20,12 +20,9 @@ Writes bench/results/prepare_throughput_cpu.json.
 from __future__ import annotations
 
 import argparse
-import datetime
-import importlib.metadata
 import json
 import logging
 import os
-import platform
 import shutil
 import sys
 import tempfile
@@ -33,6 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.machine import machine
 from data.bpe import train_bpe
 from data.config import PrepareConfig
 from data.encode_pool import EncodePool
@@ -56,34 +54,6 @@ def read_corpus(max_documents: int) -> list[str]:
         if text:
             texts.append(text)
     return texts
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def machine(cores: int) -> dict:
-    versions = {}
-    for package in ("torch", "tiktoken", "rustbpe", "numpy"):
-        try:
-            versions[package] = importlib.metadata.version(package)
-        except importlib.metadata.PackageNotFoundError:
-            versions[package] = None
-    return {
-        "cpu": cpu_model(),
-        "cores_available": len(os.sched_getaffinity(0)),
-        "cores_used": cores,
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        **versions,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
 
 
 def time_raw(encoding, texts: list[str], cores: int) -> tuple[float, int]:
@@ -229,7 +199,7 @@ def main() -> None:
             f"| {costs['pool_start_and_close_s']:.2f} |"
         )
     result = {
-        "machine": machine(cores),
+        "machine": machine(("torch", "tiktoken", "rustbpe", "numpy"), cores_used=cores),
         "args": vars(args),
         "target_ratio": TARGET_RATIO,
         "bpe_train_seconds": train_seconds,

@@ -95,17 +95,13 @@ class Training:
         tokens_per_step = tcfg.batch_size * self.cfg.data.seq_len
         window = _Window()
         batches = iter(self.loader)
+        if self.step == 0 and not self._evaluate():  # the starting validation loss
+            return self._stop_now()
         with self._progress() as progress:
             task = progress.add_task("training", total=tcfg.max_steps, completed=self.step)
             while self.step < tcfg.max_steps:
                 if self.stop.requested():
-                    self.save(f"{self.stop.name()} received")
-                    log.info(
-                        "stopped by %s at step %d; resume continues here",
-                        self.stop.name(),
-                        self.step,
-                    )
-                    return 0
+                    return self._stop_now()
                 waited = time.perf_counter()
                 batch = next(batches).to(self.device, non_blocking=True)
                 window.data_wait += time.perf_counter() - waited
@@ -150,6 +146,12 @@ class Training:
         )
         return 0
 
+    def _stop_now(self) -> int:
+        self.save(f"{self.stop.name()} received")
+        log.info("stopped by %s at step %d; resume continues here", self.stop.name(), self.step)
+        self.wandb.finish()
+        return 0
+
     def _progress(self) -> Progress:
         return Progress(
             TextColumn("[bold]{task.description}"),
@@ -157,7 +159,7 @@ class Training:
             MofNCompleteColumn(),
             TimeRemainingColumn(),
             console=console,
-            disable=not (self.ranks.is_main and self.cfg.logging.progress),
+            disable=not (self.ranks.is_main and self.cfg.logging.progress and console.is_terminal),
             transient=False,
         )
 

@@ -72,8 +72,12 @@ def setup_logging(run_dir: Path, ranks: Ranks) -> None:
     fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
     if ranks.is_main:
         path = run_dir / "train.log"
-        screen = RichHandler(console=console, show_path=False, markup=False, rich_tracebacks=False)
-        screen.setFormatter(logging.Formatter("%(message)s"))
+        if console.is_terminal:  # rich on a terminal; plain lines into pipes and job logs
+            screen: logging.Handler = RichHandler(console=console, show_path=False, markup=False)
+            screen.setFormatter(logging.Formatter("%(message)s"))
+        else:
+            screen = logging.StreamHandler(sys.stderr)
+            screen.setFormatter(logging.Formatter(fmt, "%H:%M:%S"))
         handlers: list[logging.Handler] = [screen]
     else:
         path = run_dir / "logs" / f"rank{ranks.rank}.log"

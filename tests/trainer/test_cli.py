@@ -45,8 +45,9 @@ def test_the_default_run_writes_the_run_directory_contract(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     rows = metric_rows(run_dir)
-    assert set(rows[0]) >= REQUIRED and rows[0]["step"] == 1
-    assert any("val_loss" in r for r in rows)
+    train_rows = [r for r in rows if "loss" in r]
+    assert set(train_rows[0]) >= REQUIRED and [r["step"] for r in train_rows] == [1, 2]
+    assert [r["step"] for r in rows if "val_loss" in r] == [0, 2]  # the start and the end
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000002"
     assert (run_dir / "checkpoints" / "step_00000002" / ".metadata").is_file()
     assert (run_dir / ".hydra" / "config.yaml").is_file()

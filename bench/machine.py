@@ -1,0 +1,37 @@
+"""The machine description every benchmark stores beside its numbers."""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import os
+import platform
+from pathlib import Path
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine(packages: tuple[str, ...] = ("torch", "numpy"), **extra: object) -> dict:
+    versions = {}
+    for package in packages:
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            versions[package] = None
+    return {
+        "cpu": cpu_model(),
+        "cores_available": len(os.sched_getaffinity(0)),
+        **extra,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        **versions,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
