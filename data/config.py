@@ -31,6 +31,9 @@ class PrepareConfig:
     hf_config: str | None = None  # configuration name of an HF dataset
     decode_errors: str = "skip"  # strict | skip | replace, for undecodable bytes
     include: str = "*"  # file-name pattern applied inside a directory source
+    doc_separator: str = (
+        ""  # text files: "" = a file is a document | blank_line | line | eot | <text>
+    )
     val_fraction: float = 0.01  # documents held out for validation (by a seeded hash)
     split_seed: int = 0  # seeds the document-level train/validation split
     shard_tokens: int = 1 << 26  # tokens per shard (the last shard of a split is shorter)
@@ -68,6 +71,7 @@ class PrepareConfig:
             "hf_config",
             "decode_errors",
             "include",
+            "doc_separator",
             "val_fraction",
             "split_seed",
             "shard_tokens",

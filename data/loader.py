@@ -143,6 +143,15 @@ class TokenLoader:
         self.order = _Order(self.windows, seed, cfg.shuffle)
         self.position = 0  # global sample index of the next batch
         self._tokenizer: Tokenizer | None = None
+        self.val = SplitReader(self.manifest, "val", cfg.verify)
+        self.val_batches = min(cfg.val_batches, self.val.num_windows(cfg.seq_len) // global_batch)
+        if self.val_batches == 0 and cfg.val_batches:
+            raise DataError(
+                f"the validation split of {cfg.path} has {self.val.num_windows(cfg.seq_len)} "
+                f"windows of seq_len={cfg.seq_len}, fewer than one global batch ({global_batch}); "
+                f"prepare with a larger val_fraction, lower trainer.batch_size or data.seq_len, "
+                f"or set data.val_batches=0 to train without validation"
+            )
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -169,9 +178,12 @@ class TokenLoader:
             collate_fn=_as_is,
             pin_memory=self.pin_memory,
         )
-        for batch in loader:
-            self.position += self.global_batch
-            yield batch
+        try:
+            for batch in loader:
+                self.position += self.global_batch
+                yield batch
+        except DataError as err:  # from a worker: keep the message, drop the worker traceback
+            raise DataError(_last_line(str(err))) from None
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -198,17 +210,13 @@ class TokenLoader:
 
     def validation(self) -> Iterator[Batch]:
         """The held-out split in order: the same batches every time (this rank's slices)."""
-        reader = SplitReader(self.manifest, "val", self.cfg.verify)
-        windows = reader.num_windows(self.cfg.seq_len)
-        batches = min(self.cfg.val_batches, windows // self.global_batch)
-        if batches == 0 and self.cfg.val_batches:
-            raise DataError(
-                f"the validation split of {self.cfg.path} has {windows} windows of "
-                f"seq_len={self.cfg.seq_len}, fewer than one global batch ({self.global_batch}); "
-                f"prepare with a larger val_fraction, or lower trainer.batch_size or data.seq_len"
-            )
-        for b in range(batches):
+        for b in range(self.val_batches):
             first = b * self.global_batch + self.dp_rank * self.local_batch
-            yield stack_windows(
-                reader, np.arange(first, first + self.local_batch), self.cfg.seq_len
-            )
+            windows = np.arange(first, first + self.local_batch)
+            yield stack_windows(self.val, windows, self.cfg.seq_len)
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.splitlines() if line.strip()]
+    last = lines[-1] if lines else text
+    return last.split("DataError: ", 1)[-1]

@@ -12,14 +12,17 @@ finished dataset it verifies the shards and rewrites any that are missing or dam
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import itertools
 import json
 import logging
 import os
+import shutil
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import hydra
@@ -28,7 +31,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from data.atomic import atomic_write_json
+from data.atomic import atomic_write_json, remove_temporaries
 from data.bpe import train_bpe
 from data.config import PrepareConfig
 from data.encode_pool import EncodePool
@@ -40,6 +43,7 @@ from data.writer import ShardWriter
 
 log = logging.getLogger("data.prepare")
 SETTINGS_FILE = "prepare.json"
+LOCK_FILE = ".lock"
 BATCH_CHARS = 1 << 20  # text per batch sent to a worker
 BATCH_DOCS = 2048
 
@@ -72,8 +76,32 @@ def prepare(cfg: PrepareConfig) -> Manifest:
     """Prepare (or finish, or repair) the dataset that `cfg` describes; returns its manifest."""
     out = cfg.output_dir()
     out.mkdir(parents=True, exist_ok=True)
+    with _exclusive(out):
+        return _prepare_locked(cfg, out)
+
+
+@contextmanager
+def _exclusive(out: Path) -> Iterator[None]:
+    """One preparation per directory at a time (an advisory lock on `out/.lock`)."""
+    with open(out / LOCK_FILE, "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as err:
+            raise DataError(
+                f"another `python -m data.prepare` is writing to out={out}; wait for it to finish"
+            ) from err
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _prepare_locked(cfg: PrepareConfig, out: Path) -> Manifest:
+    for directory in (out, out / "tokenizer"):
+        if directory.is_dir():
+            remove_temporaries(directory)
     source = Source(cfg.source, _source_options(cfg))
-    _claim(out, cfg)
+    _claim(out, cfg, source)
     if (out / MANIFEST).is_file() and not _forget_damaged_shards(out, cfg.progress):
         log.info("%s is already prepared (all shards verified)", out)
         return Manifest.load(out)
@@ -89,7 +117,14 @@ def prepare(cfg: PrepareConfig) -> Manifest:
             w.close()
     if not records["train"]:
         raise DataError(
-            f"source={cfg.source}: every document went to validation; lower val_fraction"
+            f"source={cfg.source}: every document went to validation; prepare again with a "
+            f"lower val_fraction into another out= (or delete {out})"
+        )
+    if cfg.val_fraction > 0 and not records["val"]:
+        log.warning(
+            "no document went to validation (val_fraction=%s); train with data.val_batches=0, "
+            "or prepare again with a larger val_fraction into another out=",
+            cfg.val_fraction,
         )
     manifest = {
         "format": FORMAT,
@@ -140,29 +175,40 @@ def _source_options(cfg: PrepareConfig) -> SourceOptions:
         hf_config=cfg.hf_config,
         decode_errors=cfg.decode_errors,
         include=cfg.include,
+        doc_separator=cfg.doc_separator,
     )
 
 
-def _claim(out: Path, cfg: PrepareConfig) -> None:
-    """Record the settings on first use; a later run into the same directory must match them."""
-    path, wanted = out / SETTINGS_FILE, cfg.fingerprint()
-    if path.is_file() and _has_output(out):
+def _claim(out: Path, cfg: PrepareConfig, source: Source) -> None:
+    """Record the settings (and the source's file list) before the first shard; once a shard
+    exists, a later run into the same directory must match them. Before that, a run with other
+    settings (say, after fixing a bad text_column) simply starts over."""
+    path = out / SETTINGS_FILE
+    wanted = cfg.fingerprint() | {"source_files": source.files_digest()}
+    if path.is_file():
         had = json.loads(path.read_text())
         diff = {k: (had.get(k), v) for k, v in wanted.items() if had.get(k) != v}
-        if diff:
+        if diff and _has_shards(out):
+            if set(diff) == {"source_files"}:
+                raise DataError(
+                    f"the files of source={cfg.source} changed since out={out} got its first "
+                    f"shards (names or sizes differ); finishing would mix two corpora. Restore "
+                    f"them, or choose another out= (or delete it) to start over"
+                )
             changes = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in diff.items())
             raise DataError(
                 f"out={out} was prepared with other settings ({changes}); choose another out= "
                 f"or delete the directory to start over"
             )
-    else:
-        atomic_write_json(path, wanted)
+        if not diff:
+            return
+        shutil.rmtree(out / "tokenizer", ignore_errors=True)  # made under the old settings
+    atomic_write_json(path, wanted)
 
 
-def _has_output(out: Path) -> bool:
-    """A tokenizer or a finished shard exists: the settings are then fixed for this directory."""
-    shard_records = (p for split in SPLITS for p in (out / split).glob("*.json"))
-    return (out / "tokenizer" / META_FILE).is_file() or any(True for _ in shard_records)
+def _has_shards(out: Path) -> bool:
+    """A shard has been committed: the settings are then fixed for this directory."""
+    return any(True for split in SPLITS for _ in (out / split).glob("*.json"))
 
 
 def _forget_damaged_shards(out: Path, progress: bool) -> bool:
@@ -204,6 +250,7 @@ def _obtain_tokenizer(
     if (directory / META_FILE).is_file():
         return load_tokenizer(directory)
     if cfg.tokenizer == "train":
+        token_dtype(cfg.token_dtype, cfg.vocab_size)  # before spending the training time
         log.info("training a %d-token BPE on %s", cfg.vocab_size, cfg.source)
         texts = _training_texts(cfg, source, split)
         tokenizer = train_bpe(texts, cfg.vocab_size, name=out.name)

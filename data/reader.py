@@ -5,21 +5,25 @@ T, targets the last T, so consecutive windows share one token and every token is
 Document boundaries come from the shards' `.idx` offsets; `doc_ids` numbers the documents inside
 each window from 0 (runs of equal ids, which is what the model's document mask expects).
 
-Shards are opened lazily per process (memory maps do not survive pickling to a spawned worker),
-and checked on open: a missing or truncated file always stops with its name; checksums are
-verified when a shard is first read (`verify=lazy`), for all shards at once (`full`), or never
-(`size`).
+Shards are mapped lazily per process (a pickled reader carries no maps), at most
+MAX_OPEN_SHARDS at a time. They are checked on open: a missing or truncated file always stops
+with its name; checksums are verified when a process first reads a shard (`verify=lazy`: once
+per shard and process, so each loader worker checks what it reads), for all shards at once
+(`full`), or never (`size`).
 """
 
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
 
 from data.errors import DataError
 from data.manifest import INDEX_DTYPE, Manifest, ShardRecord, file_checksum
+
+MAX_OPEN_SHARDS = 64  # memory maps kept open per process (two file descriptors each)
 
 
 class SplitReader:
@@ -36,8 +40,14 @@ class SplitReader:
         if verify == "full":
             for k in range(len(self.records)):
                 self._verify(k)
-        self._maps: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._maps: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
         self._pid = os.getpid()
+
+    def __getstate__(self) -> dict:
+        """Pickled for a spawned worker: without the maps (np.memmap would pickle its bytes)."""
+        state = dict(self.__dict__)
+        state["_maps"] = OrderedDict()
+        return state
 
     def _fix(self) -> str:
         return (
@@ -69,17 +79,23 @@ class SplitReader:
         self._verified.add(k)
 
     def _shard(self, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """(tokens, document offsets) of shard k, memory-mapped on first use in this process."""
-        if self._pid != os.getpid():  # a forked worker: maps and checks are per process
-            self._maps, self._pid = {}, os.getpid()
-        if k not in self._maps:
-            if self.verify == "lazy" and k not in self._verified:
-                self._verify(k)
-            rec = self.records[k]
-            self._maps[k] = (
-                _map(self.root / rec.bin, self.dtype),
-                _map(self.root / rec.idx, INDEX_DTYPE),
-            )
+        """(tokens, document offsets) of shard k, memory-mapped on first use in this process.
+        At most MAX_OPEN_SHARDS stay mapped (least recently used go first), so a shuffled
+        read over thousands of shards never runs out of file descriptors."""
+        if self._pid != os.getpid():  # a forked worker: maps are per process
+            self._maps, self._pid = OrderedDict(), os.getpid()
+        if k in self._maps:
+            self._maps.move_to_end(k)
+            return self._maps[k]
+        if self.verify == "lazy" and k not in self._verified:
+            self._verify(k)
+        rec = self.records[k]
+        self._maps[k] = (
+            _map(self.root / rec.bin, self.dtype),
+            _map(self.root / rec.idx, INDEX_DTYPE),
+        )
+        if len(self._maps) > MAX_OPEN_SHARDS:
+            self._maps.popitem(last=False)  # windows are copies, so no view keeps it open
         return self._maps[k]
 
     def num_windows(self, seq_len: int) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fnmatch
 import glob
+import hashlib
 import logging
 import os
 import sysconfig
@@ -26,6 +27,9 @@ DECODE_ERRORS = ("strict", "skip", "replace")
 STRUCTURED = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 COMPRESSED = {".gz", ".bz2", ".xz", ".zst"}
 MAX_LISTED = 100  # per-file problems kept in the manifest; the rest are counted
+# named document separators for text files (any other value is used literally)
+SEPARATORS = {"blank_line": "\n\n", "line": "\n", "eot": "<|endoftext|>"}
+READ_BYTES = 1 << 23
 
 
 @dataclass
@@ -51,12 +55,16 @@ class SourceReport:
         if len(self.skipped) < MAX_LISTED:
             self.skipped.append({"origin": origin, "reason": reason})
             log.warning("skipped %s: %s", origin, reason)
+        elif self.skipped_count == MAX_LISTED + 1:
+            log.warning("more inputs skipped: counted from now on, not listed")
 
     def replace(self, origin: str) -> None:
         self.replaced_count += 1
         if len(self.replaced) < MAX_LISTED:
             self.replaced.append(origin)
             log.warning("replaced undecodable bytes in %s with U+FFFD", origin)
+        elif self.replaced_count == MAX_LISTED + 1:
+            log.warning("more inputs with replaced bytes: counted from now on, not listed")
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -76,6 +84,9 @@ class SourceOptions:
     hf_config: str | None = None
     decode_errors: str = "skip"
     include: str = "*"  # file-name pattern applied inside directories
+    doc_separator: str = (
+        ""  # text files: "" = one file, one document; blank_line | line | eot | text
+    )
 
 
 class Source:
@@ -88,6 +99,14 @@ class Source:
         self.report = SourceReport()
         self.kind, self.files = _resolve(spec, options.include)
         self.total_bytes = sum(f.stat().st_size for f in self.files) if self.files else None
+
+    def files_digest(self) -> str:
+        """Names and sizes of the source files (empty for HF datasets): a change between a crash
+        and the re-run would otherwise mix two corpora in one dataset."""
+        h = hashlib.sha256()
+        for path in self.files:
+            h.update(f"{path}\t{path.stat().st_size}\n".encode())
+        return h.hexdigest()[:16]
 
     def describe(self) -> dict[str, Any]:
         d: dict[str, Any] = {"spec": self.spec, "kind": self.kind}
@@ -108,8 +127,12 @@ class Source:
             yield from self._from_text_files()
 
     def _from_text_files(self) -> Iterator[Document]:
+        separator = SEPARATORS.get(self.options.doc_separator, self.options.doc_separator)
+        if separator:
+            yield from self._split_text_files(separator.encode())
+            return
         for index, path in enumerate(self.files):
-            text = self._decode(path.read_bytes(), str(path))
+            text = self._decode(path.read_bytes(), str(path), 0)
             if text is None:
                 continue
             if not text:
@@ -117,15 +140,32 @@ class Source:
                 continue
             yield Document(index, text, str(path))
 
-    def _decode(self, raw: bytes, origin: str) -> str | None:
+    def _split_text_files(self, separator: bytes) -> Iterator[Document]:
+        """Every piece between separators is a document; files are streamed, never read whole."""
+        index = 0
+        for path in self.files:
+            for offset, raw in _pieces(path, separator):
+                text = self._decode(raw, f"{path}@{offset}", offset)
+                index += 1
+                if text is None:
+                    continue
+                if not text.strip():
+                    self.report.empty += 1
+                    continue
+                yield Document(index - 1, text, f"{path}@{offset}")
+
+    def _decode(self, raw: bytes, origin: str, offset: int) -> str | None:
         try:
             return raw.decode("utf-8")
         except UnicodeDecodeError as err:
-            where = f"{origin}: undecodable bytes at offset {err.start} ({err.reason})"
+            at = offset + err.start
             if self.options.decode_errors == "strict":
-                raise DataError(f"{where}; set decode_errors=skip or replace") from err
+                raise DataError(
+                    f"{origin}: undecodable bytes at byte {at} ({err.reason}); "
+                    f"set decode_errors=skip or replace"
+                ) from err
             if self.options.decode_errors == "skip":
-                self.report.skip(origin, f"undecodable bytes at offset {err.start}")
+                self.report.skip(origin, f"undecodable bytes at byte {at}")
                 return None
             self.report.replace(origin)
             return raw.decode("utf-8", errors="replace")
@@ -133,15 +173,18 @@ class Source:
     def _from_structured_files(self) -> Iterator[Document]:
         index = 0
         for path in self.files:
+            kept = 0
             try:
                 rows = _structured_rows(path, self.options.text_column)
                 for doc in self._from_rows(rows, str(path), start=index):
                     index = doc.index + 1
+                    kept += 1
                     yield doc
             except _RowsFailed as err:
                 if self.options.decode_errors == "strict":
                     raise DataError(f"{path}: {err}; set decode_errors=skip to drop it") from err
-                self.report.skip(str(path), str(err))
+                what = f"kept the {kept} documents before it" if kept else "nothing kept"
+                self.report.skip(str(path), f"{err} ({what})")
 
     def _from_rows(self, rows: Iterator[Any], origin: str, start: int = 0) -> Iterator[Document]:
         column = self.options.text_column
@@ -263,3 +306,16 @@ def stdlib_files() -> list[Path]:
     if not files:
         raise DataError(f"no Python sources under the standard library at {root}")
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def _pieces(path: Path, separator: bytes) -> Iterator[tuple[int, bytes]]:
+    """(byte offset, bytes) of each piece of `path` between separators, read in blocks."""
+    offset, carry = 0, b""
+    with open(path, "rb") as f:
+        while block := f.read(READ_BYTES):
+            parts = (carry + block).split(separator)
+            carry = parts.pop()
+            for part in parts:
+                yield offset, part
+                offset += len(part) + len(separator)
+    yield offset, carry

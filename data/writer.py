@@ -42,7 +42,10 @@ class ShardWriter:
         """Leading shards whose record exists and whose files have the recorded sizes."""
         records: list[dict] = []
         while (meta := self._name(len(records), "json")).is_file():
-            rec = json.loads(meta.read_text())
+            try:
+                rec = json.loads(meta.read_text())
+            except ValueError:  # a damaged record commits nothing: redo from this shard
+                break
             k = len(records)
             if (
                 rec.get("index") != k

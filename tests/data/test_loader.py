@@ -122,14 +122,19 @@ def test_resuming_with_another_number_of_ranks_continues_the_global_stream(datas
 
 
 def test_batches_wrap_into_the_next_epoch_without_a_gap(dataset):
+    stream = train_stream(dataset)
     lo = loader(dataset, global_batch=8)
     n = lo.windows
     steps = n // 8 + 2
-    take(iter(lo), steps)
+    batches = take(iter(lo), steps)
     assert lo.position == steps * 8 and lo.epoch > 1
-    samples = np.arange(steps * 8)
-    seen = lo.order(samples)
-    assert sorted(seen[:n].tolist()) == list(range(n))
+    firsts = [int(row[0]) for b in batches for row in b.inputs]
+    windows = lo.order(np.arange(steps * 8))
+    assert firsts == [int(stream[w * SEQ]) for w in windows]  # batches follow the global order
+    assert sorted(windows[:n].tolist()) == list(range(n))  # epoch 0 visits each window once
+    second = windows[n:]  # the start of epoch 1: distinct windows, in a new order
+    assert len(set(second.tolist())) == len(second) and second.max() < n
+    assert second.tolist() != windows[: len(second)].tolist()
 
 
 def test_prefetching_workers_change_nothing(dataset):
@@ -228,10 +233,35 @@ def test_bad_loader_settings(dataset, kwargs, message):
         loader(dataset, **kwargs)
 
 
-def test_a_validation_split_smaller_than_a_batch(dataset):
-    big = loader(dataset, global_batch=64, seq_len=512)
-    with pytest.raises(DataError, match="fewer than one global batch"):
-        list(big.validation())
+def test_a_validation_split_smaller_than_a_batch_is_refused_on_open(dataset):
+    with pytest.raises(DataError, match="fewer than one global batch.*data.val_batches=0"):
+        loader(dataset, global_batch=64, seq_len=512)
+    assert list(loader(dataset, global_batch=64, seq_len=512, val_batches=0).validation()) == []
+
+
+def test_a_worker_error_arrives_as_one_clear_line(dataset, tmp_path):
+    d = copy_dataset(dataset, tmp_path / "d")
+    for shard in (d / "train").glob("*.bin"):
+        data = bytearray(shard.read_bytes())
+        data[0] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    with pytest.raises(DataError) as err:
+        next(iter(loader(d, num_workers=1)))
+    assert "does not match its checksum" in str(err.value)
+    assert "Traceback" not in str(err.value) and "\n" not in str(err.value)
+
+
+def test_open_shards_are_bounded_and_a_pickled_reader_carries_no_maps(dataset, monkeypatch):
+    import pickle
+
+    from data import reader as reader_module
+
+    monkeypatch.setattr(reader_module, "MAX_OPEN_SHARDS", 3)
+    lo = loader(dataset, global_batch=8)
+    take(iter(lo), 10)  # shuffled windows touch every shard
+    assert 0 < len(lo.train._maps) <= 3
+    clone = pickle.loads(pickle.dumps(lo.train))
+    assert len(clone._maps) == 0 and len(pickle.dumps(lo.train)) < 20_000
 
 
 def test_loader_config_validation():

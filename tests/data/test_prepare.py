@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from data import writer as writer_module
 from data.errors import DataError
 from data.manifest import Manifest
 from data.prepare import DocumentSplit, prepare
@@ -110,6 +111,7 @@ def test_a_rerun_after_a_crash_mid_shard_is_byte_identical(
     cfg = prepare_config(corpus_dir, tmp_path, tokenizer_dir)
     with monkeypatch.context() as m:
         m.setattr(ShardWriter, "append", crashing)
+        m.setattr(writer_module, "FLUSH_BYTES", 1)  # every append reaches the file on disk
         with pytest.raises(Crash):
             prepare(cfg)
     assert not (tmp_path / "manifest.json").exists()
@@ -200,3 +202,119 @@ def test_document_split_is_seeded_and_near_the_fraction():
     assert names == [DocumentSplit(0.1, seed=0)(i) for i in range(20000)]
     assert names != [DocumentSplit(0.1, seed=1)(i) for i in range(20000)]
     assert all(DocumentSplit(0.0, seed=0)(i) == "train" for i in range(1000))
+
+
+def test_a_damaged_shard_record_is_treated_as_uncommitted(
+    reference, corpus_dir, tokenizer_dir, tmp_path
+):
+    cfg = prepare_config(corpus_dir, tmp_path, tokenizer_dir)
+    prepare(cfg)
+    (tmp_path / "manifest.json").unlink()
+    (tmp_path / "train" / "00003.json").write_text('{"index": 3')
+    prepare(cfg)
+    assert tree_bytes(tmp_path) == tree_bytes(reference)
+
+
+@pytest.mark.parametrize("point", ["bin", "idx", "record", "manifest"])
+def test_a_crash_at_each_commit_step_resumes_byte_identical(
+    reference, corpus_dir, tokenizer_dir, tmp_path, monkeypatch, point
+):
+    """Crash right after the .bin rename, the .idx write, the record write, or before the
+    manifest (the second time each happens), then run again."""
+    import data.atomic
+    import data.prepare as prepare_module
+
+    seen = {"n": 0}
+
+    def crash_on_second(name: str) -> None:
+        seen["n"] += name == point
+        if seen["n"] == 2:
+            raise Crash
+
+    original_replace, original_atomic = writer_module.os.replace, writer_module.atomic_write_bytes
+    original_json = writer_module.atomic_write_json
+
+    def replace(src, dst):
+        original_replace(src, dst)
+        crash_on_second("bin")
+
+    def atomic_bytes(path, data):
+        original_atomic(path, data)
+        crash_on_second("idx")
+
+    def atomic_json(path, obj):
+        original_json(path, obj)
+        crash_on_second("record")
+
+    def manifest_json(path, obj):
+        if path.name == "manifest.json":
+            seen["n"] = 1
+            crash_on_second("manifest")
+        data.atomic.atomic_write_json(path, obj)
+
+    cfg = prepare_config(corpus_dir, tmp_path, tokenizer_dir)
+    with monkeypatch.context() as m:
+        m.setattr(writer_module.os, "replace", replace)
+        m.setattr(writer_module, "atomic_write_bytes", atomic_bytes)
+        m.setattr(writer_module, "atomic_write_json", atomic_json)
+        m.setattr(prepare_module, "atomic_write_json", manifest_json)
+        with pytest.raises(Crash):
+            prepare(cfg)
+    prepare(cfg)
+    assert tree_bytes(tmp_path) == tree_bytes(reference)
+
+
+def test_a_second_preparation_into_the_same_directory_is_refused(
+    corpus_dir, tokenizer_dir, tmp_path
+):
+    import fcntl
+
+    tmp_path.mkdir(exist_ok=True)
+    with open(tmp_path / ".lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(DataError, match="another `python -m data.prepare` is writing"):
+            prepare(prepare_config(corpus_dir, tmp_path, tokenizer_dir))
+
+
+def test_fixing_a_bad_setting_before_any_shard_starts_over(tmp_path, tokenizer_dir):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.jsonl").write_text(
+        "".join(json.dumps({"body": f"row {i} " * 20}) + "\n" for i in range(30))
+    )
+    out = tmp_path / "out"
+    with pytest.raises(DataError, match="no column 'text'"):
+        prepare(prepare_config(src, out, "train", vocab_size=300))
+    manifest = prepare(prepare_config(src, out, "train", vocab_size=300, text_column="body"))
+    assert manifest.documents("train") + manifest.documents("val") == 30
+
+
+def test_changed_source_files_after_the_first_shards_are_refused(
+    corpus_dir, tokenizer_dir, tmp_path
+):
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(corpus_dir, src)
+    cfg = prepare_config(src, tmp_path / "out", tokenizer_dir)
+    with pytest.MonkeyPatch.context() as m:
+        calls = {"n": 0}
+        original = ShardWriter.append
+
+        def crashing(self, doc_index, tokens):
+            calls["n"] += 1
+            if calls["n"] == 30:
+                raise Crash
+            original(self, doc_index, tokens)
+
+        m.setattr(ShardWriter, "append", crashing)
+        with pytest.raises(Crash):
+            prepare(cfg)
+    (src / "doc_001.txt").write_text("edited")
+    with pytest.raises(DataError, match="files of source=.* changed since"):
+        prepare(cfg)
+
+
+def test_an_empty_validation_split_is_warned_about(corpus_dir, tokenizer_dir, tmp_path, caplog):
+    prepare(prepare_config(corpus_dir, tmp_path, tokenizer_dir, val_fraction=1e-9))
+    assert "no document went to validation" in caplog.text

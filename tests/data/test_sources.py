@@ -46,7 +46,7 @@ def undecodable(tmp_path) -> Path:
 
 
 def test_decode_errors_strict_names_the_file_and_offset(undecodable):
-    with pytest.raises(DataError, match=r"bad.txt: undecodable bytes at offset 3.*decode_errors"):
+    with pytest.raises(DataError, match=r"bad.txt: undecodable bytes at byte 3.*decode_errors"):
         docs(undecodable, decode_errors="strict")
 
 
@@ -153,3 +153,53 @@ def test_the_default_corpus_is_the_standard_library_in_a_fixed_order():
     assert "os.py" in rel and "json/__init__.py" in rel
     assert not any("site-packages" in r or "dist-packages" in r for r in rel)
     assert all(f.suffix == ".py" for f in files)
+
+
+@pytest.mark.parametrize(
+    ("separator", "expected"),
+    [
+        ("blank_line", ["a b\nc", "d", "e\n"]),
+        ("line", ["a b", "c", "d", "e"]),
+        ("eot", ["a b\nc\n\nd\n\n", "e\n"]),
+    ],
+)
+def test_text_files_split_into_documents_on_a_separator(tmp_path, separator, expected):
+    (tmp_path / "one.txt").write_text(
+        "a b\nc\n\nd\n\n<|endoftext|>e\n" if separator == "eot" else "a b\nc\n\nd\n\ne\n"
+    )
+    got = docs(tmp_path / "one.txt", doc_separator=separator)
+    assert [d.text for d in got] == expected
+    assert [d.index for d in got] == sorted(d.index for d in got)
+
+
+def test_separated_files_are_streamed_in_blocks_and_keep_byte_offsets(tmp_path, monkeypatch):
+    from data import sources
+
+    monkeypatch.setattr(sources, "READ_BYTES", 7)  # separators straddle the read blocks
+    pieces = [f"document number {i} ✓" for i in range(20)]
+    (tmp_path / "a.txt").write_text("\n\n".join(pieces))
+    got = docs(tmp_path / "a.txt", doc_separator="blank_line")
+    assert [d.text for d in got] == pieces
+    raw = (tmp_path / "a.txt").read_bytes()
+    for d in got:
+        at = int(d.origin.rsplit("@", 1)[1])
+        assert raw[at:].startswith(d.text.encode())
+
+
+def test_a_bad_piece_is_skipped_alone(tmp_path):
+    (tmp_path / "a.txt").write_bytes(b"good one\n\nbad \xff here\n\ngood two")
+    source = Source(str(tmp_path / "a.txt"), SourceOptions(doc_separator="blank_line"))
+    assert [d.text for d in source.documents()] == ["good one", "good two"]
+    assert source.report.skipped[0]["reason"] == "undecodable bytes at byte 14"
+
+
+def test_a_partly_read_structured_file_says_what_was_kept(tmp_path):
+    rows = "".join(json.dumps({"text": f"row {i}"}) + "\n" for i in range(3))
+    (tmp_path / "a.jsonl").write_text(rows + '{"text": broken\n')
+    source = Source(str(tmp_path / "a.jsonl"), SourceOptions())
+    got = list(source.documents())
+    assert len(got) <= 3 and source.report.skipped_count == 1
+    reason = source.report.skipped[0]["reason"]
+    assert f"kept the {len(got)} documents before it" in reason or (
+        not got and "nothing kept" in reason
+    )
