@@ -21,7 +21,7 @@ install-dev: torch
 	$(PIP) install -e ".[dev]"
 
 run: install
-	$(PYTHON) -m model.inspect
+	$(PYTHON) -m trainer
 
 test: install-dev
 	$(PYTHON) -m pytest

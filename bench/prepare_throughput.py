@@ -14,7 +14,7 @@ Two fixed costs inside the pipeline are also timed on their own, to read the rat
 the corpus files, and starting (and closing) the worker pool with the tokenizer loaded.
 
     python bench/prepare_throughput.py [--repeats 3] [--cores N] [--max-documents 0]
-Writes bench/results/prepare_throughput_cpu.json.
+Writes bench/results/prepare_throughput_cpu.json (with --copies N: prepare_throughput_cpu_xN.json).
 """
 
 from __future__ import annotations
@@ -63,12 +63,23 @@ def time_raw(encoding, texts: list[str], cores: int) -> tuple[float, int]:
     return elapsed, sum(len(x) for x in ids)
 
 
+def write_copies(texts: list[str], copies: int, scratch: Path) -> str:
+    """`copies` copies of the corpus as a directory source (the same text, `copies` times)."""
+    root = scratch / "corpus"
+    for c in range(copies):
+        folder = root / f"copy{c}"
+        folder.mkdir(parents=True)
+        for i, text in enumerate(texts):
+            (folder / f"{i:05d}.py").write_text(text, encoding="utf-8")
+    return str(root)
+
+
 def time_pipeline(
-    tokenizer: str, cores: int, max_documents: int, scratch: Path
+    tokenizer: str, cores: int, max_documents: int, scratch: Path, source: str
 ) -> tuple[float, int]:
     out = Path(tempfile.mkdtemp(prefix="prepare-", dir=scratch))
     cfg = PrepareConfig(
-        source="stdlib",
+        source=source,
         out=str(out),
         tokenizer=tokenizer,
         workers=cores,
@@ -90,7 +101,8 @@ def fixed_costs(tokenizer_dir: Path, vocab_size: int, cores: int) -> dict:
     stdlib_files()
     listing = time.perf_counter() - start
     start = time.perf_counter()
-    with EncodePool(tokenizer_dir, token_dtype("auto", vocab_size), cores) as pool:
+    with EncodePool(cores) as pool:
+        pool.start(tokenizer_dir, token_dtype("auto", vocab_size))
         for _ in pool.map((i, ["x"]) for i in range(cores)):
             pass
     pool_start = time.perf_counter() - start
@@ -105,6 +117,9 @@ def main() -> None:
     parser.add_argument("--cores", type=int, default=0, help="0 = every available core")
     parser.add_argument("--max-documents", type=int, default=0, help="0 = the whole corpus")
     parser.add_argument("--vocab-size", type=int, default=8192)
+    parser.add_argument(
+        "--copies", type=int, default=1, help="time N copies of the corpus (a directory source)"
+    )
     parser.add_argument(
         "--tokenizers", default="bpe,cl100k_base", help="comma-separated: bpe and/or names"
     )
@@ -138,6 +153,11 @@ def main() -> None:
                 specs[f"bpe{args.vocab_size}"] = str(bpe.save(scratch / "bpe"))
                 print(f"trained {bpe} in {train_seconds:.1f} s (not timed below)")
 
+        source = "stdlib"
+        if args.copies > 1:
+            source = write_copies(texts, args.copies, scratch)
+            texts = texts * args.copies
+            text_bytes *= args.copies
         for label, spec in specs.items():
             tokenizer = load_tokenizer(spec)
             costs = fixed_costs(
@@ -148,7 +168,9 @@ def main() -> None:
             for _ in range(args.repeats):
                 seconds, raw_tokens = time_raw(tokenizer.encoding, texts, cores)
                 raw_times.append(seconds)
-                seconds, pipe_tokens = time_pipeline(spec, cores, args.max_documents, scratch)
+                seconds, pipe_tokens = time_pipeline(
+                    spec, cores, args.max_documents, scratch, source
+                )
                 pipe_times.append(seconds)
                 print(f"  {label}: raw {raw_times[-1]:.2f} s, pipeline {pipe_times[-1]:.2f} s")
             # every document ends with one EOT in the shards: equal counts mean equal text
@@ -205,7 +227,8 @@ def main() -> None:
         "bpe_train_seconds": train_seconds,
         "rows": rows,
     }
-    out = Path(args.out) / "prepare_throughput_cpu.json"
+    suffix = f"_x{args.copies}" if args.copies > 1 else ""
+    out = Path(args.out) / f"prepare_throughput_cpu{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\nwrote {out}")

@@ -1,7 +1,7 @@
 """Parallel tokenization: batches of documents encoded by worker processes, results in order.
 
-Each worker loads the tokenizer once (from the dataset's own `tokenizer/` copy) and returns a
-batch as one flat token array plus per-document lengths, already in the shard dtype, so little
+Each worker loads the tokenizer once (by the spec it is given) and returns a batch as one flat
+token array plus per-document lengths, already in the shard dtype, so little
 crosses the process boundary. At most `2 * workers + 2` batches are in flight, which bounds memory
 however large the source is, and results come back in submission order so shards are
 deterministic. With one worker everything runs in the calling process.
@@ -20,7 +20,7 @@ import numpy as np
 
 from data.tokenizer import Tokenizer, load_tokenizer
 
-_worker_state: dict[str, Any] = {}
+_worker_tokenizers: dict[str, Tokenizer] = {}  # per worker process: spec -> tokenizer
 
 
 class Encoded(NamedTuple):
@@ -29,13 +29,21 @@ class Encoded(NamedTuple):
     text_bytes: int  # UTF-8 bytes of the batch's text (for throughput)
 
 
-def _init_worker(tokenizer_dir: str, dtype: str) -> None:
-    _worker_state["tokenizer"] = load_tokenizer(tokenizer_dir)
-    _worker_state["dtype"] = np.dtype(dtype)
+def _worker_tokenizer(spec: str) -> Tokenizer:
+    if spec not in _worker_tokenizers:
+        _worker_tokenizers[spec] = load_tokenizer(spec)
+    return _worker_tokenizers[spec]
 
 
-def _encode_in_worker(texts: list[str]) -> Encoded:
-    return encode_batch(_worker_state["tokenizer"], texts, _worker_state["dtype"])
+def _warm_up(spec: str) -> None:
+    """Runs first in each worker: imports (and, when known, the tokenizer) load while the main
+    process is still busy with its own start-up."""
+    if spec:
+        _worker_tokenizer(spec)
+
+
+def _encode_in_worker(spec: str, dtype: str, texts: list[str]) -> Encoded:
+    return encode_batch(_worker_tokenizer(spec), texts, np.dtype(dtype))
 
 
 def encode_batch(tokenizer: Tokenizer, texts: list[str], dtype: np.dtype) -> Encoded:
@@ -53,21 +61,32 @@ def encode_batch(tokenizer: Tokenizer, texts: list[str], dtype: np.dtype) -> Enc
 
 
 class EncodePool:
-    """`map(items)`: items are (tag, texts); yields (tag, Encoded) in the same order."""
+    """Worker processes that encode batches; `map` yields results in submission order.
 
-    def __init__(self, tokenizer_dir: Path, dtype: np.dtype, workers: int):
+    Create it early and call `warm_up(spec)`: spawning the workers and loading the tokenizer then
+    overlap with the caller's own start-up. `start(spec, dtype)` fixes what `map` uses.
+    """
+
+    def __init__(self, workers: int):
         self.workers = workers
         self._executor: ProcessPoolExecutor | None = None
+        self._spec, self._dtype = "", np.dtype(np.uint32)
         if workers > 1:
             self._executor = ProcessPoolExecutor(
                 max_workers=workers,
                 # spawn: the caller may have torch or threads loaded, which fork does not survive
                 mp_context=multiprocessing.get_context("spawn"),
-                initializer=_init_worker,
-                initargs=(str(tokenizer_dir), np.dtype(dtype).str),
             )
-        else:
-            self._tokenizer, self._dtype = load_tokenizer(tokenizer_dir), np.dtype(dtype)
+
+    def warm_up(self, spec: str = "") -> None:
+        if self._executor is not None:
+            for _ in range(self.workers):
+                self._executor.submit(_warm_up, spec)
+
+    def start(self, spec: str | Path, dtype: np.dtype) -> None:
+        self._spec, self._dtype = str(spec), np.dtype(dtype)
+        if self._executor is None:
+            self._tokenizer = load_tokenizer(self._spec)
 
     def map(self, items: Iterable[tuple[Any, list[str]]]) -> Iterator[tuple[Any, Encoded]]:
         if self._executor is None:
@@ -76,7 +95,8 @@ class EncodePool:
             return
         in_flight: deque[tuple[Any, Future]] = deque()
         for tag, texts in items:
-            in_flight.append((tag, self._executor.submit(_encode_in_worker, texts)))
+            task = self._executor.submit(_encode_in_worker, self._spec, self._dtype.str, texts)
+            in_flight.append((tag, task))
             if len(in_flight) >= 2 * self.workers + 2:
                 done_tag, fut = in_flight.popleft()
                 yield done_tag, fut.result()

@@ -106,15 +106,21 @@ def _prepare_locked(cfg: PrepareConfig, out: Path) -> Manifest:
         log.info("%s is already prepared (all shards verified)", out)
         return Manifest.load(out)
     split = DocumentSplit(cfg.val_fraction, cfg.split_seed)
-    tokenizer = _obtain_tokenizer(cfg, out, source, split)
-    dtype = token_dtype(cfg.token_dtype, tokenizer.vocab_size)
-    writers = {name: ShardWriter(out, name, dtype, cfg.shard_tokens) for name in SPLITS}
-    try:
-        end_doc = _tokenize_source(cfg, source, split, writers, out / "tokenizer", dtype)
-        records = {name: w.finish(end_doc) for name, w in writers.items()}
-    finally:
-        for w in writers.values():
-            w.close()
+    with EncodePool(cfg.workers or len(os.sched_getaffinity(0))) as pool:
+        # workers start (and load a named or file tokenizer) while this process sets up
+        copy_exists = (out / "tokenizer" / META_FILE).is_file()
+        worker_spec = cfg.tokenizer if cfg.tokenizer != "train" and not copy_exists else ""
+        pool.warm_up(worker_spec)
+        tokenizer = _obtain_tokenizer(cfg, out, source, split)
+        dtype = token_dtype(cfg.token_dtype, tokenizer.vocab_size)
+        pool.start(worker_spec or out / "tokenizer", dtype)
+        writers = {name: ShardWriter(out, name, dtype, cfg.shard_tokens) for name in SPLITS}
+        try:
+            end_doc = _tokenize_source(cfg, source, split, writers, pool)
+            records = {name: w.finish(end_doc) for name, w in writers.items()}
+        finally:
+            for w in writers.values():
+                w.close()
     if not records["train"]:
         raise DataError(
             f"source={cfg.source}: every document went to validation; prepare again with a "
@@ -288,11 +294,9 @@ def _tokenize_source(
     source: Source,
     split: DocumentSplit,
     writers: dict[str, ShardWriter],
-    tokenizer_dir: Path,
-    dtype: np.dtype,
+    pool: EncodePool,
 ) -> int:
     """Encode every document the writers still want; returns the index after the last one."""
-    workers = cfg.workers or len(os.sched_getaffinity(0))
     total = source.total_bytes if source.kind in ("text", "stdlib") else None
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="tokenizing", disable=not cfg.progress)
     seen = {"docs": 0, "end": 0}
@@ -320,15 +324,14 @@ def _tokenize_source(
             if texts:
                 yield (name, indices), texts
 
-    with EncodePool(tokenizer_dir, dtype, workers) as pool:
-        for (name, indices), enc in pool.map(batches()):
-            bounds = np.concatenate([[0], np.cumsum(enc.lengths)])
-            for i, index in enumerate(indices):
-                writers[name].append(index, enc.tokens[bounds[i] : bounds[i + 1]])
-            counts["docs"] += len(indices)
-            counts["tokens"] += int(bounds[-1])
-            bar.update(enc.text_bytes)
-            bar.set_postfix(docs=counts["docs"], tokens=counts["tokens"], refresh=False)
+    for (name, indices), enc in pool.map(batches()):
+        bounds = np.concatenate([[0], np.cumsum(enc.lengths)])
+        for i, index in enumerate(indices):
+            writers[name].append(index, enc.tokens[bounds[i] : bounds[i + 1]])
+        counts["docs"] += len(indices)
+        counts["tokens"] += int(bounds[-1])
+        bar.update(enc.text_bytes)
+        bar.set_postfix(docs=counts["docs"], tokens=counts["tokens"], refresh=False)
     bar.close()
     if seen["docs"] == 0:
         report = source.report
@@ -342,7 +345,7 @@ def _tokenize_source(
         counts["docs"],
         counts["tokens"],
         elapsed,
-        workers,
+        pool.workers,
     )
     return seen["end"]
 
