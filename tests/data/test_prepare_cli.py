@@ -12,20 +12,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.commands import ROOT, run_module
+
 pytestmark = pytest.mark.integration
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_prepare(*overrides: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = os.environ | {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    return subprocess.run(
-        [sys.executable, "-m", "data.prepare", *overrides],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        env=env,
-        timeout=300,
-    )
+    return run_module("data.prepare", *overrides, cwd=cwd, timeout=300)
 
 
 def test_prepare_trains_a_tokenizer_and_writes_shards(corpus_dir, tmp_path):

@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 from data.config import LoaderConfig
 from data.prepare import prepare
 from model.presets import load_preset
 from optim.config import OptimConfig
+from tests.commands import run_module
 from tests.data.helpers import prepare_config, write_corpus
 from trainer.config import CheckpointConfig, LoggingConfig, RootConfig, TrainerConfig
 
-ROOT = Path(__file__).resolve().parents[2]
 SMALL_MODEL = {
     "d_model": 64,
     "n_layers": 2,
@@ -59,15 +57,7 @@ def small_config(dataset: Path, **trainer: object) -> RootConfig:
 
 
 def run_trainer(*overrides: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
-    full_env = os.environ | {"PYTHONPATH": str(ROOT)} | (env or {})
-    return subprocess.run(
-        [sys.executable, "-m", "trainer", *overrides],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        env=full_env,
-        timeout=600,
-    )
+    return run_module("trainer", *overrides, cwd=cwd, env=env)
 
 
 def metric_rows(run_dir: Path) -> list[dict]:

@@ -19,7 +19,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from model.config import ModelConfig, config_from_dict
 from model.transformer import build_model
-from tests.trainer.helpers import ROOT, SMALL_OVERRIDES, metric_rows, run_trainer
+from tests.commands import ROOT
+from tests.trainer.helpers import SMALL_OVERRIDES, metric_rows, run_trainer
 
 pytestmark = pytest.mark.integration
 REQUIRED = {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu"}
