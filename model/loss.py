@@ -1,33 +1,78 @@
 """Cross-entropy over the vocabulary without materializing all logits at once.
 
 Shapes: h (N, C) final hidden states, W (V, C) output head, targets (N,) with -100 = ignore.
-The tokens are cut into chunks; each chunk's logits (n, V) are computed, reduced to a summed loss
-and freed. Activation checkpointing recomputes a chunk's logits in the backward pass, so peak
-memory holds one chunk of logits instead of (N, V) in the forward and again in the backward.
+
+The loss is the last op of the graph, so its gradient with respect to h and W is known up to
+the scalar that flows back into it. `FusedLinearCrossEntropy` therefore computes, chunk by
+chunk, the logits (n, V), the loss, and right away the gradients
+    dlogits = (softmax(logits) - onehot(target)) / count          (zero rows for ignored targets)
+    dh = dlogits @ W,   dW += dlogits^T @ h
+and frees the chunk; backward only scales the stored dh, dW by the incoming gradient. Peak
+memory holds one chunk of logits, there is no recomputation of the logits matmul, and no
+log-softmax backward pass.
+
+Under autocast, h and W are cast to the autocast dtype before the function (so the casts' own
+backward returns fp32 gradients to fp32 weights); inside, the matmuls run in that dtype and the
+softmax in fp32.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 
 IGNORE_INDEX = -100
 
 
-def _chunk_loss_sum(h: Tensor, weight: Tensor, targets: Tensor) -> Tensor:
-    logits = F.linear(h, weight).float()  # (n, V) in fp32 for a stable log-softmax
-    return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
+class FusedLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h: Tensor, weight: Tensor, targets: Tensor, chunk: int) -> Tensor:
+        valid = targets != IGNORE_INDEX
+        count = valid.sum().clamp(min=1)
+        want_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        grad_h = torch.empty_like(h) if want_grad else None
+        grad_w = (
+            torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if want_grad else None
+        )
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        step = chunk if 0 < chunk < h.shape[0] else h.shape[0]
+        for start in range(0, h.shape[0], step):
+            h_c, t_c, v_c = (
+                h[start : start + step],
+                targets[start : start + step],
+                valid[start : start + step],
+            )
+            logits = (h_c @ weight.T).float()  # (n, V)
+            lse = torch.logsumexp(logits, dim=-1)
+            safe_t = t_c.clamp(min=0)
+            target_logit = logits.gather(1, safe_t[:, None])[:, 0]
+            total += ((lse - target_logit) * v_c).sum()
+            if not want_grad:
+                continue
+            probs = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
+            probs[torch.arange(len(t_c), device=h.device), safe_t] -= 1.0
+            d_logits = probs.to(h.dtype)  # unscaled: the row weights go on the (n, C) side
+            scale = (v_c.float() / count)[:, None]  # (n, 1) fp32: 1/count, 0 where ignored
+            grad_h[start : start + step] = (d_logits @ weight).float() * scale
+            grad_w += (d_logits.T @ (h_c.float() * scale).to(h.dtype)).float()  # fp32 sum
+        if want_grad:
+            ctx.save_for_backward(grad_h, grad_w.to(weight.dtype))
+        return total / count
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        grad_h, grad_w = ctx.saved_tensors
+        return grad_h * grad_out.to(grad_h.dtype), grad_w * grad_out.to(grad_w.dtype), None, None
 
 
 def chunked_cross_entropy(h: Tensor, weight: Tensor, targets: Tensor, chunk_tokens: int) -> Tensor:
     """Mean cross-entropy of `targets` under logits h @ W^T; chunk_tokens=0 computes it in one go."""
     h, targets = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
-    count = (targets != IGNORE_INDEX).sum().clamp(min=1)
-    if not chunk_tokens or chunk_tokens >= targets.numel():
-        return _chunk_loss_sum(h, weight, targets) / count
-    total = torch.zeros((), device=h.device, dtype=torch.float32)
-    for h_chunk, t_chunk in zip(h.split(chunk_tokens), targets.split(chunk_tokens)):
-        total = total + checkpoint(_chunk_loss_sum, h_chunk, weight, t_chunk, use_reentrant=False)
-    return total / count
+    device = h.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        h, weight = h.to(dtype), weight.to(dtype)
+    elif weight.dtype != h.dtype:
+        weight = weight.to(h.dtype)
+    with torch.autocast(device, enabled=False):
+        return FusedLinearCrossEntropy.apply(h, weight, targets, chunk_tokens)
