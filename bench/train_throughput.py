@@ -7,7 +7,7 @@ model's training FLOPs per token (model.accounting: causal attention, matmuls) x
 the bf16 matmul peak measured in the same run (trainer.mfu.measure_matmul_peak).
 
     python bench/train_throughput.py [--batch 8] [--seq-len 512] [--steps 8] [--warmup 3]
-Writes bench/results/train_throughput_cpu.json.
+Writes bench/results/train_throughput_cpu_<batch>x<seq_len>.json.
 """
 
 from __future__ import annotations
@@ -33,7 +33,9 @@ from optim.builder import build_optimizer
 from optim.config import OptimConfig
 from trainer.mfu import measure_matmul_peak
 
-VARIANTS = ("transformers", "transformers_compiled", "lmforge", "lmforge_compiled")
+# *_compiled: torch.compile per block; lmforge_compiled_model: the whole model (what
+# trainer.compile=true does in one process)
+VARIANTS = ("transformers", "transformers_compiled", "lmforge", "lmforge_compiled_model")
 
 
 def build(variant: str):
@@ -62,6 +64,8 @@ def build(variant: str):
         if variant.endswith("compiled"):
             for block in model.layers.values():
                 block.compile()
+        elif variant.endswith("compiled_model"):
+            model.compile()
     optimizer = build_optimizer(OptimConfig(), model)
     return model, optimizer, loss_of
 
@@ -135,7 +139,7 @@ def main() -> None:
         "targets": {"speedup_vs_transformers": 1.5, "mfu_of_measured_peak": 0.6},
         "rows": rows,
     }
-    out = Path(args.out) / "train_throughput_cpu.json"
+    out = Path(args.out) / f"train_throughput_cpu_{args.batch}x{args.seq_len}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\nbf16 matmul peak {peak / 1e9:.0f} GFLOP/s; {flops / 1e6:.1f} MFLOP/token")

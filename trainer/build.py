@@ -101,12 +101,13 @@ def build_loader(
 
 
 def build_trainable_model(
-    cfg: ModelConfig, device: torch.device, seed: int, compile_blocks: bool
+    cfg: ModelConfig, device: torch.device, seed: int, compile_model: bool
 ) -> Transformer:
-    """Meta build, then materialize on `device` and initialize from `seed` (fp32 weights)."""
+    """Meta build, then materialize on `device` and initialize from `seed` (fp32 weights).
+    `compile_model` compiles the whole model as one graph (in one process that beats per-block
+    compilation: the embedding, final norm and fused loss join the graph)."""
     torch.manual_seed(seed)
     model = build_model(cfg, device=device)
-    if compile_blocks:
-        for block in model.layers.values():
-            block.compile()
+    if compile_model:
+        model.compile()
     return model

@@ -40,7 +40,7 @@ class TrainerConfig:
     sample_prompt: str = "def "  # prompt of that sample
     grad_clip: float = 1.0  # global gradient-norm clip; 0 = off
     precision: str = "bf16"  # bf16 (autocast, fp32 weights and optimizer) | fp32
-    compile: bool = False  # torch.compile each block
+    compile: bool = False  # torch.compile the model (about 30 s of compilation on CPU)
     doc_mask: bool = False  # attention within documents, positions restart at each (packed data)
     device: str = "auto"  # auto (cuda when available) | cpu | cuda
     max_bad_steps: int = 5  # consecutive skipped steps (non-finite or spiking) before stopping

@@ -196,3 +196,14 @@ def test_export_gives_a_transformers_model_with_the_same_logits(dataset, tmp_pat
         torch.testing.assert_close(hf(tokens).logits, ours(tokens), atol=1e-5, rtol=1e-5)
     assert json.loads((out / "config.json").read_text())["vocab_size"] == 320
     assert (out / "tokenizer" / "tokenizer.tiktoken").is_file()
+
+
+def test_a_compiled_model_trains(dataset, tmp_path):
+    """trainer.compile=true: the whole model (with the fused loss) as one torch.compile graph."""
+    run_dir = tmp_path / "run"
+    result = run_trainer(
+        *small(dataset, run_dir, "trainer.max_steps=3", "trainer.compile=true"), cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses = [r["loss"] for r in metric_rows(run_dir) if "loss" in r]
+    assert len(losses) == 3 and all(isinstance(x, float) for x in losses)
