@@ -6,7 +6,6 @@ functions (trainer.build) so that each component receives only its own settings.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from pathlib import Path
 
@@ -28,18 +27,13 @@ from trainer.config import RootConfig
 from trainer.loop import Training
 from trainer.metrics import MetricsFile
 from trainer.mfu import device_peak
+from trainer.precision import MasterWeights, autocast_factory, compute_dtype
 from trainer.runtime import Ranks, describe_environment, pick_device, seed_everything, set_rng_state
 from trainer.signals import StopFlag
 from trainer.step import LossTracker
 from trainer.wandb_run import WandbRun
 
 log = logging.getLogger("trainer")
-
-
-def autocast_factory(precision: str, device: torch.device):
-    if precision == "bf16":
-        return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext
 
 
 def build_training(cfg: RootConfig, run_dir: Path, ranks: Ranks) -> Training:
@@ -49,6 +43,7 @@ def build_training(cfg: RootConfig, run_dir: Path, ranks: Ranks) -> Training:
             "is not available yet; launch a single process"
         )
     tcfg = cfg.trainer
+    run_dir.mkdir(parents=True, exist_ok=True)
     if tcfg.threads:
         torch.set_num_threads(tcfg.threads)
     device = pick_device(tcfg.device, ranks.local_rank)
@@ -56,14 +51,16 @@ def build_training(cfg: RootConfig, run_dir: Path, ranks: Ranks) -> Training:
     model_cfg = resolve_model_config(cfg.model, manifest)
     micro_batches = check_cross_fields(model_cfg, cfg.data, tcfg, ranks.world_size)
     seed_everything(cfg.seed)
-    model = build_trainable_model(model_cfg, device, cfg.seed, tcfg.compile)
-    optimizer = build_optimizer(cfg.optim, model)
+    model = build_trainable_model(model_cfg, device, cfg.seed)
+    master = MasterWeights(model) if tcfg.precision == "bf16_master" else None
+    optimizer = build_optimizer(cfg.optim, master.master if master else model)
+    if tcfg.compile:  # the whole model as one graph (embedding, blocks, fused loss)
+        model.compile()
     loader = build_loader(
         cfg.data, manifest, tcfg.batch_size, ranks.rank, ranks.world_size, cfg.seed
     )
     loader.manifest.check_tokenizer(manifest.tokenizer)
-    dtype = torch.bfloat16 if tcfg.precision == "bf16" else torch.float32
-    peak, peak_source = device_peak(device, dtype, tcfg.peak_flops)
+    peak, peak_source = device_peak(device, compute_dtype(tcfg.precision), tcfg.peak_flops)
     flops = training_flops_per_token(model, cfg.data.seq_len).total
     counts = param_counts(model)
     log.info("%s; device %s", describe_environment(), device)
@@ -102,6 +99,7 @@ def build_training(cfg: RootConfig, run_dir: Path, ranks: Ranks) -> Training:
         stop=StopFlag(),
         tracker=LossTracker(tcfg.spike_factor),
         config_yaml=config_yaml,
+        master=master,
     )
     wandb_id = _resume_into(training, cfg.resume)
     training.wandb = WandbRun(
@@ -118,10 +116,12 @@ def _resume_into(training: Training, resume_from: str) -> str | None:
     restored = resume(
         resume_from,
         training.run_dir / "checkpoints",
-        training.model,
+        training.state_model,
         training.optimizer,
         training.ranks.rank,
     )
+    if restored is not None and training.master is not None:
+        training.master.master_to_model()
     if restored is None:
         if resume_from == "auto":
             log.info("no checkpoint in %s: starting from scratch", training.run_dir / "checkpoints")

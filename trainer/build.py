@@ -100,14 +100,7 @@ def build_loader(
     )
 
 
-def build_trainable_model(
-    cfg: ModelConfig, device: torch.device, seed: int, compile_model: bool
-) -> Transformer:
-    """Meta build, then materialize on `device` and initialize from `seed` (fp32 weights).
-    `compile_model` compiles the whole model as one graph (in one process that beats per-block
-    compilation: the embedding, final norm and fused loss join the graph)."""
+def build_trainable_model(cfg: ModelConfig, device: torch.device, seed: int) -> Transformer:
+    """Meta build, then materialize on `device` and initialize from `seed` (fp32 weights)."""
     torch.manual_seed(seed)
-    model = build_model(cfg, device=device)
-    if compile_model:
-        model.compile()
-    return model
+    return build_model(cfg, device=device)

@@ -19,7 +19,7 @@ from model.errors import ConfigError
 from optim.config import OptimConfig
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
-PRECISIONS = ("bf16", "fp32")
+PRECISIONS = ("bf16", "bf16_master", "fp32")
 WANDB_MODES = ("disabled", "offline", "online")
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -39,7 +39,8 @@ class TrainerConfig:
     sample_tokens: int = 48  # tokens sampled after each evaluation (0 = none)
     sample_prompt: str = "def "  # prompt of that sample
     grad_clip: float = 1.0  # global gradient-norm clip; 0 = off
-    precision: str = "bf16"  # bf16 (autocast, fp32 weights and optimizer) | fp32
+    precision: str = "bf16"  # bf16 (autocast over fp32 weights) | bf16_master (bf16 weights,
+    # fp32 master weights in the optimizer) | fp32
     compile: bool = False  # torch.compile the model (about 30 s of compilation on CPU)
     doc_mask: bool = False  # attention within documents, positions restart at each (packed data)
     device: str = "auto"  # auto (cuda when available) | cpu | cuda

@@ -30,6 +30,7 @@ from trainer.console import console
 from trainer.evaluate import perplexity, sample_text, validation_loss
 from trainer.metrics import MetricsFile, memory_bytes
 from trainer.plot import plot_losses
+from trainer.precision import MasterWeights
 from trainer.runtime import Ranks, rng_state
 from trainer.signals import StopFlag
 from trainer.step import LossTracker, train_step
@@ -60,6 +61,12 @@ class Training:
     skipped_total: int = 0
     tracker: LossTracker = field(default_factory=lambda: LossTracker(0.0))
     config_yaml: str = ""
+    master: MasterWeights | None = None  # fp32 master weights (trainer.precision=bf16_master)
+
+    @property
+    def state_model(self) -> torch.nn.Module:
+        """What checkpoints hold and the optimizer updates: the fp32 master copy if there is one."""
+        return self.master.master if self.master is not None else self.model
 
     # -- state ---------------------------------------------------------------------------------
     def extra_state(self) -> dict[str, Any]:
@@ -81,7 +88,7 @@ class Training:
         path = save_checkpoint(
             self.run_dir / "checkpoints",
             self.step,
-            self.model,
+            self.state_model,
             self.optimizer,
             self.extra_state(),
             self.ranks.rank,
@@ -117,6 +124,7 @@ class Training:
                     tcfg.grad_clip,
                     self.cfg.trainer.doc_mask,
                     self.tracker,
+                    self.master,
                 )
                 self.step += 1
                 self.tokens += tokens_per_step

@@ -17,6 +17,7 @@ import torch
 
 from data.loader import Batch
 from model.transformer import Transformer
+from trainer.precision import MasterWeights
 
 EMA_DECAY = 0.98  # running mean of good losses for the spike rule (about 50 steps)
 
@@ -64,6 +65,7 @@ def train_step(
     grad_clip: float,
     doc_mask: bool,
     tracker: LossTracker,
+    master: MasterWeights | None = None,
 ) -> StepResult:
     loss_sum = torch.zeros((), device=batch.inputs.device)
     for mb in split_micro_batches(batch, micro_batches):
@@ -71,7 +73,11 @@ def train_step(
             loss = model(mb.inputs, mb.targets, doc_ids=mb.doc_ids if doc_mask else None)
         (loss / micro_batches).backward()
         loss_sum += loss.detach().float()
-    params = [p for p in model.parameters() if p.grad is not None]
+    if master is not None:  # bf16 gradients -> the fp32 master weights the optimizer updates
+        master.grads_to_master()
+        params = [m for _, m in master.pairs if m.grad is not None]
+    else:
+        params = [p for p in model.parameters() if p.grad is not None]
     max_norm = grad_clip if grad_clip > 0 else float("inf")
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
     loss_value, norm_value = (loss_sum / micro_batches).item(), float(norm)
@@ -84,6 +90,8 @@ def train_step(
         reason = f"loss {loss_value:.3f} > {tracker.factor} x running mean {tracker.mean:.3f}"
     if not reason:
         optimizer.step()
+        if master is not None:
+            master.master_to_model()
         tracker.update(loss_value)
     optimizer.zero_grad(set_to_none=True)
     return StepResult(loss_value, norm_value, reason)

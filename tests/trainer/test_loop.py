@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from tests.trainer.helpers import metric_rows, small_config
@@ -108,3 +109,38 @@ def test_checkpoint_extra_state_is_complete(dataset, tmp_path):
     assert "seq_len: 32" in extra["config"]
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == ckpt.name
     json.dumps(extra["loader"])  # the loader state is plain data
+
+
+def test_bf16_master_weights_train_in_bf16_and_checkpoint_fp32(dataset, tmp_path):
+    cfg = small_config(dataset, max_steps=20, eval_every=20, precision="bf16_master")
+    cfg.optim.lr = 1e-2
+    training = build_training(cfg, tmp_path, ONE)
+    assert {p.dtype for p in training.model.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in training.state_model.parameters()} == {torch.float32}
+    assert training.run() == 0
+    val = [r["val_loss"] for r in metric_rows(tmp_path) if "val_loss" in r]
+    assert val[-1] < val[0] - 1.0
+    for param, master in training.master.pairs:  # the bf16 weights are the rounded masters
+        assert torch.equal(param, master.to(torch.bfloat16))
+    (ckpt,) = complete_checkpoints(tmp_path / "checkpoints")
+    fresh = build_training(cfg, tmp_path / "other", ONE)
+    load_checkpoint(ckpt, fresh.state_model, fresh.optimizer, rank=0)
+    for name, param in fresh.state_model.named_parameters():
+        assert param.dtype == torch.float32
+        assert torch.equal(param, dict(training.state_model.named_parameters())[name])
+
+
+@pytest.mark.parametrize("precision", ["bf16_master", "fp32"])
+def test_resume_in_process_is_bitwise_exact(dataset, tmp_path, precision):
+    def config(steps: int):
+        cfg = small_config(dataset, max_steps=steps, precision=precision)
+        cfg.checkpoint.every = 3
+        return cfg
+
+    assert train(config(6), tmp_path / "whole", ONE) == 0
+    assert train(config(3), tmp_path / "split", ONE) == 0
+    assert train(config(6), tmp_path / "split", ONE) == 0  # resume=auto from step 3
+    losses = [
+        [r["loss"] for r in metric_rows(tmp_path / d) if "loss" in r] for d in ("whole", "split")
+    ]
+    assert len(losses[0]) == 6 and losses[0] == losses[1]

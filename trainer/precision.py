@@ -1,0 +1,47 @@
+"""Mixed precision: `trainer.precision=bf16` (autocast over fp32 weights), `bf16_master` (bf16
+weights for compute, fp32 master weights that the optimizer updates) or `fp32`.
+
+With `bf16_master` the model the loop runs is bf16 throughout (no per-matmul casts), while
+`MasterWeights.master`, an fp32 copy with the same parameter names, is what the optimizer
+steps and what checkpoints hold: after backward the bf16 gradients move to the fp32 copy, and
+after the update the copy is rounded back into the bf16 weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+
+import torch
+from torch import nn
+
+
+def autocast_factory(precision: str, device: torch.device) -> Callable[[], AbstractContextManager]:
+    if precision == "bf16":
+        return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext  # fp32, and bf16_master (the weights are bf16 already)
+
+
+def compute_dtype(precision: str) -> torch.dtype:
+    return torch.float32 if precision == "fp32" else torch.bfloat16
+
+
+class MasterWeights:
+    """fp32 master copy of a model whose own parameters become bf16."""
+
+    def __init__(self, model: nn.Module):
+        self.master = copy.deepcopy(model)  # fp32, same names (checkpoints, export)
+        model.to(torch.bfloat16)
+        self.pairs = list(zip(model.parameters(), self.master.parameters()))
+
+    def grads_to_master(self) -> None:
+        for param, master in self.pairs:
+            master.grad = None if param.grad is None else param.grad.float()
+            param.grad = None
+
+    @torch.no_grad()
+    def master_to_model(self) -> None:
+        for param, master in self.pairs:
+            param.copy_(master)
