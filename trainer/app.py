@@ -22,7 +22,7 @@ from trainer.build import (
     dataset_manifest,
     resolve_model_config,
 )
-from trainer.checkpoint import resume
+from trainer.checkpoint import Checkpointer, resume
 from trainer.config import RootConfig
 from trainer.loop import Training
 from trainer.metrics import MetricsFile
@@ -99,6 +99,9 @@ def build_training(cfg: RootConfig, run_dir: Path, ranks: Ranks) -> Training:
         stop=StopFlag(),
         tracker=LossTracker(tcfg.spike_factor),
         config_yaml=config_yaml,
+        checkpointer=Checkpointer(
+            run_dir / "checkpoints", ranks.rank, cfg.checkpoint.keep, cfg.checkpoint.async_save
+        ),
         master=master,
     )
     wandb_id = _resume_into(training, cfg.resume)

@@ -16,6 +16,7 @@ import logging
 import shutil
 import warnings
 from collections.abc import Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,35 +75,65 @@ def complete_checkpoints(root: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[len(PREFIX) :]), reverse=True)
 
 
-def save_checkpoint(
-    root: Path,
-    step: int,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    extra: dict[str, Any],
-    rank: int,
-    keep: int,
-) -> Path:
-    final = step_dir(root, step)
-    tmp = final.with_name(final.name + ".tmp")
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    _barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    with _quiet_single_process():
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
-    torch.save(extra, tmp / f"trainer_rank{rank}.pt")
-    _barrier()
-    if rank == 0:
-        if final.exists():  # a re-save of the same step (after a resume): replace it
-            shutil.rmtree(final)
-        tmp.rename(final)
-        atomic_write_bytes(root / LATEST, (final.name + "\n").encode())
-        for old in complete_checkpoints(root)[keep:]:
-            shutil.rmtree(old, ignore_errors=True)
-    _barrier()
-    return final
+class Checkpointer:
+    """Writes checkpoints under `root`; with `async_save`, DCP snapshots the state and writes
+    it in the background while training goes on, and the checkpoint is committed (renamed,
+    named in `latest`) once the write has finished: polled at step boundaries, and awaited
+    before the next save and at the end."""
+
+    def __init__(self, root: Path, rank: int, keep: int, async_save: bool = False):
+        self.root, self.rank, self.keep, self.async_save = root, rank, keep, async_save
+        self._pending: tuple[Future, Path, Path] | None = None
+
+    def save(
+        self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, Any]
+    ) -> Path:
+        self.wait()
+        final = step_dir(self.root, step)
+        tmp = final.with_name(final.name + ".tmp")
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        _barrier()
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        torch.save(extra, tmp / f"trainer_rank{self.rank}.pt")
+        with _quiet_single_process():
+            if self.async_save:
+                self._pending = (dcp.async_save(state, checkpoint_id=str(tmp)), tmp, final)
+                return final
+            dcp.save(state, checkpoint_id=str(tmp))
+        self._commit(tmp, final)
+        return final
+
+    def poll(self) -> Path | None:
+        """Commit a finished background write (one process only: ranks would have to agree)."""
+        if self._pending is None or not self._pending[0].done():
+            return None
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            return None
+        return self.wait()
+
+    def wait(self) -> Path | None:
+        """Finish and commit the background write, if there is one."""
+        if self._pending is None:
+            return None
+        future, tmp, final = self._pending
+        self._pending = None
+        future.result()
+        self._commit(tmp, final)
+        return final
+
+    def _commit(self, tmp: Path, final: Path) -> None:
+        _barrier()
+        if self.rank == 0:
+            if final.exists():  # a re-save of the same step (after a resume): replace it
+                shutil.rmtree(final)
+            tmp.rename(final)
+            atomic_write_bytes(self.root / LATEST, (final.name + "\n").encode())
+            for old in complete_checkpoints(self.root)[self.keep :]:
+                shutil.rmtree(old, ignore_errors=True)
+        _barrier()
 
 
 def load_checkpoint(

@@ -70,6 +70,7 @@ class TrainerConfig:
 class CheckpointConfig:
     every: int = 100  # steps between checkpoints (one is also written at the end); 0 = end only
     keep: int = 3  # complete checkpoints kept (oldest removed first)
+    async_save: bool = False  # write in the background (dcp.async_save) while training goes on
 
     def __post_init__(self) -> None:
         _require(self.every >= 0, f"checkpoint.every={self.every} must be >= 0")

@@ -24,7 +24,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from data.loader import TokenLoader
 from model.transformer import Transformer
 from optim.schedules import lr_multiplier
-from trainer.checkpoint import save_checkpoint
+from trainer.checkpoint import Checkpointer
 from trainer.config import RootConfig
 from trainer.console import console
 from trainer.evaluate import perplexity, sample_text, validation_loss
@@ -55,6 +55,7 @@ class Training:
     metrics: MetricsFile
     wandb: WandbRun
     stop: StopFlag
+    checkpointer: Checkpointer
     step: int = 0
     tokens: int = 0
     bad_streak: int = 0
@@ -84,16 +85,15 @@ class Training:
             "tokenizer_dir": str(self.loader.manifest.root / "tokenizer"),
         }
 
-    def save(self, reason: str) -> None:
-        path = save_checkpoint(
-            self.run_dir / "checkpoints",
-            self.step,
-            self.state_model,
-            self.optimizer,
-            self.extra_state(),
-            self.ranks.rank,
-            self.cfg.checkpoint.keep,
+    def save(self, reason: str, final: bool = False) -> None:
+        """Checkpoint now; `final` (end, stop, give-up) also waits for a background write."""
+        path = self.checkpointer.save(
+            self.step, self.state_model, self.optimizer, self.extra_state()
         )
+        if self.checkpointer.async_save and not final:
+            log.info("checkpoint %s writing in the background (%s)", path, reason)
+            return
+        self.checkpointer.wait()
         log.info("checkpoint %s saved (%s)", path, reason)
 
     # -- the loop ------------------------------------------------------------------------------
@@ -143,7 +143,9 @@ class Training:
                     continue  # stopped inside evaluation: the next check saves and exits
                 every = self.cfg.checkpoint.every
                 if (every and self.step % every == 0) or last:
-                    self.save("end of training" if last else "scheduled")
+                    self.save("end of training" if last else "scheduled", final=last)
+                elif committed := self.checkpointer.poll():
+                    log.info("checkpoint %s saved (background write finished)", committed)
                 self._maybe_inject_fault()
         self.wandb.finish()
         log.info(
@@ -155,7 +157,7 @@ class Training:
         return 0
 
     def _stop_now(self) -> int:
-        self.save(f"{self.stop.name()} received")
+        self.save(f"{self.stop.name()} received", final=True)
         log.info("stopped by %s at step %d; resume continues here", self.stop.name(), self.step)
         self.wandb.finish()
         return 0
@@ -179,7 +181,7 @@ class Training:
         limit = self.cfg.trainer.max_bad_steps
         if self.bad_streak < limit:
             return False
-        self.save("last good state before stopping")
+        self.save("last good state before stopping", final=True)
         log.error(
             "stopping: %d consecutive steps skipped (trainer.max_bad_steps=%d), the last because "
             "%s. The checkpoint holds the last good weights; lower optim.lr, check the data "

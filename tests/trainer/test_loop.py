@@ -144,3 +144,25 @@ def test_resume_in_process_is_bitwise_exact(dataset, tmp_path, precision):
         [r["loss"] for r in metric_rows(tmp_path / d) if "loss" in r] for d in ("whole", "split")
     ]
     assert len(losses[0]) == 6 and losses[0] == losses[1]
+
+
+def test_async_checkpoints_commit_and_resume_exactly(dataset, tmp_path):
+    import shutil
+
+    def config(async_save: bool):
+        cfg = small_config(dataset, max_steps=6)
+        cfg.checkpoint.every, cfg.checkpoint.async_save = 2, async_save
+        return cfg
+
+    assert train(config(async_save=False), tmp_path / "sync", ONE) == 0
+    assert train(config(async_save=True), tmp_path / "async", ONE) == 0
+    ckpts = tmp_path / "async" / "checkpoints"
+    names = [p.name for p in complete_checkpoints(ckpts)]
+    assert names == ["step_00000006", "step_00000004", "step_00000002"]  # all committed
+    assert not list(ckpts.glob("*.tmp"))
+    shutil.rmtree(ckpts / "step_00000006")  # resume from the background-written step 4
+    assert train(config(async_save=True), tmp_path / "async", ONE) == 0
+    losses = [
+        [r["loss"] for r in metric_rows(tmp_path / d) if "loss" in r] for d in ("sync", "async")
+    ]
+    assert len(losses[0]) == 6 and losses[0] == losses[1]
