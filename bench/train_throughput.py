@@ -1,8 +1,9 @@
 """Training throughput of the tiny dense model vs Hugging Face transformers' LlamaForCausalLM.
 
 Same dimensions (the `tiny` preset: d 256, 6 layers, 8 query / 4 KV heads, SwiGLU, tied
-embeddings, vocab 8192), same batch and sequence length, bf16 autocast, fused AdamW, on CPU.
-Each variant runs in a fresh subprocess; the median step time after warm-up counts. MFU is the
+embeddings, vocab 8192), same batch and sequence length, bf16, fused AdamW, gradient clipping,
+on CPU; our side runs the trainer's own step function. Each variant runs in a fresh subprocess;
+the median step time after warm-up counts. MFU is the
 model's training FLOPs per token (model.accounting: causal attention, matmuls) x tokens/s over
 the bf16 matmul peak measured in the same run (trainer.mfu.measure_matmul_peak).
 
@@ -25,6 +26,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from bench.machine import machine
+from data.loader import Batch
 from model.accounting import training_flops_per_token
 from model.hf import hf_config
 from model.presets import load_preset
@@ -32,57 +34,70 @@ from model.transformer import build_model
 from optim.builder import build_optimizer
 from optim.config import OptimConfig
 from trainer.mfu import measure_matmul_peak
+from trainer.precision import MasterWeights, autocast_factory
+from trainer.step import LossTracker, train_step
 
-# *_compiled: torch.compile per block; lmforge_compiled_model: the whole model (what
-# trainer.compile=true does in one process)
-VARIANTS = ("transformers", "transformers_compiled", "lmforge", "lmforge_compiled_model")
+# transformers_compiled: each decoder layer compiled; lmforge_*: the trainer's own step with
+# trainer.precision=bf16 (autocast) or bf16_master, and trainer.compile=true (*_compiled_model)
+VARIANTS = (
+    "transformers",
+    "transformers_compiled",
+    "lmforge",
+    "lmforge_compiled_model",
+    "lmforge_bf16_master_compiled_model",
+)
 
 
 def build(variant: str):
-    """(model, optimizer, step function) for one variant."""
+    """A step function for one variant: forward, backward, clip to 1.0, AdamW step."""
     cfg = load_preset("tiny")
     torch.manual_seed(0)
     if variant.startswith("transformers"):
         import transformers
 
-        hf_cfg = transformers.LlamaConfig(**hf_config(cfg))
-        model = transformers.LlamaForCausalLM(hf_cfg).train()
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf_config(cfg))).train()
         model.config._attn_implementation = "sdpa"
-
-        def loss_of(x, y):
-            return model(input_ids=x, labels=y).loss
-
         if variant.endswith("compiled"):
             for layer in model.model.layers:
                 layer.compile()
-    else:
-        model = build_model(cfg)
+        optimizer = build_optimizer(OptimConfig(), model)
 
-        def loss_of(x, y):
-            return model(x, y)
+        def hf_step(x, y):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(input_ids=x, labels=y).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return float(loss)
 
-        if variant.endswith("compiled"):
-            for block in model.layers.values():
-                block.compile()
-        elif variant.endswith("compiled_model"):
-            model.compile()
-    optimizer = build_optimizer(OptimConfig(), model)
-    return model, optimizer, loss_of
+        return hf_step
+    # the trainer's own step (trainer.step.train_step), as `python -m trainer` runs it
+    model = build_model(cfg)
+    precision = "bf16_master" if "bf16_master" in variant else "bf16"
+    master = MasterWeights(model) if precision == "bf16_master" else None
+    optimizer = build_optimizer(OptimConfig(), master.master if master else model)
+    if variant.endswith("compiled_model"):
+        model.compile()
+    autocast = autocast_factory(precision, torch.device("cpu"))
+    tracker = LossTracker(0.0)
+
+    def our_step(x, y):
+        batch = Batch(x, y, torch.zeros_like(x, dtype=torch.int32))
+        return train_step(model, optimizer, batch, 1, autocast, 1.0, False, tracker, master).loss
+
+    return our_step
 
 
 def run_variant(variant: str, batch: int, seq_len: int, steps: int, warmup: int) -> dict:
     """In the child process: median seconds per training step."""
-    _, optimizer, loss_of = build(variant)
+    step_fn = build(variant)
     x = torch.randint(0, 8192, (batch, seq_len))
     y = torch.randint(0, 8192, (batch, seq_len))
     times = []
     for _ in range(warmup + steps):
         start = time.perf_counter()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = loss_of(x, y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        loss = step_fn(x, y)
         times.append(time.perf_counter() - start)
     step = statistics.median(times[warmup:])
     return {
