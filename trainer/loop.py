@@ -138,6 +138,7 @@ class Training:
                 if self.step % tcfg.log_every == 0 or last:
                     self._log_row(window, lr)
                     window = _Window()
+                paused = time.perf_counter()  # evaluation and saving are not training time
                 evaluate = (tcfg.eval_every and self.step % tcfg.eval_every == 0) or last
                 if evaluate and not self._evaluate():
                     continue  # stopped inside evaluation: the next check saves and exits
@@ -146,7 +147,10 @@ class Training:
                     self.save("end of training" if last else "scheduled", final=last)
                 elif committed := self.checkpointer.poll():
                     log.info("checkpoint %s saved (background write finished)", committed)
+                window.start += time.perf_counter() - paused
                 self._maybe_inject_fault()
+        if self.stop.requested():  # stopped inside the last evaluation: save before leaving
+            return self._stop_now()
         self.wandb.finish()
         log.info(
             "done: %d steps, %d tokens, %d skipped steps",
