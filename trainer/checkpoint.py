@@ -15,9 +15,7 @@ from __future__ import annotations
 import logging
 import shutil
 import warnings
-from collections.abc import Iterator
 from concurrent.futures import Future
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +33,9 @@ log = logging.getLogger("trainer.checkpoint")
 LATEST = "latest"
 # what a damaged checkpoint raises: DCP's CheckpointException derives from BaseException
 LOAD_ERRORS = (Exception, CheckpointException)
+# DCP warns that it assumes a single process when no process group exists: that is meant here
+# (also from the thread of an asynchronous save, so a filter rather than a catch_warnings block)
+warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*single process")
 PREFIX = "step_"
 
 
@@ -51,14 +52,6 @@ class Restored:
 def _barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
-
-
-@contextmanager
-def _quiet_single_process() -> Iterator[None]:
-    """DCP warns that it assumes a single process when no process group exists: that is meant."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        yield
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -98,11 +91,10 @@ class Checkpointer:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         torch.save(extra, tmp / f"trainer_rank{self.rank}.pt")
-        with _quiet_single_process():
-            if self.async_save:
-                self._pending = (dcp.async_save(state, checkpoint_id=str(tmp)), tmp, final)
-                return final
-            dcp.save(state, checkpoint_id=str(tmp))
+        if self.async_save:
+            self._pending = (dcp.async_save(state, checkpoint_id=str(tmp)), tmp, final)
+            return final
+        dcp.save(state, checkpoint_id=str(tmp))
         self._commit(tmp, final)
         return final
 
@@ -145,8 +137,7 @@ def load_checkpoint(
         raise CheckpointError(f"{path} is incomplete (no .metadata or {extra_path.name})")
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
-    with _quiet_single_process():
-        dcp.load(state, checkpoint_id=str(path))
+    dcp.load(state, checkpoint_id=str(path))
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
     )
