@@ -207,3 +207,13 @@ def test_a_compiled_model_trains(dataset, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     losses = [r["loss"] for r in metric_rows(run_dir) if "loss" in r]
     assert len(losses) == 3 and all(isinstance(x, float) for x in losses)
+
+
+def test_several_processes_are_refused_with_a_message(dataset, tmp_path):
+    """Until the FSDP2 issue lands, WORLD_SIZE > 1 stops before training with one clear line."""
+    run_dir = tmp_path / "run"
+    env = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
+    result = run_trainer(*small(dataset, run_dir, "trainer.max_steps=2"), cwd=tmp_path, env=env)
+    assert result.returncode == 1
+    assert "WORLD_SIZE=2: multi-process training" in (run_dir / "train.log").read_text()
+    assert not (run_dir / "metrics.jsonl").exists()
