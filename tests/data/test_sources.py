@@ -193,13 +193,19 @@ def test_a_bad_piece_is_skipped_alone(tmp_path):
     assert source.report.skipped[0]["reason"] == "undecodable bytes at byte 14"
 
 
-def test_a_partly_read_structured_file_says_what_was_kept(tmp_path):
-    rows = "".join(json.dumps({"text": f"row {i}"}) + "\n" for i in range(3))
+@pytest.mark.parametrize("good_rows", [3, 60_000])
+def test_a_broken_structured_file_reports_what_was_kept(tmp_path, good_rows):
+    """datasets parses json in blocks: a bad line in the first block keeps nothing, a bad line
+    further on keeps the rows of the blocks before it; the report says which."""
+    text = "word " * 40  # 60,000 rows of ~200 bytes span more than one 10 MB block
+    rows = "".join(json.dumps({"text": f"{i} {text}"}) + "\n" for i in range(good_rows))
     (tmp_path / "a.jsonl").write_text(rows + '{"text": broken\n')
     source = Source(str(tmp_path / "a.jsonl"), SourceOptions())
     got = list(source.documents())
-    assert len(got) <= 3 and source.report.skipped_count == 1
+    assert source.report.skipped_count == 1
     reason = source.report.skipped[0]["reason"]
-    assert f"kept the {len(got)} documents before it" in reason or (
-        not got and "nothing kept" in reason
-    )
+    if good_rows == 3:
+        assert got == [] and reason.endswith("(nothing kept)")
+    else:
+        assert 0 < len(got) < good_rows
+        assert reason.endswith(f"(kept the {len(got)} documents before it)")
