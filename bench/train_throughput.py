@@ -1,6 +1,6 @@
 """Training throughput of the tiny dense model vs Hugging Face transformers' LlamaForCausalLM.
 
-Same dimensions (the `tiny` preset: d 256, 6 layers, 8 query / 4 KV heads, SwiGLU, tied
+Same dimensions (the `tiny` preset: d 256, 6 layers, 4 query / 2 KV heads of 64, SwiGLU, tied
 embeddings, vocab 8192), same batch and sequence length, bf16, fused AdamW, gradient clipping,
 on CPU; our side runs the trainer's own step function. Each variant runs in a fresh subprocess;
 the median step time after warm-up counts. MFU is the

@@ -1,10 +1,10 @@
 """Single-device model math: configs, layers, the Transformer LM, generation and accounting.
 
-Importing the package registers every implementation (norms, positions, attention kinds, FFNs),
-so the config can validate registry keys.
+Importing the package registers every implementation (norms, positions, attention kinds, FFNs)
+and loads the MoE layer (model.moe), so the config can validate registry keys.
 """
 
-from model import attention, ffn, mla, norms, positions, rope  # noqa: F401  (fill the registries)
+from model import attention, ffn, mla, moe, norms, positions, rope  # noqa: F401  (fill the registries)
 from model.config import (
     AttentionConfig,
     ConfigError,
@@ -12,6 +12,7 @@ from model.config import (
     InitConfig,
     MLAConfig,
     ModelConfig,
+    MoEConfig,
     RopeConfig,
     config_from_dict,
 )
@@ -24,6 +25,7 @@ __all__ = [
     "FFNConfig",
     "InitConfig",
     "MLAConfig",
+    "MoEConfig",
     "ModelConfig",
     "RopeConfig",
     "Transformer",

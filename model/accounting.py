@@ -2,7 +2,10 @@
 
 Conventions
 - Parameters: `embedding` is the token table (+ learned positions); `head` the untied output head.
-  `active` counts what one token uses (all of it for dense models; MoE layers report their own).
+  `active` counts what one token uses: all of it for dense models (the whole embedding table
+  included); MoE layers subtract their unselected experts (`inactive_params_per_token`: E - k
+  routed experts) and report the matmul weights a token passes through (`active_matmul_params`:
+  router + shared experts + k routed experts), so FLOPs count active experts only.
 - Training FLOPs per token = 6 x (matmul weights one token passes through, the head included, the
   embedding lookup not) + attention scores: each layer does 2 x H x (Dqk + Dv) multiply-adds per
   (query, key) pair in the forward (QK^T and AV), times 3 for forward + backward. With causal

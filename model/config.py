@@ -26,6 +26,8 @@ from model.registry import (
 )
 
 DEPTH_SCALINGS = ("none", "total", "layer")
+SCORE_FUNCS = ("softmax", "sigmoid")  # MoE router scoring (model/moe/router.py)
+GATED_FFNS = ("swiglu", "geglu")  # FFN kinds with a gate projection (MoE experts are gated)
 
 
 def _require(ok: bool, message: str) -> None:
@@ -179,6 +181,82 @@ class FFNConfig:
 
 
 @dataclass(kw_only=True)
+class MoEConfig:
+    """Mixture of experts in place of the dense FFN: DeepSeekMoE-style shared + fine-grained routed
+    experts, top-k routing (optionally group-limited), auxiliary-loss and aux-loss-free balancing."""
+
+    n_routed_experts: int = 0  # routed experts E per MoE layer; 0 = a dense model (no MoE anywhere)
+    n_shared_experts: int = (
+        0  # always-active experts, fused into one gated FFN of n x shared_hidden
+    )
+    top_k: int = 2  # routed experts per token
+    expert_hidden: int = 0  # hidden width of each routed expert; 0 = the model's ffn_hidden
+    shared_hidden: int = 0  # hidden width of each shared expert; 0 = expert_hidden
+    first_k_dense: int = 0  # the first k layers keep the dense FFN (width ffn_hidden)
+    score_func: str = "softmax"  # softmax | sigmoid (DeepSeek-V3): expert scores from router logits
+    norm_topk_prob: bool = True  # renormalize the k selected scores to sum to 1
+    route_scale: float = 1.0  # multiplies the routing weights (DeepSeek-V3's routed_scaling_factor)
+    n_groups: int = 1  # expert groups for group-limited routing (DeepSeek-V3: 8); 1 = off
+    topk_groups: int = 1  # groups kept per token (by the sum of each group's top-2 scores)
+    aux_loss_coef: float = 0.0  # Switch/GShard load-balancing loss over the batch's tokens
+    seq_aux_loss_coef: float = (
+        0.0  # DeepSeek-V3 sequence-wise balance loss, averaged over sequences
+    )
+    z_loss_coef: float = 0.0  # router z-loss: mean over tokens of logsumexp(logits)^2
+    bias_update_rate: float = 0.0  # aux-loss-free balancing step gamma (selection bias); 0 = off
+    capacity_factor: float = 0.0  # 0 = dropless; else ceil(cf x N x k / E) token slots per expert
+
+    def __post_init__(self) -> None:
+        for name in ("n_routed_experts", "n_shared_experts", "expert_hidden", "shared_hidden"):
+            value = getattr(self, name)
+            _require(value >= 0, f"model.moe.{name}={value} must be >= 0")
+        _require(
+            self.first_k_dense >= 0, f"model.moe.first_k_dense={self.first_k_dense} must be >= 0"
+        )
+        _require(
+            self.score_func in SCORE_FUNCS,
+            f"model.moe.score_func={self.score_func!r}; choose one of: {', '.join(SCORE_FUNCS)}",
+        )
+        for name in (
+            "aux_loss_coef",
+            "seq_aux_loss_coef",
+            "z_loss_coef",
+            "bias_update_rate",
+            "capacity_factor",
+        ):
+            value = getattr(self, name)
+            _require(value >= 0, f"model.moe.{name}={value} must be >= 0 (0 = off)")
+        _require(self.route_scale > 0, f"model.moe.route_scale={self.route_scale} must be > 0")
+        if self.n_routed_experts == 0:
+            return  # dense: the other fields are not used
+        E = self.n_routed_experts
+        _require(self.top_k >= 1, f"model.moe.top_k={self.top_k} must be >= 1")
+        _require(
+            self.top_k <= E,
+            f"model.moe.top_k={self.top_k} must be <= model.moe.n_routed_experts={E}",
+        )
+        _require(self.n_groups >= 1, f"model.moe.n_groups={self.n_groups} must be >= 1")
+        _require(
+            E % self.n_groups == 0,
+            f"model.moe.n_routed_experts={E} is not divisible by model.moe.n_groups={self.n_groups}",
+        )
+        _require(
+            1 <= self.topk_groups <= self.n_groups,
+            f"model.moe.topk_groups={self.topk_groups} must be in [1, model.moe.n_groups={self.n_groups}]",
+        )
+        reachable = self.topk_groups * (E // self.n_groups)
+        _require(
+            self.top_k <= reachable,
+            f"model.moe.top_k={self.top_k} exceeds the {reachable} experts that "
+            f"model.moe.topk_groups={self.topk_groups} groups of {E // self.n_groups} hold",
+        )
+
+    @property
+    def enabled(self) -> bool:
+        return self.n_routed_experts > 0
+
+
+@dataclass(kw_only=True)
 class InitConfig:
     """Weight initialization (truncated normal at +-3 std)."""
 
@@ -218,6 +296,7 @@ class ModelConfig:
     loss_chunk_tokens: int = (
         4096  # tokens per chunk of the fused head + cross-entropy; 0 = unchunked
     )
+    moe: MoEConfig = field(default_factory=MoEConfig)  # n_routed_experts = 0: dense FFNs only
 
     def __post_init__(self) -> None:
         for name in ("d_model", "n_layers", "max_seq_len"):
@@ -233,6 +312,7 @@ class ModelConfig:
         _check_choice("model.position", self.position, POSITIONS)
         self._check_heads()
         self._check_positions()
+        self._check_moe()
 
     def _check_heads(self) -> None:
         att = self.attention
@@ -268,6 +348,28 @@ class ModelConfig:
                 f"(the base exponent is R/(R-2)); model.attention.head_dim x model.rope.fraction = {self.rotary_dim}",
             )
 
+    def _check_moe(self) -> None:
+        moe = self.moe
+        if not moe.enabled:
+            return
+        _require(
+            moe.first_k_dense <= self.n_layers,
+            f"model.moe.first_k_dense={moe.first_k_dense} must be <= model.n_layers={self.n_layers}",
+        )
+        _require(
+            self.ffn.kind in GATED_FFNS,
+            f"model.ffn.kind={self.ffn.kind!r}: MoE experts are gated FFNs; choose one of "
+            f"{', '.join(GATED_FFNS)} (or set model.moe.n_routed_experts=0)",
+        )
+        _require(
+            not self.ffn.bias,
+            "model.ffn.bias=true is not supported with MoE (experts have no biases)",
+        )
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        """Whether block `layer_id` has an MoE FFN (after the first_k_dense dense layers)."""
+        return self.moe.enabled and layer_id >= self.moe.first_k_dense
+
     # ---- derived sizes -------------------------------------------------------------------------
 
     @property
@@ -295,6 +397,16 @@ class ModelConfig:
         width = int(2 * 4 * self.d_model / 3) if gated else 4 * self.d_model
         width = int(self.ffn.multiplier * width)
         return self.ffn.multiple_of * math.ceil(width / self.ffn.multiple_of)
+
+    @property
+    def expert_hidden(self) -> int:
+        """Hidden width of one routed expert."""
+        return self.moe.expert_hidden or self.ffn_hidden
+
+    @property
+    def shared_hidden(self) -> int:
+        """Hidden width of the fused shared experts (n_shared_experts x per-expert width)."""
+        return self.moe.n_shared_experts * (self.moe.shared_hidden or self.expert_hidden)
 
     @property
     def rope_original_max_seq_len(self) -> int:

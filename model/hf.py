@@ -1,4 +1,5 @@
 """Hugging Face interop for the dense Llama family: export to, and import from, a HF model directory.
+MoE models (model.moe.n_routed_experts > 0) are refused with a ConfigError.
 
 A directory is `config.json` plus safetensors weights (one `model.safetensors`, or shards with a
 `model.safetensors.index.json`), loadable by `transformers.AutoModelForCausalLM`:
@@ -142,6 +143,11 @@ def _unsupported_option(cfg: ModelConfig) -> str | None:
 
 def hf_architecture(cfg: ModelConfig) -> str:
     """ "llama" or "qwen3"; raises ConfigError naming the first option that HF cannot express."""
+    if cfg.moe.enabled:
+        raise ConfigError(
+            f"cannot export to Hugging Face: model.moe.n_routed_experts={cfg.moe.n_routed_experts}: "
+            "MoE conversion is not supported (only dense Llama/Qwen3 models export)"
+        )
     option = _unsupported_option(cfg)
     if option is not None:
         raise ConfigError(

@@ -97,7 +97,8 @@ def describe(cfg: ModelConfig, seq_len: int, args: InspectArgs) -> dict[str, Any
         "layers": cfg.n_layers,
         "d_model": cfg.d_model,
         "attention": f"{_attention_name(cfg)}: {heads}",
-        "ffn": f"{cfg.ffn.kind} {cfg.ffn_hidden}",
+        "ffn": _ffn_description(cfg),
+        "moe": _moe_description(cfg),
         "vocab_size": cfg.vocab_size,
         "position": cfg.position
         if cfg.position != "rope"
@@ -107,6 +108,7 @@ def describe(cfg: ModelConfig, seq_len: int, args: InspectArgs) -> dict[str, Any
         "params_head": params.head,
         "params_blocks": params.blocks,
         "params_active": params.active,
+        "params_active_fraction": params.active / params.total,
         "seq_len": seq_len,
         "train_flops_per_token": flops.total,
         "train_flops_matmul": flops.matmul,
@@ -122,6 +124,31 @@ def describe(cfg: ModelConfig, seq_len: int, args: InspectArgs) -> dict[str, Any
         "param_dtype": args.param_dtype,
         "dp_shard": args.dp_shard,
     }
+
+
+def _layers(first: int, last: int) -> str:
+    return f"layer {first}" if first == last else f"layers {first}-{last}"
+
+
+def _ffn_description(cfg: ModelConfig) -> str:
+    text = f"{cfg.ffn.kind} {cfg.ffn_hidden}"
+    dense = cfg.moe.first_k_dense
+    if not cfg.moe.enabled:
+        return text
+    return f"{text} ({_layers(0, dense - 1)})" if dense else "none (every layer is MoE)"
+
+
+def _moe_description(cfg: ModelConfig) -> str:
+    moe = cfg.moe
+    if not moe.enabled:
+        return "none"
+    text = f"{_layers(moe.first_k_dense, cfg.n_layers - 1)}: {moe.n_routed_experts} x {cfg.expert_hidden}"
+    text += f", top-{moe.top_k}"
+    if moe.n_groups > 1:
+        text += f" ({moe.topk_groups} of {moe.n_groups} groups)"
+    if moe.n_shared_experts:
+        text += f", +{moe.n_shared_experts} shared"
+    return text
 
 
 def _attention_name(cfg: ModelConfig) -> str:
@@ -150,6 +177,7 @@ ROWS: list[tuple[str, str, Any]] = [
     ("Shape", "d_model", str),
     ("Shape", "attention", str),
     ("Shape", "ffn", str),
+    ("Shape", "moe", str),
     ("Shape", "vocab_size", str),
     ("Shape", "position", str),
     ("Parameters", "params_total", lambda n: f"{_count(n)} ({n:,})"),
@@ -157,6 +185,7 @@ ROWS: list[tuple[str, str, Any]] = [
     ("Parameters", "params_head", _count),
     ("Parameters", "params_blocks", _count),
     ("Parameters", "params_active", _count),
+    ("Parameters", "params_active_fraction", lambda r: f"{100 * r:.1f}%"),
     ("Training FLOPs / token", "seq_len", str),
     ("Training FLOPs / token", "train_flops_per_token", _count),
     ("Training FLOPs / token", "train_flops_matmul", _count),
@@ -176,6 +205,7 @@ LABELS = {
     "params_head": "output head (untied)",
     "params_blocks": "blocks",
     "params_active": "active per token",
+    "params_active_fraction": "active / total",
     "train_flops_per_token": "total (6N + attention)",
     "train_flops_matmul": "matmuls (6 x weights)",
     "train_flops_attention": "attention (causal)",

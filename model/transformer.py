@@ -13,6 +13,9 @@ the weights itself. Blocks live in a ModuleDict keyed "0".."L-1", so parameter n
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -54,18 +57,34 @@ class Transformer(nn.Module):
         """(V, C): the output projection (the embedding matrix when tied)."""
         return self.embed.weight if self.head is None else self.head.weight
 
-    @torch.no_grad()
-    def init_weights(self) -> None:
-        """(Re)initialize every parameter and buffer in place (after `to_empty` from meta)."""
-        std = self.cfg.init.std
-        trunc_normal_(self.embed.weight, std)
-        self.pos.init_weights(std)
-        for block in self.layers.values():
-            block.init_weights(self.cfg)
+    def init_plan(self) -> list[tuple[str, Callable[[nn.Module], None]]]:
+        """(submodule name, its initializer) for each part that is initialized on its own: the
+        embedding, positions, every block, the final norm and the head. Seeded per part, the
+        result does not depend on how the model is sharded (see `init_weights`)."""
+        std, cfg = self.cfg.init.std, self.cfg
+        plan: list[tuple[str, Callable[[nn.Module], None]]] = [
+            ("embed", lambda m: trunc_normal_(m.weight, std)),
+            ("pos", lambda m: m.init_weights(std)),
+        ]
+        plan += [(f"layers.{name}", lambda m: m.init_weights(cfg)) for name in self.layers]
         if not isinstance(self.norm, nn.Identity):
-            self.norm.init_weights()
+            plan.append(("norm", lambda m: m.init_weights()))
         if self.head is not None:
-            trunc_normal_(self.head.weight, std)
+            plan.append(("head", lambda m: trunc_normal_(m.weight, std)))
+        return plan
+
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None) -> None:
+        """(Re)initialize every parameter and buffer in place (after `to_empty` from meta).
+
+        With `seed`, part i of `init_plan` draws from its own stream seeded with (seed, i), and
+        the global RNG is left as it was: the same weights whatever the parallel layout (FSDP
+        initializes full copies of one part at a time and keeps its shard). Without, the parts
+        draw one after another from the global RNG.
+        """
+        for index, (name, init) in enumerate(self.init_plan()):
+            with seeded(self.embed.weight.device, part_seed(seed, index)):
+                init(self.get_submodule(name))
 
     def forward(
         self,
@@ -151,14 +170,34 @@ class Transformer(nn.Module):
         return Cache(layers, capacity)
 
 
+def part_seed(seed: int | None, index: int) -> int | None:
+    """The seed of init part `index` (None: no seeding, draw from the global RNG)."""
+    return None if seed is None else seed * 1_000_003 + index
+
+
+@contextmanager
+def seeded(device: torch.device, seed: int | None) -> Iterator[None]:
+    """Draw from a stream seeded with `seed` on `device`, restoring the global RNG after."""
+    if seed is None:
+        yield
+        return
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        yield
+
+
 def build_model(
-    cfg: ModelConfig, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+    cfg: ModelConfig,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    seed: int | None = None,
 ) -> Transformer:
-    """Build on the meta device, allocate on `device`, initialize. With device='meta', no memory is used."""
+    """Build on the meta device, allocate on `device`, initialize (per-part seeded from `seed`
+    when given, see `Transformer.init_weights`). With device='meta', no memory is used."""
     with torch.device("meta"):
         model = Transformer(cfg)
     if torch.device(device).type == "meta":
         return model
     model.to_empty(device=device)
-    model.init_weights()
+    model.init_weights(seed)
     return model.to(dtype) if dtype is not None else model

@@ -20,7 +20,8 @@ from model.errors import ConfigError
 from optim.errors import OptimConfigError
 from trainer.checkpoint import CheckpointError
 from trainer.config import CONF_DIR, register_configs
-from trainer.runtime import ranks_from_env, register_resolvers, setup_logging
+from trainer.distributed import agree_on_run_dir, init_distributed, shutdown_distributed
+from trainer.runtime import pick_device, ranks_from_env, register_resolvers, setup_logging
 
 register_configs()
 register_resolvers()
@@ -33,8 +34,15 @@ def main(dict_cfg: DictConfig) -> None:
     except (ConfigError, DataError, OptimConfigError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
     ranks = ranks_from_env()
+    try:
+        init_distributed(
+            ranks, cfg.parallel.backend, pick_device(cfg.trainer.device, ranks.local_rank)
+        )
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    run_dir = agree_on_run_dir(Path(HydraConfig.get().runtime.output_dir), ranks)
     setup_logging(run_dir, ranks)
     import logging
 
@@ -47,6 +55,8 @@ def main(dict_cfg: DictConfig) -> None:
     except (ConfigError, DataError, OptimConfigError, CheckpointError) as err:
         log.error("%s", err)
         code = 1
+    if code == 0:
+        shutdown_distributed()
     sys.exit(code)
 
 

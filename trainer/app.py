@@ -13,11 +13,11 @@ import torch
 from omegaconf import OmegaConf
 
 from model.accounting import param_counts, training_flops_per_token
-from model.errors import ConfigError
 from optim.builder import build_optimizer
+from parallel.mesh import ParallelDims
 from trainer.build import (
     build_loader,
-    build_trainable_model,
+    build_parallel_model,
     check_cross_fields,
     dataset_manifest,
     resolve_model_config,
@@ -27,7 +27,7 @@ from trainer.config import RootConfig
 from trainer.loop import Training
 from trainer.metrics import MetricsFile
 from trainer.mfu import device_peak
-from trainer.precision import MasterWeights, autocast_factory, compute_dtype
+from trainer.precision import autocast_factory, compute_dtype
 from trainer.runtime import Ranks, describe_environment, pick_device, seed_everything, set_rng_state
 from trainer.signals import StopFlag
 from trainer.step import LossTracker
@@ -37,12 +37,8 @@ log = logging.getLogger("trainer")
 
 
 def build_training(cfg: RootConfig, run_dir: Path, ranks: Ranks) -> Training:
-    if ranks.world_size > 1:
-        raise ConfigError(
-            f"WORLD_SIZE={ranks.world_size}: multi-process training (FSDP2, expert parallelism) "
-            "is not available yet; launch a single process"
-        )
     tcfg = cfg.trainer
+    dims = ParallelDims.resolve(cfg.parallel, ranks.world_size)
     run_dir.mkdir(parents=True, exist_ok=True)
     if tcfg.threads:
         torch.set_num_threads(tcfg.threads)
@@ -51,11 +47,8 @@ def build_training(cfg: RootConfig, run_dir: Path, ranks: Ranks) -> Training:
     model_cfg = resolve_model_config(cfg.model, manifest)
     micro_batches = check_cross_fields(model_cfg, cfg.data, tcfg, ranks.world_size)
     seed_everything(cfg.seed)
-    model = build_trainable_model(model_cfg, device, cfg.seed)
-    master = MasterWeights(model) if tcfg.precision == "bf16_master" else None
+    model, master = build_parallel_model(model_cfg, tcfg, cfg.parallel, dims, device, cfg.seed)
     optimizer = build_optimizer(cfg.optim, master.master if master else model)
-    if tcfg.compile:  # the whole model as one graph (embedding, blocks, fused loss)
-        model.compile()
     loader = build_loader(
         cfg.data, manifest, tcfg.batch_size, ranks.rank, ranks.world_size, cfg.seed
     )
@@ -63,7 +56,7 @@ def build_training(cfg: RootConfig, run_dir: Path, ranks: Ranks) -> Training:
     peak, peak_source = device_peak(device, compute_dtype(tcfg.precision), tcfg.peak_flops)
     flops = training_flops_per_token(model, cfg.data.seq_len).total
     counts = param_counts(model)
-    log.info("%s; device %s", describe_environment(), device)
+    log.info("%s; device %s; %s", describe_environment(), device, dims.describe())
     log.info(
         "model: %s parameters, %.3g training FLOPs/token at seq_len %d; vocab %d (tokenizer %s)",
         f"{counts.total:,}",
@@ -124,7 +117,7 @@ def _resume_into(training: Training, resume_from: str) -> str | None:
         training.ranks.rank,
     )
     if restored is not None and training.master is not None:
-        training.master.master_to_model()
+        training.master.master_to_model(buffers=True)
     if restored is None:
         if resume_from == "auto":
             log.info("no checkpoint in %s: starting from scratch", training.run_dir / "checkpoints")

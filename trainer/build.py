@@ -18,7 +18,13 @@ from data.prepare import prepare
 from model.config import ModelConfig
 from model.errors import ConfigError
 from model.transformer import Transformer, build_model
+from parallel import fsdp_param_dtype, parallelize
+from parallel.activation import apply_activation_checkpointing
+from parallel.config import ParallelConfig
+from parallel.init import init_like_single_process
+from parallel.mesh import ParallelDims, build_meshes
 from trainer.config import TrainerConfig
+from trainer.precision import MasterWeights
 
 log = logging.getLogger("trainer")
 VOCAB_MULTIPLE = 64
@@ -100,7 +106,37 @@ def build_loader(
     )
 
 
+def build_parallel_model(
+    cfg: ModelConfig,
+    trainer: TrainerConfig,
+    parallel: ParallelConfig,
+    dims: ParallelDims,
+    device: torch.device,
+    seed: int,
+) -> tuple[Transformer, MasterWeights | None]:
+    """The model to train and, with trainer.precision=bf16_master in one process, its fp32
+    master copy. Several ranks: built on the meta device, parallelized (EP, activation
+    checkpointing, per-block compile, FSDP2), then the shards are allocated and filled with the
+    weights one process would have started from."""
+    if dims.world_size == 1:
+        model = build_trainable_model(cfg, device, seed)
+        master = MasterWeights(model) if trainer.precision == "bf16_master" else None
+        apply_activation_checkpointing(model, parallel.activation_checkpoint)
+        if trainer.compile:  # the whole model as one graph (embedding, blocks, fused loss)
+            model.compile()
+        return model, master
+    meshes = build_meshes(dims, device.type)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    parallelize(
+        model, meshes, parallel, fsdp_param_dtype(parallel, trainer.precision), trainer.compile
+    )
+    model.to_empty(device=device)
+    init_like_single_process(model, device, seed)
+    return model, None
+
+
 def build_trainable_model(cfg: ModelConfig, device: torch.device, seed: int) -> Transformer:
-    """Meta build, then materialize on `device` and initialize from `seed` (fp32 weights)."""
-    torch.manual_seed(seed)
-    return build_model(cfg, device=device)
+    """Meta build, then materialize on `device` and initialize from `seed` (fp32 weights), part
+    by part, so that a sharded run starts from the same weights (parallel.init)."""
+    return build_model(cfg, device=device, seed=seed)

@@ -131,10 +131,16 @@ class Checkpointer:
 def load_checkpoint(
     path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, rank: int
 ) -> dict[str, Any]:
-    """Load model and optimizer in place; returns this rank's extra state."""
+    """Load model and optimizer in place (DCP reshards them to this run's layout); returns the
+    extra state saved by this rank, or by rank 0 when the checkpoint came from fewer ranks
+    (the loader position is global, so it holds for any number of ranks)."""
+    if not (path / ".metadata").is_file():
+        raise CheckpointError(f"{path} is incomplete (no .metadata)")
     extra_path = path / f"trainer_rank{rank}.pt"
-    if not (path / ".metadata").is_file() or not extra_path.is_file():
-        raise CheckpointError(f"{path} is incomplete (no .metadata or {extra_path.name})")
+    if not extra_path.is_file():
+        extra_path = path / "trainer_rank0.pt"
+        if not extra_path.is_file():
+            raise CheckpointError(f"{path} is incomplete (no trainer_rank0.pt)")
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(path))

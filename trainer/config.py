@@ -17,6 +17,7 @@ from data.config import LoaderConfig
 from model.config import ModelConfig
 from model.errors import ConfigError
 from optim.config import OptimConfig
+from parallel.config import ParallelConfig
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 PRECISIONS = ("bf16", "bf16_master", "fp32")
@@ -89,13 +90,6 @@ class LoggingConfig:
         _require(
             self.wandb in WANDB_MODES, f"logging.wandb={self.wandb!r} is not one of {WANDB_MODES}"
         )
-
-
-@dataclass(kw_only=True)
-class ParallelConfig:
-    dp_shard: int = -1  # ranks that shard dense weights (FSDP2); -1 = all that remain
-    dp_replicate: int = 1  # replicas of the sharded group (HSDP when both > 1)
-    ep: int = 1  # expert-parallel ranks, borrowed from the data-parallel ones
 
 
 @dataclass(kw_only=True)

@@ -8,6 +8,7 @@ from contextlib import AbstractContextManager
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 from data.loader import TokenLoader
 from data.tokenizer import Tokenizer
@@ -52,18 +53,26 @@ def sample_text(
     seed: int,
 ) -> str:
     """Temperature-0.8, top-50 continuation of `prompt`, from a private generator (the training
-    RNG streams are left untouched, so sampling never changes the run)."""
+    RNG streams are left untouched, so sampling never changes the run). Under FSDP every rank
+    must call it (the forwards are collective); all ranks draw the same tokens."""
     ids = tokenizer.encoding.encode_ordinary(prompt) or [tokenizer.eot_id]
     prompt_ids = torch.tensor([ids], device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
-    out = generate(
-        model,
-        prompt_ids,
-        max_new_tokens,
-        temperature=0.8,
-        top_k=50,
-        eos_id=tokenizer.eot_id,
-        generator=gen,
-    )
+    sharded = isinstance(model, FSDPModule)
+    if sharded:  # sampling calls the root's methods, not its forward: gather its weights by hand
+        model.unshard()
+    try:
+        out = generate(
+            model,
+            prompt_ids,
+            max_new_tokens,
+            temperature=0.8,
+            top_k=50,
+            eos_id=tokenizer.eot_id,
+            generator=gen,
+        )
+    finally:
+        if sharded:
+            model.reshard()
     new = [t for t in out[0, len(ids) :].tolist() if t != tokenizer.eot_id]
     return prompt + tokenizer.decode([t for t in new if t < tokenizer.vocab_size])

@@ -87,6 +87,8 @@ class Training:
 
     def save(self, reason: str, final: bool = False) -> None:
         """Checkpoint now; `final` (end, stop, give-up) also waits for a background write."""
+        if self.master is not None:
+            self.master.buffers_to_master()
         path = self.checkpointer.save(
             self.step, self.state_model, self.optimizer, self.extra_state()
         )
@@ -129,6 +131,7 @@ class Training:
                 self.step += 1
                 self.tokens += tokens_per_step
                 window.add(result.loss, result.grad_norm, tokens_per_step, bool(result.skipped))
+                window.moe = result.moe or window.moe
                 progress.update(task, completed=self.step, description=f"loss {result.loss:.3f}")
                 if result.skipped and self._bad_step(result.skipped):
                     return 1
@@ -212,6 +215,7 @@ class Training:
             "data_wait_s": window.data_wait,
             "skipped_steps": self.skipped_total,
             mem_key: mem,
+            **window.moe,  # the last step's MoE statistics (model.moe.moe_stats keys)
         }
         self._emit(row)
         log.info(
@@ -254,7 +258,9 @@ class Training:
             log.info(
                 "step %d  validation loss %.4f  perplexity %.1f", self.step, val, row["val_ppl"]
             )
-            if self.cfg.trainer.sample_tokens and self.ranks.is_main:
+            # every rank samples (the same tokens, from the same seed): under FSDP or expert
+            # parallelism each forward is collective, so rank 0 cannot run it alone
+            if self.cfg.trainer.sample_tokens:
                 text = sample_text(
                     self.model,
                     self.loader.tokenizer,
@@ -291,6 +297,7 @@ class _Window:
         self.norms: list[float] = []
         self.tokens = 0
         self.data_wait = 0.0
+        self.moe: dict[str, float] = {}
 
     def add(self, loss: float, norm: float, tokens: int, skipped: bool) -> None:
         self.tokens += tokens

@@ -35,6 +35,14 @@ class MasterWeights:
         self.master = copy.deepcopy(model)  # fp32, same names (checkpoints, export)
         model.to(torch.bfloat16)
         self.pairs = list(zip(model.parameters(), self.master.parameters()))
+        # persistent buffers the training loop changes (MoE selection biases) live on the model
+        saved = model.state_dict().keys()
+        master_buffers = dict(self.master.named_buffers())
+        self.buffer_pairs = [
+            (buffer, master_buffers[name])
+            for name, buffer in model.named_buffers()
+            if name in saved
+        ]
 
     def grads_to_master(self) -> None:
         for param, master in self.pairs:
@@ -42,6 +50,16 @@ class MasterWeights:
             param.grad = None
 
     @torch.no_grad()
-    def master_to_model(self) -> None:
+    def master_to_model(self, buffers: bool = False) -> None:
+        """Round the master weights into the model (and, after a resume, its buffers too)."""
         for param, master in self.pairs:
             param.copy_(master)
+        if buffers:
+            for buffer, master in self.buffer_pairs:
+                buffer.copy_(master)
+
+    @torch.no_grad()
+    def buffers_to_master(self) -> None:
+        """Before a checkpoint: the model's buffers (e.g. MoE expert biases) into the copy."""
+        for buffer, master in self.buffer_pairs:
+            master.copy_(buffer)

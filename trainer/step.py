@@ -11,12 +11,16 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 from data.loader import Batch
+from model.moe import apply_bias_update, expert_load, moe_stats, pop_aux_loss, reset_moe_stats
 from model.transformer import Transformer
+from parallel.grad_norm import clip_grad_norm
 from trainer.precision import MasterWeights
 
 EMA_DECAY = 0.98  # running mean of good losses for the spike rule (about 50 steps)
@@ -27,6 +31,7 @@ class StepResult:
     loss: float
     grad_norm: float
     skipped: str  # "" when the update was applied, else why not
+    moe: dict[str, float] = field(default_factory=dict)  # MoE statistics (model.moe.moe_stats)
 
 
 class LossTracker:
@@ -67,11 +72,21 @@ def train_step(
     tracker: LossTracker,
     master: MasterWeights | None = None,
 ) -> StepResult:
+    """One optimizer step over this rank's slice of the global batch.
+
+    Several ranks (FSDP2): gradients are reduce-scattered only after the last micro-batch, the
+    norm is global over all shards, and the loss is averaged over ranks, so every rank takes
+    the same skip decision. MoE models add their balancing losses to each micro-batch's loss
+    and update the aux-loss-free expert biases from the step's expert loads summed over ranks.
+    """
     loss_sum = torch.zeros((), device=batch.inputs.device)
-    for mb in split_micro_batches(batch, micro_batches):
+    for index, mb in enumerate(split_micro_batches(batch, micro_batches)):
+        _gradient_sync(model, index == micro_batches - 1)
         with autocast():
             loss = model(mb.inputs, mb.targets, doc_ids=mb.doc_ids if doc_mask else None)
-        (loss / micro_batches).backward()
+        aux = pop_aux_loss(model)
+        objective = loss if aux is None else loss + aux
+        (objective / micro_batches).backward()
         loss_sum += loss.detach().float()
     if master is not None:  # bf16 gradients -> the fp32 master weights the optimizer updates
         master.grads_to_master()
@@ -79,8 +94,8 @@ def train_step(
     else:
         params = [p for p in model.parameters() if p.grad is not None]
     max_norm = grad_clip if grad_clip > 0 else float("inf")
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
-    loss_value, norm_value = (loss_sum / micro_batches).item(), float(norm)
+    norm = clip_grad_norm(params, max_norm)
+    loss_value, norm_value = _mean_over_ranks(loss_sum / micro_batches), float(norm)
     reason = ""
     if not math.isfinite(loss_value):
         reason = f"loss is {loss_value}"
@@ -93,5 +108,40 @@ def train_step(
         if master is not None:
             master.master_to_model()
         tracker.update(loss_value)
+    stats = _update_expert_biases(model, apply=not reason)
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss_value, norm_value, reason)
+    return StepResult(loss_value, norm_value, reason, stats)
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _gradient_sync(model: Transformer, last: bool) -> None:
+    """FSDP2: reduce-scatter gradients only after the last micro-batch of the step."""
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(last)
+
+
+def _mean_over_ranks(value: torch.Tensor) -> float:
+    if _distributed():  # SUM then divide: gloo has no AVG
+        value = value.clone()
+        dist.all_reduce(value)
+        value /= dist.get_world_size()
+    return value.item()
+
+
+def _update_expert_biases(model: Transformer, apply: bool) -> dict[str, float]:
+    """Aux-loss-free balancing: expert loads of the whole step (all micro-batches, all ranks),
+    one all-reduce, the same bias update on every rank (a skipped step only clears the counts).
+    Returns the step's MoE statistics for logging ({} for a dense model)."""
+    load = expert_load(model)
+    if load.numel() == 0:  # a dense model
+        return {}
+    if _distributed():
+        dist.all_reduce(load)
+    stats = moe_stats(model, load)
+    if apply:
+        apply_bias_update(model, load)
+    reset_moe_stats(model)
+    return stats

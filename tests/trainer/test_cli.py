@@ -209,11 +209,12 @@ def test_a_compiled_model_trains(dataset, tmp_path):
     assert len(losses) == 3 and all(isinstance(x, float) for x in losses)
 
 
-def test_several_processes_are_refused_with_a_message(dataset, tmp_path):
-    """Until the FSDP2 issue lands, WORLD_SIZE > 1 stops before training with one clear line."""
+def test_world_size_without_a_rendezvous_is_a_clear_error(dataset, tmp_path):
+    """WORLD_SIZE > 1 set by hand, without torchrun's MASTER_ADDR/PORT: one line, no hang."""
     run_dir = tmp_path / "run"
     env = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
+    env |= {key: "" for key in ("MASTER_ADDR", "MASTER_PORT")}
     result = run_trainer(*small(dataset, run_dir, "trainer.max_steps=2"), cwd=tmp_path, env=env)
-    assert result.returncode == 1
-    assert "WORLD_SIZE=2: multi-process training" in (run_dir / "train.log").read_text()
+    assert result.returncode == 2
+    assert "MASTER_ADDR, MASTER_PORT is not set: launch with torchrun" in result.stderr
     assert not (run_dir / "metrics.jsonl").exists()

@@ -1,0 +1,119 @@
+"""FSDP2 step time vs one process on the same global batch (CPU, gloo).
+
+The tiny preset, bf16 autocast, AdamW, gradient clipping: one process with all cores, then
+`--ranks` gloo processes with cores / ranks threads each, same global batch and sequence length.
+The median step after warm-up counts; the overhead is what sharding costs on this machine
+(all-gathers, reduce-scatters and the per-rank Python work) for the same work.
+
+    python bench/fsdp_overhead.py [--ranks 2] [--batch 8] [--seq-len 256] [--steps 6]
+Writes bench/results/fsdp_overhead_cpu.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from bench.machine import machine
+from data.loader import Batch
+from model.presets import load_preset
+from optim.builder import build_optimizer
+from optim.config import OptimConfig
+from parallel.config import ParallelConfig
+from parallel.mesh import ParallelDims
+from trainer.build import build_parallel_model
+from trainer.config import TrainerConfig
+from trainer.precision import autocast_factory
+from trainer.step import LossTracker, train_step
+
+
+def step_times(rank: int, world: int, args: argparse.Namespace) -> list[float]:
+    cfg = load_preset("tiny")
+    dims = ParallelDims.resolve(ParallelConfig(), world)
+    tcfg = TrainerConfig(precision="bf16", batch_size=args.batch)
+    device = torch.device("cpu")
+    model, _ = build_parallel_model(cfg, tcfg, ParallelConfig(), dims, device, seed=0)
+    optimizer = build_optimizer(OptimConfig(warmup_steps=0), model)
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq_len + 1), generator=gen)
+    local = args.batch // world
+    part = tokens[rank * local : (rank + 1) * local]
+    batch = Batch(part[:, :-1], part[:, 1:], torch.zeros_like(part[:, 1:]))
+    autocast, tracker = autocast_factory("bf16", device), LossTracker(0.0)
+    times = []
+    for _ in range(args.warmup + args.steps):
+        if world > 1:
+            dist.barrier()
+        start = time.perf_counter()
+        train_step(model, optimizer, batch, 1, autocast, 1.0, False, tracker)
+        times.append(time.perf_counter() - start)
+    return times[args.warmup :]
+
+
+def _rank_entry(rank: int, world: int, port: int, out: str, args: argparse.Namespace) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(max(1, args.cores // world))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    times = step_times(rank, world, args)
+    dist.destroy_process_group()
+    if rank == 0:
+        Path(out).write_bytes(pickle.dumps(times))
+
+
+def run(world: int, args: argparse.Namespace) -> list[float]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "times.pkl")
+        mp.start_processes(
+            _rank_entry, (world, port, out, args), nprocs=world, start_method="spawn"
+        )
+        return pickle.loads(Path(out).read_bytes())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--cores", type=int, default=len(os.sched_getaffinity(0)))
+    args = parser.parse_args()
+    rows = []
+    for world in (1, args.ranks):
+        seconds = statistics.median(run(world, args))
+        tokens = args.batch * args.seq_len / seconds
+        rows.append({"ranks": world, "seconds_per_step": seconds, "tokens_per_s": tokens})
+        print(f"{world} rank(s): {seconds:.3f} s/step, {tokens:.0f} tokens/s")
+    overhead = rows[1]["seconds_per_step"] / rows[0]["seconds_per_step"] - 1
+    print(f"FSDP2 over {args.ranks} gloo ranks: {100 * overhead:+.1f}% step time vs one process")
+    report = {
+        "benchmark": "fsdp_overhead",
+        "args": vars(args),
+        "machine": machine(),
+        "rows": rows,
+        "step_time_overhead": overhead,
+    }
+    out = Path(__file__).parent / "results" / "fsdp_overhead_cpu.json"
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,247 @@
+"""MoE layer forward + backward throughput: ours, the textbook per-expert loop, and transformers'
+Qwen3-MoE sparse block, all with the same weights, in one run.
+
+Fine-grained shapes (E experts, top-k, d_model C, expert hidden F, N tokens), bf16 weights and
+inputs, no shared expert (Qwen3-MoE has none). Every variant routes with softmax + top-k +
+renormalization. Rows:
+  ours                     MoE layer, experts impl "auto" (on CPU: padded bmm)
+  ours_grouped_mm          the same layer with torch._grouped_mm experts (the GPU path)
+  ours_loop                the same layer with the per-expert loop fallback
+  textbook_loop            `for e in range(E): where(topk == e)`, one nn.Linear SwiGLU per expert
+  transformers             Qwen3MoeSparseMoeBlock, its default (eager) experts
+  transformers_grouped_mm  the same with config._experts_implementation = "grouped_mm"
+  dense_same_flops         a dense SwiGLU over the N k routed rows with one expert's weights: the
+                           same matmul FLOPs without routing, a ceiling for the expert compute
+The median of --repeats steps after one warm-up step is reported (parameter gradients cleared
+each step, as an optimizer would); outputs are checked against ours (relative Frobenius error),
+so a fast wrong variant would show.
+
+    python bench/moe_layer.py [--tokens 4096] [--experts 64] [--top-k 8] [--d-model 512]
+                              [--hidden 256] [--repeats 5] [--device cpu]
+Writes bench/results/moe_layer_<device>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.machine import machine
+from model import FFNConfig, ModelConfig, MoEConfig
+from model.moe import MoE
+
+
+def build_ours(args: argparse.Namespace, dtype: torch.dtype) -> MoE:
+    cfg = ModelConfig(
+        vocab_size=64,
+        d_model=args.d_model,
+        n_layers=1,
+        ffn=FFNConfig(hidden=args.hidden),
+        moe=MoEConfig(n_routed_experts=args.experts, top_k=args.top_k, expert_hidden=args.hidden),
+    )
+    torch.manual_seed(0)
+    layer = MoE(cfg, layer_id=0)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.05)
+    return layer.to(args.device, dtype)
+
+
+class TextbookMoE(nn.Module):
+    """The loop every tutorial writes: one SwiGLU module per expert, `where` over the top-k ids."""
+
+    def __init__(self, ours: MoE) -> None:
+        super().__init__()
+        self.router = ours.router  # the same routing as ours; only the expert compute differs
+        self.experts = nn.ModuleList()
+        for w_gate, w_up, w_down in zip(
+            ours.experts.w_gate, ours.experts.w_up, ours.experts.w_down
+        ):
+            expert = nn.ModuleDict(
+                {
+                    "gate": nn.Linear(w_gate.shape[0], w_gate.shape[1], bias=False),
+                    "up": nn.Linear(w_gate.shape[0], w_gate.shape[1], bias=False),
+                    "down": nn.Linear(w_gate.shape[1], w_gate.shape[0], bias=False),
+                }
+            )
+            with torch.no_grad():
+                expert["gate"].weight.copy_(w_gate.T)
+                expert["up"].weight.copy_(w_up.T)
+                expert["down"].weight.copy_(w_down.T)
+            self.experts.append(expert.to(w_gate.dtype))
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, T, C = x.shape
+        flat = x.reshape(-1, C)
+        routing = self.router(flat)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            token_idx, slot = torch.where(routing.topk_idx == e)
+            if token_idx.numel() == 0:
+                continue
+            h = flat[token_idx]
+            y = expert["down"](F.silu(expert["gate"](h)) * expert["up"](h))
+            weight = routing.topk_weight[token_idx, slot, None].to(y.dtype)
+            out.index_add_(0, token_idx, y * weight)
+        return out.view(B, T, C)
+
+
+def build_transformers(ours: MoE, implementation: str | None) -> nn.Module:
+    from transformers import Qwen3MoeConfig
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()  # its note that a standalone block uses the default experts
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    e = ours.experts
+    E, C, F_ = e.w_gate.shape
+    cfg = Qwen3MoeConfig(
+        hidden_size=C,
+        moe_intermediate_size=F_,
+        num_experts=E,
+        num_experts_per_tok=ours.top_k,
+        norm_topk_prob=True,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+    )
+    cfg._experts_implementation = implementation
+    block = Qwen3MoeSparseMoeBlock(cfg).to(e.w_gate.device, e.w_gate.dtype)
+    with torch.no_grad():
+        block.gate.weight.copy_(ours.router.gate.weight)
+        block.experts.gate_up_proj.copy_(torch.cat([e.w_gate, e.w_up], dim=2).transpose(1, 2))
+        block.experts.down_proj.copy_(e.w_down.transpose(1, 2))
+    return block
+
+
+class DenseSameFlops(nn.Module):
+    """A dense SwiGLU over the N k routed token copies with expert 0's weights (no routing)."""
+
+    def __init__(self, ours: MoE) -> None:
+        super().__init__()
+        e = ours.experts
+        self.top_k = ours.top_k
+        self.w_gate, self.w_up, self.w_down = (
+            nn.Parameter(w[0].detach().clone()) for w in (e.w_gate, e.w_up, e.w_down)
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        rows = x.reshape(-1, x.shape[-1]).repeat_interleave(self.top_k, dim=0)
+        y = (F.silu(rows @ self.w_gate) * (rows @ self.w_up)) @ self.w_down
+        return y.view(*x.shape[:-1], self.top_k, -1).sum(dim=-2)
+
+
+def median_seconds(fn: nn.Module, x: Tensor, grad: Tensor, repeats: int, device: str):
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    times, out = [], None
+    for step in range(repeats + 1):  # the first step warms up
+        x.grad = None
+        fn.zero_grad(set_to_none=True)
+        sync()
+        start = time.perf_counter()
+        out = fn(x)
+        out.backward(grad)
+        sync()
+        if step:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times), out.detach()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--experts", type=int, default=64)
+    parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--d-model", type=int, default=512)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--variants",
+        default="ours,ours_grouped_mm,ours_loop,textbook_loop,transformers,"
+        "transformers_grouped_mm,dense_same_flops",
+    )
+    parser.add_argument(
+        "--out", default="", help="JSON path (default results/moe_layer_<device>.json)"
+    )
+    args = parser.parse_args()
+    dtype = torch.bfloat16
+    ours = build_ours(args, dtype)
+    variants: dict[str, Callable[[], nn.Module]] = {
+        "ours": lambda: ours,
+        "ours_grouped_mm": lambda: ours,
+        "ours_loop": lambda: ours,
+        "textbook_loop": lambda: TextbookMoE(ours),
+        "transformers": lambda: build_transformers(ours, None),  # its default (eager) experts
+        "transformers_grouped_mm": lambda: build_transformers(ours, "grouped_mm"),
+        "dense_same_flops": lambda: DenseSameFlops(ours),
+    }
+    impls = {"ours_grouped_mm": "grouped_mm", "ours_loop": "loop"}
+    g = torch.Generator(device=args.device).manual_seed(1)
+    shape = (
+        (args.tokens // 256, 256, args.d_model)
+        if args.tokens % 256 == 0
+        else (1, args.tokens, args.d_model)
+    )
+    x = torch.randn(shape, generator=g, device=args.device, dtype=dtype, requires_grad=True)
+    grad = torch.randn(shape, generator=g, device=args.device, dtype=dtype)
+    rows, reference = [], None
+    for name in args.variants.split(","):
+        module = variants[name]()
+        ours.experts.impl = impls.get(name, "auto")
+        seconds, out = median_seconds(module, x, grad, args.repeats, args.device)
+        if reference is None:
+            reference = out.float()
+        error = None  # dense_same_flops computes another function: only its time matters
+        if name != "dense_same_flops":
+            error = ((out.float() - reference).norm() / reference.norm()).item()
+        rows.append(
+            {
+                "variant": name,
+                "ms": seconds * 1e3,
+                "tokens_per_s": args.tokens / seconds,
+                "rel_error_vs_ours": error,
+            }
+        )
+        print(
+            f"{name:26s} {seconds * 1e3:9.1f} ms  {args.tokens / seconds:9.0f} tokens/s  err "
+            + ("-" if error is None else f"{error:.1e}"),
+            flush=True,
+        )
+    base = next(r for r in rows if r["variant"] == "ours")
+    for row in rows:
+        row["ours_speedup"] = row["ms"] / base["ms"]
+    print(f"\n{'variant':26s} {'ms':>9s} {'tokens/s':>10s} {'ours is x faster':>17s}")
+    for row in rows:
+        print(
+            f"{row['variant']:26s} {row['ms']:9.1f} {row['tokens_per_s']:10.0f} {row['ours_speedup']:17.2f}"
+        )
+    report = {
+        "benchmark": "moe_layer",
+        "args": vars(args),
+        "dtype": "bf16",
+        "machine": machine(
+            ("torch", "transformers"),
+            torch_threads=torch.get_num_threads(),
+            load_average=os.getloadavg(),
+        ),
+        "rows": rows,
+    }
+    out = Path(args.out or Path(__file__).parent / "results" / f"moe_layer_{args.device}.json")
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""Activation checkpointing per block, and `torch.compile` per block.
+
+Both rewrite a block's `forward` / call in place rather than wrapping the module, so parameter
+names (`layers.3.attn.q_proj.weight`) stay the same for checkpoints and export.
+
+- full: keep only each block's input; recompute the block in backward.
+- selective: also keep the outputs of matmuls and attention (the expensive ops); recompute the
+  cheap elementwise ones (norms, activations, RoPE).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
+
+from model.transformer import Transformer
+
+_aten = torch.ops.aten
+# ops whose outputs selective checkpointing keeps (recomputing them is what costs)
+SAVED_OPS = {
+    _aten.mm.default,
+    _aten.addmm.default,
+    _aten.bmm.default,
+    _aten._scaled_dot_product_flash_attention.default,
+    _aten._scaled_dot_product_efficient_attention.default,
+    _aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
+if hasattr(_aten, "_grouped_mm"):
+    SAVED_OPS.add(_aten._grouped_mm.default)
+
+
+def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _context_fn():
+    return create_selective_checkpoint_contexts(_selective_policy)
+
+
+def apply_activation_checkpointing(model: Transformer, mode: str) -> None:
+    """mode: none | full | selective."""
+    if mode == "none":
+        return
+    extra = {"context_fn": _context_fn} if mode == "selective" else {}
+    for block in model.layers.values():
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False, **extra)
+
+
+def compile_blocks(model: Transformer) -> None:
+    """Compile each block on its own (FSDP2's gather/reduce hooks run between blocks)."""
+    for block in model.layers.values():
+        assert isinstance(block, nn.Module)
+        block.compile()

@@ -1,0 +1,78 @@
+"""Expert parallelism: experts split over the `ep` ranks, tokens exchanged with all-to-all.
+
+Each rank routes its own tokens. The MoE layer sorts the (token, expert) pairs by global expert
+id and hands them to `moe.dispatch`; here that is `AllToAllDispatch`:
+
+1. exchange per-expert counts (all-to-all of E integers), so every rank knows how many rows it
+   receives from each source for each of its local experts;
+2. all-to-all the rows (autograd flows back through the collective), regroup them by local
+   expert, run the local experts' grouped GEMM;
+3. undo the regrouping and all-to-all the results back; the layer combines them with the
+   routing weights.
+
+Shapes: M (token, expert) pairs sent by this rank, R rows received, C d_model, E experts,
+P = ep ranks, L = E / P local experts (rank r holds experts r*L ... r*L + L - 1).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from model.errors import ConfigError
+from model.moe import moe_layers
+from model.transformer import Transformer
+
+
+class AllToAllDispatch:
+    def __init__(self, mesh: DeviceMesh):
+        self.group = mesh.get_group()
+        self.ranks = mesh.size()
+
+    def __call__(self, x_sorted: Tensor, counts: Tensor, experts: nn.Module) -> Tensor:
+        """x_sorted (M, C) grouped by global expert, counts (E,) -> outputs (M, C), same order."""
+        P = self.ranks
+        L = counts.numel() // P
+        send_counts = counts.view(P, L)  # rows for each (destination rank, its local expert)
+        recv_counts = torch.empty_like(send_counts)  # rows from each (source, my local expert)
+        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        send_splits = send_counts.sum(1).tolist()
+        recv_splits = recv_counts.sum(1).tolist()
+        received = _all_to_all(x_sorted, recv_splits, send_splits, self.group)  # (R, C)
+        # received is ordered (source, local expert); the grouped GEMM wants (local expert, ...)
+        expert_of_row = torch.arange(L, device=counts.device).repeat(P)
+        expert_of_row = expert_of_row.repeat_interleave(recv_counts.flatten())
+        order = torch.argsort(expert_of_row, stable=True)
+        out_grouped = experts(received[order], recv_counts.sum(0))
+        out = torch.empty_like(out_grouped).index_copy(0, order, out_grouped)
+        return _all_to_all(out, send_splits, recv_splits, self.group)
+
+
+def _all_to_all(x: Tensor, output_splits: list[int], input_splits: list[int], group) -> Tensor:
+    y = funcol.all_to_all_single_autograd(x.contiguous(), output_splits, input_splits, group)
+    return funcol.wait_tensor(y) if isinstance(y, funcol.AsyncCollectiveTensor) else y
+
+
+def apply_expert_parallel(model: Transformer, mesh: DeviceMesh) -> None:
+    """Shard every MoE layer's experts on dim 0 over `mesh` (ep) and install the all-to-all."""
+    for moe in moe_layers(model):
+        experts = moe.experts
+        total = moe.router.gate.weight.shape[0]
+        if total % mesh.size():
+            raise ConfigError(
+                f"model.moe.n_routed_experts={total} is not divisible by parallel.ep={mesh.size()}"
+            )
+        shard_experts(experts, mesh)
+        moe.dispatch = AllToAllDispatch(mesh)
+
+
+def shard_experts(experts: nn.Module, mesh: DeviceMesh) -> None:
+    """Replace each (E, ...) expert weight by a DTensor sharded on dim 0 over `mesh`: rank r
+    keeps experts [r E/P, (r+1) E/P). No communication (each rank slices its own copy)."""
+    for name, param in list(experts.named_parameters(recurse=False)):
+        sharded = distribute_tensor(param.data, mesh, [Shard(0)], src_data_rank=None)
+        experts.register_parameter(name, nn.Parameter(sharded, param.requires_grad))

@@ -1,0 +1,59 @@
+"""FSDP2 (`fully_shard`) over the blocks and the root, with a mixed-precision policy.
+
+Each block is one FSDP unit (its weights gathered just before it runs), the root holds the
+embedding, final norm and head. Under expert parallelism the experts of a MoE block are their
+own unit on the expert mesh; their gradients arrive summed over the `ep` ranks that sent tokens
+(the all-to-all's backward), so the reduce-scatter divides by the whole data-parallel world,
+not by the expert mesh alone: otherwise expert gradients would grow with the EP degree.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
+
+from model.transformer import Transformer
+from parallel.mesh import Meshes
+
+
+def mixed_precision(param_dtype: torch.dtype) -> MixedPrecisionPolicy:
+    """Gather and compute in `param_dtype`, reduce gradients in fp32 (sharded fp32 masters)."""
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+
+
+def apply_fsdp(
+    model: Transformer, meshes: Meshes, mp: MixedPrecisionPolicy, reshard_after_forward: bool
+) -> None:
+    for block in model.layers.values():
+        experts = getattr(block.ffn, "experts", None)
+        if experts is not None and meshes.experts is not None:
+            fully_shard(
+                experts,
+                mesh=meshes.experts,
+                mp_policy=mp,
+                reshard_after_forward=reshard_after_forward,
+                shard_placement_fn=_expert_placement(meshes.experts.size()),
+            )
+            experts.set_gradient_divide_factor(float(meshes.dims.world_size))
+            if meshes.experts.size() > 1:
+                # reduce with SUM, then divide: a pre-scaled sum (PREMUL_SUM) has no gloo version.
+                # (Not on a 1-rank mesh: there FSDP divides without a collective, and forcing the
+                # sum would divide twice.)
+                experts.set_force_sum_reduction_for_comms(True)
+        fully_shard(
+            block, mesh=meshes.dense, mp_policy=mp, reshard_after_forward=reshard_after_forward
+        )
+    # the root's weights (embedding, head) are needed again at once by the loss: keep them
+    fully_shard(model, mesh=meshes.dense, mp_policy=mp, reshard_after_forward=False)
+
+
+def _expert_placement(shards: int):
+    """Shard expert weights (E_local, ...) on dim 0 when there are enough local experts for
+    every shard, else on dim 1 (fine-grained experts with few per rank)."""
+
+    def placement(param: torch.nn.Parameter) -> Shard:
+        local_experts = param.to_local().shape[0] if hasattr(param, "to_local") else param.shape[0]
+        return Shard(0) if local_experts >= shards else Shard(1)
+
+    return placement

@@ -1,0 +1,55 @@
+"""Global gradient-norm clipping over sharded (DTensor) gradients, in one collective.
+
+`torch.nn.utils.clip_grad_norm_` cannot mix DTensors of different meshes (dense weights on the
+data-parallel mesh, experts on the expert meshes). Here each rank sums the squares of its local
+gradient pieces, divided by how many ranks hold an identical copy (the mesh dims on which the
+gradient is replicated, such as HSDP's replicas), and one all-reduce over the world gives the
+exact global sum of squares.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.tensor import DTensor, Replicate
+
+
+def _copies(grad: Tensor) -> int:
+    if not isinstance(grad, DTensor):
+        return dist.get_world_size() if dist.is_initialized() else 1
+    mesh = grad.device_mesh
+    return math.prod(
+        mesh.size(i) for i, p in enumerate(grad.placements) if isinstance(p, Replicate)
+    )
+
+
+def global_grad_norm(params: list[torch.nn.Parameter]) -> Tensor:
+    """The L2 norm of all gradients as if they were whole on one device (fp32 scalar)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    pieces = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    norms = torch.stack(torch._foreach_norm(pieces, 2)).float()  # (n,) local norms
+    copies = torch.tensor([float(_copies(g)) for g in grads], device=norms.device)
+    total = (norms.square() / copies).sum()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(total)
+    return total.sqrt()
+
+
+@torch.no_grad()
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> Tensor:
+    """Scale gradients so their global norm is at most `max_norm` (inf: only measure)."""
+    norm = global_grad_norm(params)
+    if max_norm != float("inf"):
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        locals_ = [
+            p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            for p in params
+            if p.grad is not None
+        ]
+        torch._foreach_mul_(locals_, scale)
+    return norm

@@ -1,0 +1,50 @@
+"""Initialize a sharded model to exactly the weights a single process would have.
+
+Random initialization of DTensors is layout-dependent (and on CPU every shard would draw the
+same numbers). Instead, each part of `Transformer.init_plan` (embedding, one block, ...) is
+built full-size on the device, initialized from its own seed (`model.transformer.part_seed`),
+and each rank keeps its shard. Peak extra memory: the largest part, one block.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Replicate
+
+from model.transformer import Transformer, part_seed, seeded
+
+
+@torch.no_grad()
+def init_like_single_process(model: Transformer, device: torch.device, seed: int) -> None:
+    """`model` is materialized (`to_empty`) and sharded in any layout; fill it in place."""
+    with torch.device("meta"):
+        reference = Transformer(model.cfg)
+    for index, (name, init) in enumerate(reference.init_plan()):
+        replica = copy.deepcopy(reference.get_submodule(name)).to_empty(device=device)
+        with seeded(device, part_seed(seed, index)):
+            init(replica)
+        _copy_shards(model.get_submodule(name), replica)
+
+
+def _copy_shards(target: nn.Module, full: nn.Module) -> None:
+    sources = dict(full.named_parameters()) | dict(full.named_buffers())
+    targets = dict(target.named_parameters()) | dict(target.named_buffers())
+    for name, tensor in targets.items():
+        _local(tensor).copy_(_shard_of(sources[name], tensor))
+
+
+def _shard_of(full: Tensor, like: Tensor) -> Tensor:
+    """This rank's piece of `full` in the layout of `like` (a DTensor or a plain tensor)."""
+    if not isinstance(like, DTensor):
+        return full
+    replicated = DTensor.from_local(
+        full, like.device_mesh, [Replicate()] * like.device_mesh.ndim, run_check=False
+    )
+    return replicated.redistribute(like.device_mesh, like.placements).to_local()
+
+
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t

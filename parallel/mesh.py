@@ -1,0 +1,99 @@
+"""The device mesh from `parallel.*` and the world size.
+
+Dense weights live on `dp_replicate x dp_shard` (DDP-like replication, FSDP2 sharding, or both:
+HSDP). Expert parallelism borrows its ranks from `dp_shard`: the shard dimension is split into
+`dp_shard / ep` groups of `ep` ranks, experts are divided over the `ep` ranks of a group, and
+each expert's weights are sharded over the `dp_shard / ep` groups (and replicated over
+`dp_replicate`). All of it is one root mesh
+
+    ("dp_replicate", "dp_shard_mod_ep", "ep")   with "dp_shard" = flatten(dp_shard_mod_ep, ep)
+
+so that FSDP2 can compose the expert mesh with the expert-parallel one (same root); the dense
+mesh is built on its own (a mesh whose dim is a flattened pair of another is being deprecated).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from model.errors import ConfigError
+from parallel.config import ParallelConfig
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    dp_replicate: int
+    dp_shard: int
+    ep: int
+    world_size: int
+
+    @classmethod
+    def resolve(cls, cfg: ParallelConfig, world_size: int) -> ParallelDims:
+        """Fill in dp_shard=-1 and check that the sizes multiply to the world size."""
+        shard = cfg.dp_shard
+        if shard == -1:
+            shard, rest = divmod(world_size, cfg.dp_replicate)
+            if rest or shard == 0:
+                raise ConfigError(
+                    f"parallel.dp_replicate={cfg.dp_replicate} does not divide the world size "
+                    f"{world_size} (WORLD_SIZE from torchrun/srun)"
+                )
+        if cfg.dp_replicate * shard != world_size:
+            raise ConfigError(
+                f"parallel.dp_replicate={cfg.dp_replicate} x parallel.dp_shard={shard} = "
+                f"{cfg.dp_replicate * shard} ranks, but the world size is {world_size}; set "
+                "parallel.dp_shard=-1 to use all remaining ranks"
+            )
+        if shard % cfg.ep:
+            raise ConfigError(
+                f"parallel.ep={cfg.ep} must divide parallel.dp_shard={shard}: expert-parallel "
+                "ranks are taken from the sharded data-parallel ones"
+            )
+        return cls(dp_replicate=cfg.dp_replicate, dp_shard=shard, ep=cfg.ep, world_size=world_size)
+
+    @property
+    def expert_shard(self) -> int:
+        """Ranks each expert's weights are sharded over (dp_shard / ep)."""
+        return self.dp_shard // self.ep
+
+    def describe(self) -> str:
+        parts = [f"world {self.world_size}", f"dp_shard {self.dp_shard}"]
+        if self.dp_replicate > 1:
+            parts.append(f"dp_replicate {self.dp_replicate} (HSDP)")
+        if self.ep > 1:
+            parts.append(f"ep {self.ep} (expert weights sharded over {self.expert_shard})")
+        return ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class Meshes:
+    dims: ParallelDims
+    dense: DeviceMesh  # (dp_replicate, dp_shard) or (dp_shard,): FSDP2/HSDP of dense weights
+    experts: DeviceMesh | None  # (dp_replicate, dp_shard_mod_ep) or (dp_shard_mod_ep,), ep > 1
+    ep: DeviceMesh | None  # (ep,) when parallel.ep > 1
+
+
+def build_meshes(dims: ParallelDims, device_type: str) -> Meshes:
+    """The meshes over all ranks (the default process group must exist)."""
+    hsdp = dims.dp_replicate > 1
+    if hsdp:
+        dense = init_device_mesh(
+            device_type,
+            (dims.dp_replicate, dims.dp_shard),
+            mesh_dim_names=("dp_replicate", "dp_shard"),
+        )
+    else:
+        dense = init_device_mesh(device_type, (dims.dp_shard,), mesh_dim_names=("dp_shard",))
+    if dims.ep == 1:
+        return Meshes(dims=dims, dense=dense, experts=None, ep=None)
+    # the expert meshes share one root, as FSDP2 requires to compose them (rank order matches
+    # the dense mesh: dp_shard = dp_shard_mod_ep x ep, ep innermost)
+    root = init_device_mesh(
+        device_type,
+        (dims.dp_replicate, dims.expert_shard, dims.ep),
+        mesh_dim_names=("dp_replicate", "dp_shard_mod_ep", "ep"),
+    )
+    experts = root["dp_replicate", "dp_shard_mod_ep"] if hsdp else root["dp_shard_mod_ep"]
+    return Meshes(dims=dims, dense=dense, experts=experts, ep=root["ep"])

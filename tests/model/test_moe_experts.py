@@ -1,0 +1,163 @@
+"""Grouped experts: the grouped-GEMM path and the loop fallback against a per-expert float64 loop,
+forward and gradients, with empty experts, in fp32 and bf16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model.init import InitStds
+from model.moe import GroupedExperts, grouped_mm_supported
+from model.moe import experts as experts_module
+
+COUNTS = [5, 0, 3, 0, 9, 1, 0, 6]  # empty experts, including the last but one and at the start
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """fp32: elementwise, summation order only (atol 1e-5, rtol 1e-4). bf16: the inputs are the same
+    bf16 values, but intermediate activations are rounded to 8 bits, so single elements of a
+    gradient (sums with cancellation) can be off by several percent: compare the relative
+    Frobenius error, < 1%."""
+    if actual.dtype == torch.float32:
+        torch.testing.assert_close(actual.double(), expected, atol=1e-5, rtol=1e-4)
+    else:
+        error = (actual.double() - expected).norm() / expected.norm().clamp(min=1e-12)
+        assert error < 1e-2, f"relative error {error:.2e}"
+
+
+def make(C: int = 32, F_: int = 48, counts: list[int] = COUNTS, dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    experts = GroupedExperts(len(counts), C, F_, F.silu)
+    experts.init_weights(InitStds(inner=0.2, value=0.2, out=0.2))
+    experts.to(dtype)
+    x = torch.randn(sum(counts), C, dtype=dtype, requires_grad=True)
+    return experts, x, torch.tensor(counts)
+
+
+def reference(experts: GroupedExperts, x: torch.Tensor, counts: torch.Tensor):
+    """Per-expert loop in float64; returns output and gradients for the upstream gradient g."""
+    params = [
+        w.detach().double().requires_grad_() for w in (experts.w_gate, experts.w_up, experts.w_down)
+    ]
+    xd = x.detach().double().requires_grad_()
+    rows, start = [], 0
+    for e, n in enumerate(counts.tolist()):
+        chunk = xd[start : start + n]
+        rows.append((F.silu(chunk @ params[0][e]) * (chunk @ params[1][e])) @ params[2][e])
+        start += n
+    return torch.cat(rows), xd, params
+
+
+def impls() -> list[str]:
+    grouped = ["grouped_mm"] if hasattr(torch, "_grouped_mm") else []
+    return ["loop", "padded_bmm", *grouped]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("impl", impls())
+def test_experts_match_the_per_expert_loop(impl, dtype):
+    if impl == "grouped_mm" and not grouped_mm_supported("cpu", dtype):
+        pytest.skip(f"torch._grouped_mm does not run on cpu/{dtype}")
+    experts, x, counts = make(dtype=dtype)
+    experts.impl = impl
+    y = experts(x, counts)
+    g = torch.randn(y.shape, dtype=dtype)
+    (y * g).sum().backward()
+    want, xd, params = reference(experts, x, counts)
+    (want * g.double()).sum().backward()
+    assert y.dtype == dtype
+    assert_close(y, want)
+    assert_close(x.grad, xd.grad)
+    for w, ref in zip((experts.w_gate, experts.w_up, experts.w_down), params):
+        assert_close(w.grad, ref.grad)
+        for e, n in enumerate(COUNTS):
+            if n == 0:
+                assert w.grad[e].abs().sum() == 0  # an empty expert gets a zero gradient
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_three_paths_agree(dtype):
+    outs = []
+    for impl in impls():
+        experts, x, counts = make(dtype=dtype)
+        experts.impl = impl
+        y = experts(x, counts)
+        y.sum().backward()  # an expanded upstream gradient (strides 0): the GEMM backward needs help
+        outs.append((y, x.grad, experts.w_down.grad))
+    first, *others = outs
+    for other in others:
+        for a, b in zip(other, first):
+            assert_close(a, b.double())
+
+
+def test_every_expert_empty_gives_an_empty_result():
+    experts, _, _ = make()
+    x = torch.zeros(0, 32, requires_grad=True)
+    for impl in impls():
+        experts.impl = impl
+        y = experts(x, torch.zeros(8, dtype=torch.int64))
+        assert y.shape == (0, 32)
+        y.sum().backward()
+
+
+def test_auto_uses_the_grouped_gemm_when_aligned_and_falls_back_otherwise(monkeypatch):
+    if not grouped_mm_supported("cpu", torch.bfloat16):
+        pytest.skip("no grouped GEMM here")
+    calls = []
+    real = experts_module.grouped_mm
+    monkeypatch.setattr(
+        experts_module, "grouped_mm", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    experts, x, counts = make(dtype=torch.bfloat16)  # C=32, F=48: rows of 64/96 bytes
+    experts(x, counts)
+    assert len(calls) == 3  # gate, up, down (the padding would be 72 rows for 24: too much)
+    calls.clear()
+    experts, x, counts = make(C=12, F_=20, dtype=torch.bfloat16)  # 24-byte rows: not allowed
+    y = experts(x, counts)
+    assert calls == []
+    want, _, _ = reference(experts, x, counts)
+    assert_close(y, want)
+
+
+def test_auto_pads_balanced_loads_on_cpu(monkeypatch):
+    chosen = []
+    real = GroupedExperts._padded_bmm
+    monkeypatch.setattr(
+        GroupedExperts, "_padded_bmm", lambda self, *a: chosen.append(1) or real(self, *a)
+    )
+    experts, x, counts = make(counts=[4, 3, 4, 2, 4, 4, 1, 4])  # 8 x 4 = 32 <= 2 x 26 rows
+    y = experts(x, counts)
+    assert chosen == [1]
+    want, _, _ = reference(experts, x, counts)
+    assert_close(y, want)
+
+
+def test_autocast_computes_in_bf16_from_fp32_weights():
+    experts, x, counts = make()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = experts(x, counts)
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert experts.w_gate.grad.dtype == torch.float32
+    want, _, _ = reference(experts, x, counts)
+    assert_close(y, want)
+
+
+def test_local_takes_the_shard_of_a_distributed_tensor():
+    class Sharded:  # what a DTensor offers: the local experts
+        def __init__(self, local):
+            self.local = local
+
+        def to_local(self):
+            return self.local
+
+    t = torch.ones(2, 3)
+    assert experts_module._local(Sharded(t)) is t
+    assert experts_module._local(t) is t
+
+
+def test_counts_must_match_the_local_experts():
+    experts, x, _ = make()
+    with pytest.raises(ValueError, match="3 expert counts for 8 local experts"):
+        experts(x, torch.tensor([10, 10, sum(COUNTS) - 20]))

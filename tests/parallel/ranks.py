@@ -1,0 +1,51 @@
+"""Run a function on N gloo ranks (spawned processes on this CPU) and collect what each returns.
+
+The function must live in an importable module (not a test file) and take the rank first.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any) -> list[Any]:
+    """fn(rank, *args) on `world_size` ranks; returns the results by rank."""
+    port = free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(
+            _entry,
+            args=(world_size, port, tmp, fn, args),
+            nprocs=world_size,
+            join=True,
+            start_method="spawn",
+        )
+        return [pickle.loads(Path(tmp, f"{r}.pkl").read_bytes()) for r in range(world_size)]
+
+
+def _entry(rank: int, world_size: int, port: int, tmp: str, fn: Callable, args: tuple) -> None:
+    env = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": world_size, "MASTER_PORT": port}
+    os.environ.update({k: str(v) for k, v in env.items()} | {"MASTER_ADDR": "127.0.0.1"})
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        result = fn(rank, *args)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    Path(tmp, f"{rank}.pkl").write_bytes(pickle.dumps(result))

@@ -1,0 +1,50 @@
+"""Mesh sizes from `parallel.*` and the world size; config errors name the keys."""
+
+from __future__ import annotations
+
+import pytest
+
+from model.errors import ConfigError
+from parallel.config import ParallelConfig
+from parallel.mesh import ParallelDims
+
+
+def test_dp_shard_takes_all_remaining_ranks() -> None:
+    dims = ParallelDims.resolve(ParallelConfig(dp_replicate=2), 8)
+    assert (dims.dp_replicate, dims.dp_shard, dims.ep, dims.expert_shard) == (2, 4, 1, 4)
+    dims = ParallelDims.resolve(ParallelConfig(ep=2), 4)
+    assert (dims.dp_shard, dims.ep, dims.expert_shard) == (4, 2, 2)
+    assert "ep 2 (expert weights sharded over 2)" in dims.describe()
+
+
+@pytest.mark.parametrize(
+    ("cfg", "world", "message"),
+    [
+        (dict(dp_replicate=3), 4, "parallel.dp_replicate=3 does not divide the world size 4"),
+        (
+            dict(dp_shard=2),
+            4,
+            r"parallel.dp_replicate=1 x parallel.dp_shard=2 = 2 ranks, but the world size is 4",
+        ),
+        (dict(ep=4, dp_replicate=2), 4, "parallel.ep=4 must divide parallel.dp_shard=2"),
+        (dict(ep=4), 2, "parallel.ep=4 must divide parallel.dp_shard=2"),
+        (dict(ep=2), 1, "parallel.ep=2 must divide parallel.dp_shard=1"),
+    ],
+)
+def test_inconsistent_sizes_fail_with_the_keys(cfg: dict, world: int, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        ParallelDims.resolve(ParallelConfig(**cfg), world)
+
+
+@pytest.mark.parametrize(
+    ("cfg", "message"),
+    [
+        (dict(dp_shard=0), "parallel.dp_shard=0 must be >= 1, or -1"),
+        (dict(ep=0), "parallel.ep=0 must be >= 1"),
+        (dict(activation_checkpoint="some"), "parallel.activation_checkpoint='some' is not one of"),
+        (dict(param_dtype="fp16"), "parallel.param_dtype='fp16' is not one of"),
+    ],
+)
+def test_bad_values_fail_with_the_key(cfg: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        ParallelConfig(**cfg)

@@ -1,0 +1,52 @@
+"""DCP checkpoints written by one layout resume in another (2 -> 1, 1 -> 2, 2 -> 4 ranks): the
+model and optimizer states are resharded on load and training continues as if uninterrupted."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.parallel.ranks import run_ranks
+from tests.parallel.workers import small_model, train
+
+pytestmark = pytest.mark.distributed
+BEFORE, AFTER = 2, 2
+
+
+@pytest.fixture(scope="module")
+def uninterrupted() -> dict:
+    return train(0, small_model(), {}, BEFORE + AFTER)
+
+
+def _run(ranks: int, **kwargs) -> dict:
+    if ranks == 1:
+        return train(0, small_model(), {}, **kwargs)
+    return run_ranks(ranks, train, small_model(), {}, *_positional(kwargs))[0]
+
+
+def _positional(kwargs: dict) -> tuple:
+    # train(rank, model_cfg, layout, steps, micro_batches, precision, grad_clip, resume_from, save_to)
+    return (
+        kwargs["steps"],
+        1,
+        "fp32",
+        1.0,
+        kwargs.get("resume_from", ""),
+        kwargs.get("save_to", ""),
+    )
+
+
+@pytest.mark.parametrize(("save_ranks", "load_ranks"), [(2, 1), (1, 2), (2, 4)])
+def test_resume_in_another_layout_continues_the_run(
+    tmp_path: Path, uninterrupted: dict, save_ranks: int, load_ranks: int
+) -> None:
+    first = _run(save_ranks, steps=BEFORE, save_to=str(tmp_path))
+    checkpoint = tmp_path / "step_00000002"
+    assert (checkpoint / ".metadata").is_file()
+    second = _run(load_ranks, steps=AFTER, resume_from=str(checkpoint))
+    losses = first["losses"] + second["losses"]
+    torch.testing.assert_close(losses, uninterrupted["losses"], rtol=2e-5, atol=2e-6)
+    for name, tensor in uninterrupted["final"].items():
+        torch.testing.assert_close(second["final"][name], tensor, rtol=1e-4, atol=1e-5, msg=name)

@@ -1,0 +1,187 @@
+"""What each rank runs in the distributed tests (also callable in one process, as the reference).
+
+A small dense or MoE model trained for a few steps on a fixed random global batch; each rank
+takes its data-parallel slice, exactly as the trainer's loader does.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from data.loader import Batch
+from model.config import ModelConfig
+from model.presets import load_preset
+from optim.builder import build_optimizer
+from optim.config import OptimConfig
+from parallel.config import ParallelConfig
+from parallel.mesh import ParallelDims
+from trainer.build import build_parallel_model
+from trainer.checkpoint import Checkpointer, load_checkpoint
+from trainer.config import TrainerConfig
+from trainer.step import LossTracker, train_step
+
+SEQ = 16
+GLOBAL_BATCH = 8
+DENSE = {"d_model": 64, "n_layers": 2, "attention.n_heads": 4, "attention.n_kv_heads": 2}
+SMALL = DENSE | {"vocab_size": 128, "max_seq_len": 64, "loss_chunk_tokens": 64}
+
+
+def small_model(preset: str = "tiny", **overrides: Any) -> ModelConfig:
+    return load_preset(preset, SMALL | overrides)
+
+
+def world() -> tuple[int, int]:
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def global_batches(steps: int, vocab: int, seed: int = 1) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (GLOBAL_BATCH, SEQ + 1), generator=gen) for _ in range(steps)]
+
+
+def local_batch(tokens: torch.Tensor) -> Batch:
+    rank, size = world()
+    local = tokens.shape[0] // size
+    part = tokens[rank * local : (rank + 1) * local]
+    return Batch(part[:, :-1].contiguous(), part[:, 1:].contiguous(), torch.zeros_like(part[:, 1:]))
+
+
+def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and persistent buffer as a whole tensor (gathered from shards)."""
+    out = {}
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        out[name] = (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+    return out
+
+
+def train(
+    rank: int,
+    model_cfg: ModelConfig,
+    layout: dict[str, Any],
+    steps: int,
+    micro_batches: int = 1,
+    precision: str = "fp32",
+    grad_clip: float = 1.0,
+    resume_from: str = "",
+    save_to: str = "",
+) -> dict[str, Any]:
+    """Train `steps` steps; returns losses, grad norms, the initial and final full weights.
+
+    resume_from: a checkpoint directory (trainer.checkpoint layout) to load first; training then
+    continues on the global batches after its step. save_to: checkpoint root to save into at the
+    end."""
+    _, size = world()
+    pcfg = ParallelConfig(**layout)
+    dims = ParallelDims.resolve(pcfg, size)
+    tcfg = TrainerConfig(precision=precision, batch_size=GLOBAL_BATCH)
+    model, master = build_parallel_model(model_cfg, tcfg, pcfg, dims, torch.device("cpu"), seed=0)
+    initial = full_state(model)
+    optimizer = build_optimizer(OptimConfig(lr=3e-3, warmup_steps=0, schedule="constant"), model)
+    tracker = LossTracker(0.0)
+    first = 0
+    if resume_from:
+        first = load_checkpoint(Path(resume_from), model, optimizer, rank)["step"]
+    losses, norms = [], []
+    for tokens in global_batches(first + steps, model_cfg.vocab_size)[first:]:
+        result = train_step(
+            model,
+            optimizer,
+            local_batch(tokens),
+            micro_batches,
+            _autocast(precision),
+            grad_clip,
+            False,
+            tracker,
+            master,
+        )
+        losses.append(result.loss)
+        norms.append(result.grad_norm)
+    if save_to:
+        Checkpointer(Path(save_to), rank, keep=1).save(
+            first + steps, model, optimizer, {"step": first + steps}
+        )
+    placements = {
+        name: str(p.placements) if isinstance(p, DTensor) else "local"
+        for name, p in model.named_parameters()
+    }
+    return {
+        "losses": losses,
+        "norms": norms,
+        "initial": initial,
+        "final": full_state(model),
+        "placements": placements,
+        "local": {
+            name: (p.to_local() if isinstance(p, DTensor) else p).detach().clone()
+            for name, p in model.named_parameters()
+        },
+    }
+
+
+def _autocast(precision: str):
+    from trainer.precision import autocast_factory
+
+    return autocast_factory(precision, torch.device("cpu"))
+
+
+def gradients(rank: int, model_cfg: ModelConfig, layout: dict[str, Any]) -> dict[str, Any]:
+    """One forward + backward of the first global batch (fp32): the loss (mean over ranks), the
+    routed-token counts summed over ranks, and every parameter's full gradient."""
+    from model.moe import expert_load, pop_aux_loss
+
+    _, size = world()
+    pcfg = ParallelConfig(**layout)
+    dims = ParallelDims.resolve(pcfg, size)
+    tcfg = TrainerConfig(precision="fp32", batch_size=GLOBAL_BATCH)
+    model, _ = build_parallel_model(model_cfg, tcfg, pcfg, dims, torch.device("cpu"), seed=0)
+    batch = local_batch(global_batches(1, model_cfg.vocab_size)[0])
+    loss = model(batch.inputs, batch.targets)
+    aux = pop_aux_loss(model)
+    (loss + aux if aux is not None else loss).backward()
+    load = expert_load(model)
+    mean_loss = loss.detach().clone()
+    if size > 1:
+        dist.all_reduce(mean_loss)
+        dist.all_reduce(load)
+    grads = {}
+    for name, p in model.named_parameters():
+        g = p.grad
+        grads[name] = (g.full_tensor() if isinstance(g, DTensor) else g).clone()
+    return {"loss": float(mean_loss) / size, "load": load, "grads": grads}
+
+
+def dispatch_matches_local(rank: int, counts_by_rank: list[list[int]]) -> dict[str, Any]:
+    """The all-to-all dispatch over 2 ranks vs all experts local, on hand-made uneven counts
+    (some experts get no rows): outputs and input gradients must agree."""
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from model.moe import GroupedExperts
+    from parallel.expert_parallel import AllToAllDispatch
+
+    torch.manual_seed(0)
+    experts = GroupedExperts(len(counts_by_rank[0]), 8, 4, F.silu)
+    for w in experts.parameters():
+        torch.nn.init.normal_(w, std=0.5)
+    reference = {name: w.detach().clone() for name, w in experts.named_parameters()}
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))
+    sharded = GroupedExperts(len(counts_by_rank[0]), 8, 4, F.silu)
+    sharded.load_state_dict(reference)
+    from parallel.expert_parallel import shard_experts
+
+    shard_experts(sharded, mesh)
+    counts = torch.tensor(counts_by_rank[rank])
+    x = torch.randn(int(counts.sum()), 8, generator=torch.Generator().manual_seed(rank))
+    x_ep = x.clone().requires_grad_()
+    y_ep = AllToAllDispatch(mesh)(x_ep, counts, sharded)
+    x_ref = x.clone().requires_grad_()
+    y_ref = experts(x_ref, counts)
+    (y_ep.square().sum()).backward()
+    (y_ref.square().sum()).backward()
+    return {"y": (y_ep.detach(), y_ref.detach()), "dx": (x_ep.grad, x_ref.grad)}

@@ -1,0 +1,64 @@
+"""The process group of a multi-rank launch (torchrun / srun), and the run directory all ranks
+share.
+
+`torchrun` and `srun` set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT; with more
+than one rank the group is created here (NCCL on GPUs, gloo on CPU), before logging starts, so
+that rank 0 can tell the others which run directory this launch writes to.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from model.errors import ConfigError
+from trainer.runtime import Ranks
+
+REQUIRED_ENV = ("MASTER_ADDR", "MASTER_PORT")
+
+
+def init_distributed(ranks: Ranks, backend: str, device: torch.device) -> None:
+    """Create the default process group when WORLD_SIZE > 1 (no-op for one process)."""
+    if ranks.world_size == 1 or dist.is_initialized():
+        return
+    missing = [key for key in REQUIRED_ENV if not os.environ.get(key)]
+    if missing:
+        raise ConfigError(
+            f"WORLD_SIZE={ranks.world_size} but {', '.join(missing)} is not set: launch with "
+            "torchrun (or srun with the launch/ scripts), which sets the rendezvous variables"
+        )
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl" and device.type != "cuda":
+        raise ConfigError("parallel.backend=nccl needs CUDA devices; use gloo on CPU")
+    dist.init_process_group(
+        backend,
+        rank=ranks.rank,
+        world_size=ranks.world_size,
+        timeout=timedelta(minutes=10),
+        device_id=device if device.type == "cuda" else None,
+    )
+
+
+def agree_on_run_dir(run_dir: Path, ranks: Ranks) -> Path:
+    """Rank 0's run directory, on every rank. Normally all ranks computed the same one (from the
+    SLURM job id or torchrun's run id); if not, the others drop their stray empty directory."""
+    if ranks.world_size == 1:
+        return run_dir
+    chosen = [str(run_dir)]
+    dist.broadcast_object_list(chosen, src=0)
+    agreed = Path(chosen[0])
+    if agreed.resolve() != run_dir.resolve() and run_dir.is_dir() and not any(run_dir.iterdir()):
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return agreed
+
+
+def shutdown_distributed() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
