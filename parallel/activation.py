@@ -32,8 +32,12 @@ SAVED_OPS = {
     _aten._scaled_dot_product_efficient_attention.default,
     _aten._scaled_dot_product_flash_attention_for_cpu.default,
 }
-if hasattr(_aten, "_grouped_mm"):
-    SAVED_OPS.add(_aten._grouped_mm.default)
+for _name in ("_grouped_mm", "_scaled_dot_product_cudnn_attention"):
+    if hasattr(_aten, _name):
+        SAVED_OPS.add(getattr(_aten, _name).default)
+# expert-parallel token exchange: recomputing it would repeat the all-to-all in backward
+_c10d = torch.ops._c10d_functional
+SAVED_OPS |= {_c10d.all_to_all_single.default, _c10d.wait_tensor.default}
 
 
 def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:

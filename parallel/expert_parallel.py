@@ -33,6 +33,7 @@ class AllToAllDispatch:
         self.group = mesh.get_group()
         self.ranks = mesh.size()
 
+    @torch.compiler.disable  # data-dependent splits: run eagerly inside a compiled block
     def __call__(self, x_sorted: Tensor, counts: Tensor, experts: nn.Module) -> Tensor:
         """x_sorted (M, C) grouped by global expert, counts (E,) -> outputs (M, C), same order."""
         P = self.ranks
@@ -40,12 +41,15 @@ class AllToAllDispatch:
         send_counts = counts.view(P, L)  # rows for each (destination rank, its local expert)
         recv_counts = torch.empty_like(send_counts)  # rows from each (source, my local expert)
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)
-        send_splits = send_counts.sum(1).tolist()
-        recv_splits = recv_counts.sum(1).tolist()
+        # one device-to-host copy for both split lists and the received total
+        splits = torch.cat([send_counts.sum(1), recv_counts.sum(1)]).tolist()
+        send_splits, recv_splits = splits[:P], splits[P:]
         received = _all_to_all(x_sorted, recv_splits, send_splits, self.group)  # (R, C)
         # received is ordered (source, local expert); the grouped GEMM wants (local expert, ...)
         expert_of_row = torch.arange(L, device=counts.device).repeat(P)
-        expert_of_row = expert_of_row.repeat_interleave(recv_counts.flatten())
+        expert_of_row = expert_of_row.repeat_interleave(
+            recv_counts.flatten(), output_size=sum(recv_splits)
+        )
         order = torch.argsort(expert_of_row, stable=True)
         out_grouped = experts(received[order], recv_counts.sum(0))
         out = torch.empty_like(out_grouped).index_copy(0, order, out_grouped)

@@ -33,13 +33,13 @@ def apply_fsdp(
                 mesh=meshes.experts,
                 mp_policy=mp,
                 reshard_after_forward=reshard_after_forward,
-                shard_placement_fn=_expert_placement(meshes.experts.size()),
+                shard_placement_fn=_expert_placement(meshes.dims.expert_shard),
             )
             experts.set_gradient_divide_factor(float(meshes.dims.world_size))
-            if meshes.experts.size() > 1:
+            if meshes.dims.expert_shard > 1:
                 # reduce with SUM, then divide: a pre-scaled sum (PREMUL_SUM) has no gloo version.
-                # (Not on a 1-rank mesh: there FSDP divides without a collective, and forcing the
-                # sum would divide twice.)
+                # (Not when the reduce-scatter has 1 rank, also under HSDP: there FSDP divides
+                # without a collective, and forcing the sum would divide twice.)
                 experts.set_force_sum_reduction_for_comms(True)
         fully_shard(
             block, mesh=meshes.dense, mp_policy=mp, reshard_after_forward=reshard_after_forward

@@ -28,13 +28,17 @@ def _copies(grad: Tensor) -> int:
 
 def global_grad_norm(params: list[torch.nn.Parameter]) -> Tensor:
     """The L2 norm of all gradients as if they were whole on one device (fp32 scalar)."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
+    by_copies: dict[int, list[Tensor]] = {}  # gradients grouped by how many ranks hold them
+    for p in params:
+        if p.grad is not None:
+            local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            by_copies.setdefault(_copies(p.grad), []).append(local)
+    if not by_copies:
         return torch.zeros(())
-    pieces = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-    norms = torch.stack(torch._foreach_norm(pieces, 2)).float()  # (n,) local norms
-    copies = torch.tensor([float(_copies(g)) for g in grads], device=norms.device)
-    total = (norms.square() / copies).sum()
+    total = sum(
+        torch.stack(torch._foreach_norm(grads, 2)).float().square().sum() / copies
+        for copies, grads in by_copies.items()
+    )
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(total)
     return total.sqrt()

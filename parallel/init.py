@@ -27,6 +27,7 @@ def init_like_single_process(model: Transformer, device: torch.device, seed: int
         with seeded(device, part_seed(seed, index)):
             init(replica)
         _copy_shards(model.get_submodule(name), replica)
+        del replica  # before the next part is built: at most one full part at a time
 
 
 def _copy_shards(target: nn.Module, full: nn.Module) -> None:

@@ -118,6 +118,7 @@ def build_parallel_model(
     master copy. Several ranks: built on the meta device, parallelized (EP, activation
     checkpointing, per-block compile, FSDP2), then the shards are allocated and filled with the
     weights one process would have started from."""
+    check_expert_parallel(cfg, dims, parallel.activation_checkpoint)
     if dims.world_size == 1:
         model = build_trainable_model(cfg, device, seed)
         master = MasterWeights(model) if trainer.precision == "bf16_master" else None
@@ -134,6 +135,28 @@ def build_parallel_model(
     model.to_empty(device=device)
     init_like_single_process(model, device, seed)
     return model, None
+
+
+def check_expert_parallel(cfg: ModelConfig, dims: ParallelDims, checkpointing: str) -> None:
+    if dims.ep == 1:
+        return
+    if checkpointing == "selective":
+        # selective checkpointing replays saved ops by invocation order, which the token
+        # exchange's collectives break in the recompute (torch 2.13); full recomputation works
+        raise ConfigError(
+            "parallel.activation_checkpoint=selective does not work with parallel.ep > 1 yet; "
+            "use parallel.activation_checkpoint=full (or none)"
+        )
+    experts = cfg.moe.n_routed_experts
+    if experts == 0:
+        raise ConfigError(
+            f"parallel.ep={dims.ep} needs a MoE model (model.moe.n_routed_experts > 0, e.g. "
+            "model=tiny_moe); set parallel.ep=1 for a dense model"
+        )
+    if experts % dims.ep:
+        raise ConfigError(
+            f"model.moe.n_routed_experts={experts} is not divisible by parallel.ep={dims.ep}"
+        )
 
 
 def build_trainable_model(cfg: ModelConfig, device: torch.device, seed: int) -> Transformer:

@@ -88,6 +88,7 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         _barrier()
+        tmp.mkdir(parents=True, exist_ok=True)  # other nodes may not see rank 0's mkdir yet
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         torch.save(extra, tmp / f"trainer_rank{self.rank}.pt")
@@ -133,7 +134,29 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """Load model and optimizer in place (DCP reshards them to this run's layout); returns the
     extra state saved by this rank, or by rank 0 when the checkpoint came from fewer ranks
-    (the loader position is global, so it holds for any number of ranks)."""
+    (the loader position is global, so it holds for any number of ranks).
+
+    Every rank takes the same decision: the small per-rank file is read first and its success
+    agreed on before DCP's collective load, whose errors reach every rank."""
+    extra: dict[str, Any] | None = None
+    problem = ""
+    try:
+        extra = _read_extra(path, rank)
+    except LOAD_ERRORS as err:
+        problem = _brief(err)
+    if not _all_ranks_ok(not problem):
+        raise CheckpointError(f"{path} is incomplete or damaged ({problem or 'on another rank'})")
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
+    assert extra is not None
+    return extra
+
+
+def _read_extra(path: Path, rank: int) -> dict[str, Any]:
     if not (path / ".metadata").is_file():
         raise CheckpointError(f"{path} is incomplete (no .metadata)")
     extra_path = path / f"trainer_rank{rank}.pt"
@@ -141,13 +164,29 @@ def load_checkpoint(
         extra_path = path / "trainer_rank0.pt"
         if not extra_path.is_file():
             raise CheckpointError(f"{path} is incomplete (no trainer_rank0.pt)")
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(
-        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
-    )
     return torch.load(extra_path, weights_only=False)
+
+
+def _all_ranks_ok(ok: bool) -> bool:
+    """True when `ok` holds on every rank (one small all-reduce; itself with one process)."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return ok
+    flag = torch.tensor([int(ok)], dtype=torch.int32)
+    if "gloo" not in str(dist.get_backend()):
+        flag = flag.cuda()
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def _agreed_candidates(root: Path) -> list[Path]:
+    """Rank 0's list of complete checkpoints, on every rank (listings of a shared file system
+    may differ between nodes for a moment)."""
+    found = [str(p) for p in complete_checkpoints(root)]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        box = [found]
+        dist.broadcast_object_list(box, src=0)
+        found = box[0]
+    return [Path(p) for p in found]
 
 
 def resume(
@@ -157,8 +196,9 @@ def resume(
     optimizer: torch.optim.Optimizer,
     rank: int,
 ) -> Restored | None:
-    """`auto`: newest complete checkpoint under `root` (falling back past damaged ones);
-    `none`: start fresh; anything else: that checkpoint directory, which must load."""
+    """`auto`: newest complete checkpoint under `root` (falling back past damaged ones, all
+    ranks together); `none`: start fresh; anything else: that checkpoint directory, which must
+    load."""
     if resume_from == "none":
         return None
     if resume_from != "auto":
@@ -167,7 +207,7 @@ def resume(
             return Restored(path, load_checkpoint(path, model, optimizer, rank))
         except LOAD_ERRORS as err:
             raise CheckpointError(f"resume={resume_from} cannot be loaded: {_brief(err)}") from err
-    for path in complete_checkpoints(root):
+    for path in _agreed_candidates(root):
         try:
             extra = load_checkpoint(path, model, optimizer, rank)
         except LOAD_ERRORS as err:

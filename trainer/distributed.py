@@ -36,6 +36,8 @@ def init_distributed(ranks: Ranks, backend: str, device: torch.device) -> None:
         backend = "nccl" if device.type == "cuda" else "gloo"
     if backend == "nccl" and device.type != "cuda":
         raise ConfigError("parallel.backend=nccl needs CUDA devices; use gloo on CPU")
+    if backend == "nccl":  # plus gloo for CPU tensors: asynchronous DCP saves need it
+        backend = "cpu:gloo,cuda:nccl"
     dist.init_process_group(
         backend,
         rank=ranks.rank,

@@ -68,11 +68,18 @@ def sample_text(
             max_new_tokens,
             temperature=0.8,
             top_k=50,
-            eos_id=tokenizer.eot_id,
+            # several ranks: no early stop, which each rank would decide from its own logits
+            eos_id=None if _several_ranks() else tokenizer.eot_id,
             generator=gen,
         )
     finally:
         if sharded:
             model.reshard()
-    new = [t for t in out[0, len(ids) :].tolist() if t != tokenizer.eot_id]
+    new = out[0, len(ids) :].tolist()
+    if tokenizer.eot_id in new:  # the sample ends at the end of its document
+        new = new[: new.index(tokenizer.eot_id)]
     return prompt + tokenizer.decode([t for t in new if t < tokenizer.vocab_size])
+
+
+def _several_ranks() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1

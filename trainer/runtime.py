@@ -117,8 +117,8 @@ def rng_state() -> dict:
         "numpy": np.random.get_state(),
         "torch": torch.get_rng_state(),
     }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if torch.cuda.is_available():  # this rank's device only (visibility may differ on resume)
+        state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
@@ -127,7 +127,10 @@ def set_rng_state(state: dict) -> None:
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        cuda = state["cuda"]
+        torch.cuda.set_rng_state(
+            cuda[torch.cuda.current_device()] if isinstance(cuda, list) else cuda
+        )
 
 
 def describe_environment() -> str:

@@ -31,7 +31,7 @@ class StopFlag:
         local = self.signum is not None
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             flag = torch.tensor([int(local)], dtype=torch.int32)
-            if dist.get_backend() == "nccl":
+            if "gloo" not in str(dist.get_backend()):  # NCCL alone: the flag goes via the GPU
                 flag = flag.cuda()
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             return bool(flag.item())

@@ -74,8 +74,8 @@ def train_step(
 ) -> StepResult:
     """One optimizer step over this rank's slice of the global batch.
 
-    Several ranks (FSDP2): gradients are reduce-scattered only after the last micro-batch, the
-    norm is global over all shards, and the loss is averaged over ranks, so every rank takes
+    Several ranks (FSDP2): gradients are reduce-scattered after each micro-batch (all-reduced
+    over HSDP replicas after the last), the norm is global over all shards, and the loss is averaged over ranks, so every rank takes
     the same skip decision. MoE models add their balancing losses to each micro-batch's loss
     and update the aux-loss-free expert biases from the step's expert loads summed over ranks.
     """
@@ -118,9 +118,11 @@ def _distributed() -> bool:
 
 
 def _gradient_sync(model: Transformer, last: bool) -> None:
-    """FSDP2: reduce-scatter gradients only after the last micro-batch of the step."""
+    """FSDP2: reduce-scatter after every micro-batch (keeping only sharded gradients; skipping it
+    would hold a full-size gradient of the whole model until the last one), but all-reduce
+    across HSDP replicas only after the last."""
     if isinstance(model, FSDPModule):
-        model.set_requires_gradient_sync(last)
+        model.set_requires_all_reduce(last)
 
 
 def _mean_over_ranks(value: torch.Tensor) -> float:

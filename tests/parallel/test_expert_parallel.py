@@ -39,11 +39,17 @@ def test_all_to_all_dispatch_handles_empty_experts_and_uneven_splits() -> None:
 
 
 @pytest.mark.parametrize(
-    ("world", "extra"), [(2, {}), (4, {}), (2, {"activation_checkpoint": "full"})]
+    ("world", "layout"),
+    [
+        (2, {}),  # experts split over 2 ranks, not sharded further
+        (4, {}),  # EP=2 x expert FSDP=2
+        (4, {"dp_replicate": 2}),  # HSDP: 2 replicas of EP=2
+        (2, {"activation_checkpoint": "full"}),
+    ],
 )
-def test_expert_parallel_gives_the_gradients_of_ep1(world: int, extra: dict) -> None:
-    ep1 = run_ranks(world, gradients, moe_model(), {})[0]
-    ep2 = run_ranks(world, gradients, moe_model(), {"ep": 2} | extra)
+def test_expert_parallel_gives_the_gradients_of_ep1(world: int, layout: dict) -> None:
+    ep1 = run_ranks(world, gradients, moe_model(), layout)[0]
+    ep2 = run_ranks(world, gradients, moe_model(), layout | {"ep": 2})
     _assert_same_gradients(ep2[0], ep1)
     single = gradients(0, moe_model(), {})
     # the same as one process too (the balance loss is per rank, so compare only the experts)

@@ -39,8 +39,9 @@ def test_fsdp_two_ranks_matches_one_process(single: dict) -> None:
     assert results[0]["placements"]["embed.weight"] == "(Shard(dim=0),)"
 
 
-def test_hsdp_two_by_two_matches_one_process(single: dict) -> None:
-    results = run_ranks(4, train, small_model(), {"dp_replicate": 2, "dp_shard": 2}, STEPS)
+def test_hsdp_two_by_two_with_accumulation_matches_one_process(single: dict) -> None:
+    # 2 micro-batches: reduce-scatter after each, all-reduce across replicas after the last
+    results = run_ranks(4, train, small_model(), {"dp_replicate": 2, "dp_shard": 2}, STEPS, 2)
     _assert_same_run(results[0], single)
     placement = results[0]["placements"]["layers.1.ffn.down_proj.weight"]
     assert placement == "(Replicate(), Shard(dim=0))"

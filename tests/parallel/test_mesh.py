@@ -48,3 +48,22 @@ def test_inconsistent_sizes_fail_with_the_keys(cfg: dict, world: int, message: s
 def test_bad_values_fail_with_the_key(cfg: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         ParallelConfig(**cfg)
+
+
+@pytest.mark.parametrize(
+    ("preset", "ep", "message"),
+    [
+        ("tiny", 2, "parallel.ep=2 needs a MoE model"),
+        ("tiny_moe", 3, "model.moe.n_routed_experts=8 is not divisible by parallel.ep=3"),
+        ("selective", 2, "parallel.activation_checkpoint=selective does not work with"),
+    ],
+)
+def test_expert_parallelism_needs_a_fitting_moe_model(preset: str, ep: int, message: str) -> None:
+    from model.presets import load_preset
+    from trainer.build import check_expert_parallel
+
+    dims = ParallelDims.resolve(ParallelConfig(ep=ep), 6 if ep == 3 else 2)
+    checkpointing = "selective" if preset == "selective" else "none"
+    model = load_preset("tiny_moe" if preset == "selective" else preset)
+    with pytest.raises(ConfigError, match=message):
+        check_expert_parallel(model, dims, checkpointing)

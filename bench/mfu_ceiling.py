@@ -1,0 +1,121 @@
+"""How much MFU the tiny model's own matmuls allow on this machine: an upper bound for any
+implementation of the training step.
+
+Every GEMM of one training step of the `tiny` preset (forward y = x W^T, backward dX = dY W and
+dW = dY^T X, for each projection of each layer and the chunked output head) is timed alone in
+bf16 at its real shape, and causal SDPA forward + backward at the real (B, H, T, D). A step
+cannot be faster than the sum of those times (elementwise work, norms, RoPE, the loss, the
+optimizer and framework overhead only add to it), so model FLOPs / that sum, over the measured
+bf16 matmul peak, bounds the achievable MFU.
+
+    python bench/mfu_ceiling.py [--batch 16] [--seq-len 256]
+Writes bench/results/mfu_ceiling_cpu_<batch>x<seq_len>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from bench.machine import machine
+from model.accounting import training_flops_per_token
+from model.presets import load_preset
+from model.transformer import build_model
+from trainer.mfu import measure_matmul_peak
+
+BF16 = torch.bfloat16
+
+
+def median_seconds(fn: Callable[[], object], repeats: int = 7) -> float:
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def linear_seconds(tokens: int, d_in: int, d_out: int) -> float:
+    """Forward + both backward GEMMs of y = x W^T with x (tokens, d_in), W (d_out, d_in)."""
+    x = torch.randn(tokens, d_in, dtype=BF16)
+    w = torch.randn(d_out, d_in, dtype=BF16)
+    dy = torch.randn(tokens, d_out, dtype=BF16)
+    forward = median_seconds(lambda: x @ w.t())
+    grad_input = median_seconds(lambda: dy @ w)
+    grad_weight = median_seconds(lambda: dy.t() @ x)
+    return forward + grad_input + grad_weight
+
+
+def attention_seconds(batch: int, heads: int, kv_heads: int, seq: int, dim: int) -> float:
+    q = torch.randn(batch, heads, seq, dim, dtype=BF16, requires_grad=True)
+    k = torch.randn(batch, kv_heads, seq, dim, dtype=BF16, requires_grad=True)
+    v = torch.randn(batch, kv_heads, seq, dim, dtype=BF16, requires_grad=True)
+
+    def step() -> None:
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv_heads != heads)
+        y.backward(torch.ones_like(y))
+
+    return median_seconds(step)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--seq-len", type=int, default=256)
+    args = parser.parse_args()
+    cfg = load_preset("tiny")
+    model = build_model(cfg, device="meta")
+    tokens = args.batch * args.seq_len
+    C, H, K, D = cfg.d_model, cfg.attention.n_heads, cfg.n_kv_heads, cfg.head_dim
+    layer_shapes = [(C, H * D), (C, K * D), (C, K * D), (H * D, C)]  # q, k, v, o
+    layer_shapes += [(C, cfg.ffn_hidden), (C, cfg.ffn_hidden), (cfg.ffn_hidden, C)]
+    per_layer = sum(linear_seconds(tokens, d_in, d_out) for d_in, d_out in layer_shapes)
+    chunk = cfg.loss_chunk_tokens or tokens
+    head = (tokens // chunk) * linear_seconds(chunk, C, cfg.vocab_size)
+    attention = attention_seconds(args.batch, H, K, args.seq_len, D)
+    gemm_time = cfg.n_layers * per_layer + head
+    step_time = gemm_time + cfg.n_layers * attention
+    flops = training_flops_per_token(model, args.seq_len).total * tokens
+    peak = measure_matmul_peak(torch.device("cpu"), BF16, seconds=2.0)
+    report = {
+        "benchmark": "mfu_ceiling",
+        "args": vars(args),
+        "machine": machine(torch_threads=torch.get_num_threads()),
+        "bf16_matmul_peak_flops": peak,
+        "step_flops": flops,
+        "seconds": {
+            "projection_gemms_all_layers": cfg.n_layers * per_layer,
+            "head_gemms": head,
+            "attention_all_layers": cfg.n_layers * attention,
+            "lower_bound_step": step_time,
+        },
+        "mfu_ceiling_gemms_only": flops / gemm_time / peak,
+        "mfu_ceiling_gemms_and_attention": flops / step_time / peak,
+    }
+    for key, value in report["seconds"].items():
+        print(f"{key:32s} {value * 1e3:8.1f} ms")
+    print(f"bf16 matmul peak {peak / 1e12:.2f} TFLOP/s; step {flops / 1e9:.1f} GFLOP")
+    print(f"MFU ceiling, GEMMs alone:            {100 * report['mfu_ceiling_gemms_only']:.1f}%")
+    print(
+        f"MFU ceiling, GEMMs + SDPA attention: {100 * report['mfu_ceiling_gemms_and_attention']:.1f}%"
+    )
+    name = f"mfu_ceiling_cpu_{args.batch}x{args.seq_len}.json"
+    out = Path(__file__).parent / "results" / name
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
