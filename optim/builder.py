@@ -1,7 +1,8 @@
 """Build the optimizer named by `optim.name` from a model's parameters.
 
 Parameter groups: matrices (ndim >= 2: projections, embeddings, the head) take weight decay;
-vectors (norm gains, biases) do not. The Muon issue adds its optimizers to `OPTIMIZERS`.
+vectors (norm gains, biases) do not. `optim=muon`: Muon for hidden matrices, AdamW for the rest
+(optim.grouping), in one optimizer (optim.muon).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from torch import nn
 
 from optim.config import OptimConfig
 from optim.errors import OptimConfigError
+from optim.grouping import muon_param_groups
+from optim.muon import Muon
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -24,6 +27,21 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
         {"params": decay, "weight_decay": weight_decay, "name": "matrices"},
         {"params": no_decay, "weight_decay": 0.0, "name": "vectors"},
     ]
+
+
+def _muon(cfg: OptimConfig, model: nn.Module) -> torch.optim.Optimizer:
+    return Muon(
+        muon_param_groups(cfg, model),
+        lr=cfg.lr,
+        weight_decay=cfg.weight_decay,
+        momentum=cfg.muon_momentum,
+        nesterov=cfg.muon_nesterov,
+        ns_steps=cfg.ns_steps,
+        ns_schedule=cfg.ns_schedule,
+        scaling=cfg.muon_scaling,
+        betas=(cfg.beta1, cfg.beta2),
+        eps=cfg.eps,
+    )
 
 
 def _adamw(cfg: OptimConfig, model: nn.Module) -> torch.optim.Optimizer:
@@ -41,6 +59,7 @@ def _adamw(cfg: OptimConfig, model: nn.Module) -> torch.optim.Optimizer:
 
 OPTIMIZERS: dict[str, Callable[[OptimConfig, nn.Module], torch.optim.Optimizer]] = {
     "adamw": _adamw,
+    "muon": _muon,
 }
 
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from optim.errors import OptimConfigError
 
 SCHEDULES = ("cosine", "wsd", "constant")
+NS_SCHEDULES = ("quintic", "polar_express")
+MUON_SCALINGS = ("match_adamw", "spectral")
 DECAY_SHAPES = ("linear", "cosine", "sqrt")
 
 
@@ -28,6 +30,14 @@ class OptimConfig:
     min_lr_ratio: float = 0.1  # final lr = lr * min_lr_ratio (cosine and wsd)
     decay_fraction: float = 0.2  # wsd: the last fraction of steps that decay to the final lr
     decay_shape: str = "sqrt"  # wsd decay: linear | cosine | sqrt (1 - sqrt, as in MiniCPM)
+    # Muon (optim=muon): hidden matrices; the rest (embeddings, head, norms, router) use AdamW
+    muon_momentum: float = 0.95  # momentum of the Muon groups (Nesterov by muon_nesterov)
+    muon_nesterov: bool = True
+    ns_steps: int = 5  # Newton-Schulz iterations
+    ns_schedule: str = "quintic"  # quintic (3.4445, -4.7750, 2.0315) | polar_express
+    muon_scaling: str = "match_adamw"  # match_adamw (0.2 sqrt(max dim)) | spectral
+    adamw_lr: float = 0.0  # peak lr of the AdamW-group parameters under Muon; 0 = optim.lr
+    muon_exclude: list[str] = field(default_factory=list)  # name patterns kept on AdamW
 
     def __post_init__(self) -> None:
         _require(self.lr > 0, f"optim.lr={self.lr} must be > 0")
@@ -45,6 +55,20 @@ class OptimConfig:
             self.decay_shape in DECAY_SHAPES,
             f"optim.decay_shape={self.decay_shape!r} is not one of {DECAY_SHAPES}",
         )
+        _require(
+            self.ns_schedule in NS_SCHEDULES,
+            f"optim.ns_schedule={self.ns_schedule!r} is not one of {NS_SCHEDULES}",
+        )
+        _require(
+            self.muon_scaling in MUON_SCALINGS,
+            f"optim.muon_scaling={self.muon_scaling!r} is not one of {MUON_SCALINGS}",
+        )
+        _require(1 <= self.ns_steps <= 20, f"optim.ns_steps={self.ns_steps} must be in [1, 20]")
+        _require(
+            0 <= self.muon_momentum < 1,
+            f"optim.muon_momentum={self.muon_momentum} must be in [0, 1)",
+        )
+        _require(self.adamw_lr >= 0, f"optim.adamw_lr={self.adamw_lr} must be >= 0 (0 = optim.lr)")
         _require(self.warmup_steps >= 0, f"optim.warmup_steps={self.warmup_steps} must be >= 0")
         _require(
             0 <= self.min_lr_ratio <= 1, f"optim.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]"

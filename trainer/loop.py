@@ -114,9 +114,10 @@ class Training:
                 waited = time.perf_counter()
                 batch = next(batches).to(self.device, non_blocking=True)
                 window.data_wait += time.perf_counter() - waited
-                lr = self.cfg.optim.lr * lr_multiplier(self.cfg.optim, self.step, tcfg.max_steps)
-                for group in self.optimizer.param_groups:
-                    group["lr"] = lr
+                multiplier = lr_multiplier(self.cfg.optim, self.step, tcfg.max_steps)
+                lr = self.cfg.optim.lr * multiplier
+                for group in self.optimizer.param_groups:  # groups may have their own peak lr
+                    group["lr"] = group.get("base_lr", self.cfg.optim.lr) * multiplier
                 result = train_step(
                     self.model,
                     self.optimizer,

@@ -71,6 +71,7 @@ def train(
     grad_clip: float = 1.0,
     resume_from: str = "",
     save_to: str = "",
+    optimizer_name: str = "adamw",
 ) -> dict[str, Any]:
     """Train `steps` steps; returns losses, grad norms, the initial and final full weights.
 
@@ -83,7 +84,8 @@ def train(
     tcfg = TrainerConfig(precision=precision, batch_size=GLOBAL_BATCH)
     model, master = build_parallel_model(model_cfg, tcfg, pcfg, dims, torch.device("cpu"), seed=0)
     initial = full_state(model)
-    optimizer = build_optimizer(OptimConfig(lr=3e-3, warmup_steps=0, schedule="constant"), model)
+    optim_cfg = OptimConfig(name=optimizer_name, lr=3e-3, warmup_steps=0, schedule="constant")
+    optimizer = build_optimizer(optim_cfg, model)
     tracker = LossTracker(0.0)
     first = 0
     if resume_from:
@@ -185,3 +187,31 @@ def dispatch_matches_local(rank: int, counts_by_rank: list[list[int]]) -> dict[s
     (y_ep.square().sum()).backward()
     (y_ref.square().sum()).backward()
     return {"y": (y_ep.detach(), y_ref.detach()), "dx": (x_ep.grad, x_ref.grad)}
+
+
+def sharded_newton_schulz(rank: int, shapes: list[tuple[int, ...]]) -> list[bool]:
+    """orthogonalize_all on dim-0 shards (1-D mesh: the owner path; 2-D: the fallback) equals
+    orthogonalize on the whole matrix, bitwise."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from optim.distributed_muon import orthogonalize_all
+    from optim.newton_schulz import coefficient_schedule, orthogonalize
+
+    _, size = world()
+    coefficients = coefficient_schedule("quintic", 5)
+    gen = torch.Generator().manual_seed(0)
+    full = [torch.randn(*shape, generator=gen) for shape in shapes]
+    flat = init_device_mesh("cpu", (size,))
+    sharded = [distribute_tensor(t, flat, [Shard(0)], src_data_rank=None) for t in full]
+    if size == 4:  # an HSDP-like 2-D mesh takes the fallback path
+        mesh2d = init_device_mesh("cpu", (2, 2))
+        sharded += [
+            distribute_tensor(t, mesh2d, [Replicate(), Shard(0)], src_data_rank=None) for t in full
+        ]
+        full = full + full
+    results = orthogonalize_all(sharded, coefficients)
+    return [
+        torch.equal(r.full_tensor().float(), orthogonalize(t, coefficients).float())
+        for r, t in zip(results, full)
+    ]

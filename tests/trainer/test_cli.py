@@ -218,3 +218,15 @@ def test_world_size_without_a_rendezvous_is_a_clear_error(dataset, tmp_path):
     assert result.returncode == 2
     assert "MASTER_ADDR, MASTER_PORT is not set: launch with torchrun" in result.stderr
     assert not (run_dir / "metrics.jsonl").exists()
+
+
+def test_optim_muon_trains_and_prints_its_groups(dataset, tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_trainer(
+        *small(dataset, run_dir, "optim=muon", "trainer.max_steps=3"), cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    log = (run_dir / "train.log").read_text()
+    assert "optimizer group muon: 14 tensors" in log and "optimizer group adamw_vectors" in log
+    assert [r["step"] for r in metric_rows(run_dir) if "loss" in r] == [1, 2, 3]
+    assert "name: muon" in (run_dir / ".hydra" / "config.yaml").read_text()

@@ -1,0 +1,136 @@
+"""Muon against references: the Newton-Schulz output's singular values against the scalar
+polynomial applied to the input's, Muon steps against torch.optim.Muon (2-D weights), the AdamW
+groups against torch.optim.AdamW, expert stacks against a per-expert loop; and the grouping."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from model.presets import load_preset
+from model.transformer import build_model
+from optim.builder import build_optimizer
+from optim.config import OptimConfig
+from optim.grouping import muon_param_groups
+from optim.muon import Muon
+from optim.newton_schulz import coefficient_schedule, orthogonalize
+
+
+def _polynomial(s: torch.Tensor, coefficients) -> torch.Tensor:
+    for a, b, c in coefficients:
+        s = a * s + b * s**3 + c * s**5
+    return s
+
+
+@pytest.mark.parametrize("schedule", ["quintic", "polar_express"])
+@pytest.mark.parametrize("condition", [1.0, 1e2])
+@pytest.mark.parametrize("shape", [(64, 256), (256, 64), (3, 48, 32)])
+def test_singular_values_follow_the_iteration_polynomial(schedule, condition, shape) -> None:
+    gen = torch.Generator().manual_seed(0)
+    g = torch.randn(*shape, generator=gen, dtype=torch.float64)
+    if condition != 1.0:  # ill-conditioned: singular values spread over 2 decades
+        u, _, vh = torch.linalg.svd(g, full_matrices=False)
+        k = min(shape[-2:])
+        s = torch.logspace(0, -2, k, dtype=torch.float64).expand(*shape[:-2], k)
+        g = u @ torch.diag_embed(s) @ vh
+    coefficients = coefficient_schedule(schedule, 5)
+    out = torch.linalg.svdvals(orthogonalize(g, coefficients).double())
+    normalized = torch.linalg.svdvals(g) / g.norm(dim=(-2, -1), keepdim=True)[..., 0]
+    expected = _polynomial(normalized, coefficients).sort(dim=-1, descending=True).values
+    # the bf16 iteration against the exact polynomial (as multisets: p is not monotonic). Over
+    # 2 decades bf16's rounding of the input (about 2^-9 of its largest entries) stays small
+    # against the smallest singular value; over 3 it would not.
+    torch.testing.assert_close(out, expected, atol=0.04, rtol=0.04)
+    # the band: the polynomial's range over the input's normalized singular value range
+    grid = torch.logspace(normalized.min().log10().item(), normalized.max().log10().item(), 4000)
+    band = _polynomial(grid.double(), coefficients)
+    assert band.min() - 0.05 <= out.min() and out.max() <= band.max() + 0.05
+    if schedule == "polar_express":  # tighter than the quintic's (0.68-1.13 on random input)
+        assert out.max() < 1.2 and (condition > 1 or out.min() > 0.8)
+
+
+def _linear_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64, bias=False), nn.Linear(64, 16, bias=False))
+
+
+@pytest.mark.parametrize(
+    ("scaling", "torch_name"), [("match_adamw", "match_rms_adamw"), ("spectral", "original")]
+)
+def test_muon_steps_equal_torch_optim_muon(scaling: str, torch_name: str) -> None:
+    ours_model, ref_model = _linear_model(), _linear_model()
+    kwargs = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True)
+    ours = Muon(
+        [{"params": list(ours_model.parameters()), "algorithm": "muon"}], scaling=scaling, **kwargs
+    )
+    ref = torch.optim.Muon(ref_model.parameters(), adjust_lr_fn=torch_name, **kwargs)
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(1))
+    for _ in range(3):
+        for model, opt in ((ours_model, ours), (ref_model, ref)):
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+    for a, b in zip(ours_model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_adamw_groups_equal_torch_adamw() -> None:
+    ours_model, ref_model = _linear_model(), _linear_model()
+    kwargs = dict(lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
+    ours = Muon([{"params": list(ours_model.parameters()), "algorithm": "adamw"}], **kwargs)
+    ref = torch.optim.AdamW(ref_model.parameters(), foreach=False, **kwargs)
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(1))
+    for _ in range(4):
+        for model, opt in ((ours_model, ours), (ref_model, ref)):
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+    for a, b in zip(ours_model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_expert_stacks_are_orthogonalized_per_expert() -> None:
+    g = torch.randn(4, 24, 40, generator=torch.Generator().manual_seed(0))
+    coefficients = coefficient_schedule("quintic", 5)
+    stacked = orthogonalize(g, coefficients)
+    for e in range(4):
+        torch.testing.assert_close(stacked[e], orthogonalize(g[e], coefficients), rtol=0, atol=0)
+
+
+def test_grouping_sends_hidden_matrices_to_muon() -> None:
+    model = build_model(load_preset("tiny_moe", {"n_layers": 2, "moe.expert_hidden": 32}), "meta")
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups = {
+        g["name"]: {names[id(p)] for p in g["params"]}
+        for g in muon_param_groups(OptimConfig(), model)
+    }
+    assert "layers.1.ffn.experts.w_gate" in groups["muon"]
+    assert (
+        "layers.0.attn.q_proj.weight" in groups["muon"]
+        and "layers.0.ffn.down_proj.weight" in groups["muon"]
+    )
+    assert {"embed.weight", "layers.1.ffn.router.gate.weight"} <= groups["adamw_matrices"]
+    assert "layers.0.attn_norm.weight" in groups["adamw_vectors"]
+    excluded = muon_param_groups(OptimConfig(muon_exclude=["layers.0.*"]), model)
+    muon = {names[id(p)] for g in excluded if g["name"] == "muon" for p in g["params"]}
+    assert (
+        not any(n.startswith("layers.0.") for n in muon) and "layers.1.attn.q_proj.weight" in muon
+    )
+
+
+def test_muon_trains_the_tiny_model() -> None:
+    cfg = load_preset(
+        "tiny", {"d_model": 64, "n_layers": 2, "vocab_size": 128, "loss_chunk_tokens": 64}
+    )
+    model = build_model(cfg, seed=0)
+    opt = build_optimizer(OptimConfig(name="muon", lr=1e-2), model)
+    tokens = torch.randint(0, 128, (4, 33), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for _ in range(10):
+        opt.zero_grad()
+        loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.7 * losses[0]
