@@ -15,6 +15,7 @@ from model.init import InitStds, init_linear
 from model.kv_cache import KVCache
 from model.masks import AttentionContext
 from model.norms import RMSNorm
+from model.qk_logits import record
 from model.registry import ATTENTIONS, ROPE_PAIRINGS
 from model.rope import softmax_multiplier
 
@@ -54,8 +55,13 @@ class Attention(nn.Module):
             y = y * torch.sigmoid(self.gate_proj(x))
         return self.o_proj(y)
 
+    record_max_logits = False  # QK-clip: keep the per-head max logit of training forwards
+    max_logits: Tensor | None = None  # (H,) running max since the optimizer last read it
+
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext) -> Tensor:
         """SDPA over q (B, H, T, D) and k, v (B, K, S, D)."""
+        if self.record_max_logits and torch.is_grad_enabled():
+            self.max_logits = record(self.max_logits, q, k, self.scale, ctx)
         mask = ctx.mask
         grouped = self.n_kv_heads != self.n_heads
         if mask is not None and grouped:
@@ -80,6 +86,24 @@ class Attention(nn.Module):
         for norm in (self.q_norm, self.k_norm):
             if norm is not None:
                 norm.init_weights()
+
+    def qk_clip_row_scales(self, gamma: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """QK-clip: (parameter, per-row factor) pairs that scale head h's logits by gamma[h].
+
+        MHA: W_q and W_k head rows each by sqrt(gamma). GQA/MQA: a key head serves several query
+        heads, so each query head's W_q rows take its whole gamma and W_k stays untouched: every
+        head's logits are capped exactly and heads that need no clipping keep their weights."""
+        D = self.head_dim
+        per_row = gamma.repeat_interleave(D)  # (H * D,)
+        if self.n_kv_heads != self.n_heads:
+            pairs = [(self.q_proj.weight, per_row)]
+            if self.q_proj.bias is not None:
+                pairs.append((self.q_proj.bias, per_row))
+            return pairs
+        root = per_row.sqrt()
+        pairs = [(self.q_proj.weight, root), (self.k_proj.weight, root)]
+        pairs += [(lin.bias, root) for lin in (self.q_proj, self.k_proj) if lin.bias is not None]
+        return pairs
 
     # ---- accounting and caching hooks ---------------------------------------------------------
 

@@ -26,6 +26,7 @@ from model.init import InitStds, init_linear, trunc_normal_
 from model.kv_cache import LatentCache
 from model.masks import AttentionContext
 from model.norms import RMSNorm
+from model.qk_logits import record
 from model.registry import ATTENTIONS, ROPE_PAIRINGS
 from model.rope import softmax_multiplier
 
@@ -54,6 +55,22 @@ class MultiHeadLatentAttention(nn.Module):
         self.o_proj = nn.Linear(H * self.v_dim, C, bias=bias)
         self.apply_rope = ROPE_PAIRINGS.get(cfg.rope.pairing)
         self.scale = (cfg.attention.softmax_scale or qk_dim**-0.5) * softmax_multiplier(cfg.rope)
+
+    record_max_logits = False  # QK-clip: keep the per-head max logit of training forwards
+    max_logits: Tensor | None = None  # (H,) running max since the optimizer last read it
+
+    def qk_clip_row_scales(self, gamma: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """QK-clip rows for gamma (H,): q_nope and k_nope rows by sqrt(gamma), the per-head
+        q_rope rows by gamma; the rope key (shared by all heads) and the values stay."""
+        root = gamma.sqrt()[:, None]  # (H, 1)
+        q_rows = torch.cat(
+            [root.expand(-1, self.nope_dim), gamma[:, None].expand(-1, self.rope_dim)], dim=1
+        ).flatten()  # (H * (Dn + Dr),): rows of head h are [nope | rope]
+        kv_rows = torch.cat(
+            [root.expand(-1, self.nope_dim), torch.ones_like(root).expand(-1, self.v_dim)], dim=1
+        ).flatten()  # (H * (Dn + Dv),): rows of head h are [k_nope | v]
+        q_weight = (self.q_proj or self.q_b_proj).weight
+        return [(q_weight, q_rows), (self.kv_b_proj.weight, kv_rows)]
 
     def _queries(self, x: Tensor) -> Tensor:
         if self.q_proj is not None:
@@ -84,6 +101,8 @@ class MultiHeadLatentAttention(nn.Module):
         q = torch.cat([q_nope, q_rope], dim=-1).transpose(1, 2)  # (B, H, T, Dn + Dr)
         k_rope = k_rope[:, :, None, :].expand(B, S, H, self.rope_dim)
         k = torch.cat([k_nope, k_rope], dim=-1).transpose(1, 2)  # (B, H, S, Dn + Dr)
+        if self.record_max_logits and torch.is_grad_enabled():
+            self.max_logits = record(self.max_logits, q, k, self.scale, ctx)
         y = F.scaled_dot_product_attention(
             q, k, v.transpose(1, 2), attn_mask=ctx.mask, is_causal=ctx.is_causal, scale=self.scale
         )

@@ -60,6 +60,7 @@ def _adamw(cfg: OptimConfig, model: nn.Module) -> torch.optim.Optimizer:
 OPTIMIZERS: dict[str, Callable[[OptimConfig, nn.Module], torch.optim.Optimizer]] = {
     "adamw": _adamw,
     "muon": _muon,
+    "muonclip": _muon,  # the same optimizer; the trainer applies QK-clip after each step
 }
 
 

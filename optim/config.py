@@ -38,6 +38,7 @@ class OptimConfig:
     muon_scaling: str = "match_adamw"  # match_adamw (0.2 sqrt(max dim)) | spectral
     adamw_lr: float = 0.0  # peak lr of the AdamW-group parameters under Muon; 0 = optim.lr
     muon_exclude: list[str] = field(default_factory=list)  # name patterns kept on AdamW
+    qk_clip_tau: float = 0.0  # MuonClip: cap each head's max attention logit at this; 0 = off
 
     def __post_init__(self) -> None:
         _require(self.lr > 0, f"optim.lr={self.lr} must be > 0")
@@ -69,6 +70,9 @@ class OptimConfig:
             f"optim.muon_momentum={self.muon_momentum} must be in [0, 1)",
         )
         _require(self.adamw_lr >= 0, f"optim.adamw_lr={self.adamw_lr} must be >= 0 (0 = optim.lr)")
+        _require(
+            self.qk_clip_tau >= 0, f"optim.qk_clip_tau={self.qk_clip_tau} must be >= 0 (0 = off)"
+        )
         _require(self.warmup_steps >= 0, f"optim.warmup_steps={self.warmup_steps} must be >= 0")
         _require(
             0 <= self.min_lr_ratio <= 1, f"optim.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]"

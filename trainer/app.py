@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 
 from model.accounting import param_counts, training_flops_per_token
 from optim.builder import build_optimizer
+from optim.qk_clip import enable_qk_clip
 from parallel.mesh import ParallelDims
 from trainer.build import (
     build_loader,
@@ -49,6 +50,8 @@ def build_training(cfg: RootConfig, run_dir: Path, ranks: Ranks) -> Training:
     seed_everything(cfg.seed)
     model, master = build_parallel_model(model_cfg, tcfg, cfg.parallel, dims, device, cfg.seed)
     optimizer = build_optimizer(cfg.optim, master.master if master else model)
+    if cfg.optim.qk_clip_tau > 0:
+        enable_qk_clip(model)  # attention layers record their per-head max logits
     loader = build_loader(
         cfg.data, manifest, tcfg.batch_size, ranks.rank, ranks.world_size, cfg.seed
     )

@@ -128,6 +128,7 @@ class Training:
                     self.cfg.trainer.doc_mask,
                     self.tracker,
                     self.master,
+                    self.cfg.optim.qk_clip_tau,
                 )
                 self.step += 1
                 self.tokens += tokens_per_step

@@ -20,6 +20,7 @@ from torch.distributed.fsdp import FSDPModule
 from data.loader import Batch
 from model.moe import apply_bias_update, expert_load, moe_stats, pop_aux_loss, reset_moe_stats
 from model.transformer import Transformer
+from optim.qk_clip import apply_qk_clip, pop_max_logits
 from parallel.grad_norm import clip_grad_norm
 from trainer.precision import MasterWeights
 
@@ -31,7 +32,7 @@ class StepResult:
     loss: float
     grad_norm: float
     skipped: str  # "" when the update was applied, else why not
-    moe: dict[str, float] = field(default_factory=dict)  # MoE statistics (model.moe.moe_stats)
+    moe: dict[str, float] = field(default_factory=dict)  # MoE (moe/...) and QK-clip (qk/...) stats
 
 
 class LossTracker:
@@ -71,6 +72,7 @@ def train_step(
     doc_mask: bool,
     tracker: LossTracker,
     master: MasterWeights | None = None,
+    qk_clip_tau: float = 0.0,
 ) -> StepResult:
     """One optimizer step over this rank's slice of the global batch.
 
@@ -103,12 +105,17 @@ def train_step(
         reason = f"gradient norm is {norm_value}"
     elif tracker.spike(loss_value):
         reason = f"loss {loss_value:.3f} > {tracker.factor} x running mean {tracker.mean:.3f}"
+    stats: dict[str, float] = {}
     if not reason:
         optimizer.step()
+        if qk_clip_tau > 0:
+            stats |= _qk_clip(model, master.master if master is not None else model, qk_clip_tau)
         if master is not None:
             master.master_to_model()
         tracker.update(loss_value)
-    stats = _update_expert_biases(model, apply=not reason)
+    elif qk_clip_tau > 0:
+        pop_max_logits(model)  # a skipped step's logits are not acted on
+    stats |= _update_expert_biases(model, apply=not reason)
     optimizer.zero_grad(set_to_none=True)
     return StepResult(loss_value, norm_value, reason, stats)
 
@@ -131,6 +138,16 @@ def _mean_over_ranks(value: torch.Tensor) -> float:
         dist.all_reduce(value)
         value /= dist.get_world_size()
     return value.item()
+
+
+def _qk_clip(model: Transformer, updated: torch.nn.Module, tau: float) -> dict[str, float]:
+    """MuonClip: the step's per-head max logits (MAX over ranks) cap the updated weights."""
+    logits = pop_max_logits(model)
+    if logits is None:
+        return {}
+    if _distributed():
+        dist.all_reduce(logits, op=dist.ReduceOp.MAX)
+    return apply_qk_clip(updated, logits, tau)
 
 
 def _update_expert_biases(model: Transformer, apply: bool) -> dict[str, float]:

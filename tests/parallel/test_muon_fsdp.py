@@ -48,3 +48,18 @@ def test_muon_state_survives_a_resharding_resume(tmp_path: Path, single: dict) -
     torch.testing.assert_close(
         first["losses"] + second["losses"], single["losses"], rtol=1e-4, atol=1e-5
     )
+
+
+def test_muonclip_under_fsdp_clips_like_one_process() -> None:
+    # tau below the initial logits: heads are clipped from the first step on
+    args = (small_model(), {}, STEPS, 1, "fp32", 1.0, "", "", "muonclip", 0.02)
+    single = train(0, *args)
+    sharded = run_ranks(2, train, *args)[0]
+    assert single["stats"][0]["qk/clipped_heads"] > 0
+    # step 1 sees the same weights (to fp32 order); later steps differ by Muon's bf16 roundings
+    first, first_ref = sharded["stats"][0], single["stats"][0]
+    assert first["qk/max_logit"] == pytest.approx(first_ref["qk/max_logit"], rel=1e-5)
+    for got, want in zip(sharded["stats"], single["stats"]):
+        assert got["qk/clipped_heads"] == want["qk/clipped_heads"]
+        assert got["qk/max_logit"] == pytest.approx(want["qk/max_logit"], rel=2e-3)
+    torch.testing.assert_close(sharded["losses"], single["losses"], rtol=1e-5, atol=1e-5)

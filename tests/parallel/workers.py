@@ -72,6 +72,7 @@ def train(
     resume_from: str = "",
     save_to: str = "",
     optimizer_name: str = "adamw",
+    qk_clip_tau: float = 0.0,
 ) -> dict[str, Any]:
     """Train `steps` steps; returns losses, grad norms, the initial and final full weights.
 
@@ -86,6 +87,11 @@ def train(
     initial = full_state(model)
     optim_cfg = OptimConfig(name=optimizer_name, lr=3e-3, warmup_steps=0, schedule="constant")
     optimizer = build_optimizer(optim_cfg, model)
+    if qk_clip_tau:
+        from optim.qk_clip import enable_qk_clip
+
+        enable_qk_clip(model)
+    stats = []
     tracker = LossTracker(0.0)
     first = 0
     if resume_from:
@@ -102,7 +108,9 @@ def train(
             False,
             tracker,
             master,
+            qk_clip_tau,
         )
+        stats.append(result.moe)
         losses.append(result.loss)
         norms.append(result.grad_norm)
     if save_to:
@@ -115,6 +123,7 @@ def train(
     }
     return {
         "losses": losses,
+        "stats": stats,
         "norms": norms,
         "initial": initial,
         "final": full_state(model),

@@ -220,13 +220,17 @@ def test_world_size_without_a_rendezvous_is_a_clear_error(dataset, tmp_path):
     assert not (run_dir / "metrics.jsonl").exists()
 
 
-def test_optim_muon_trains_and_prints_its_groups(dataset, tmp_path):
+@pytest.mark.parametrize("optimizer", ["muon", "muonclip"])
+def test_optim_muon_trains_and_prints_its_groups(dataset, tmp_path, optimizer):
     run_dir = tmp_path / "run"
-    result = run_trainer(
-        *small(dataset, run_dir, "optim=muon", "trainer.max_steps=3"), cwd=tmp_path
-    )
+    extra = [f"optim={optimizer}", "trainer.max_steps=3"]
+    result = run_trainer(*small(dataset, run_dir, *extra), cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     log = (run_dir / "train.log").read_text()
     assert "optimizer group muon: 14 tensors" in log and "optimizer group adamw_vectors" in log
-    assert [r["step"] for r in metric_rows(run_dir) if "loss" in r] == [1, 2, 3]
-    assert "name: muon" in (run_dir / ".hydra" / "config.yaml").read_text()
+    rows = [r for r in metric_rows(run_dir) if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert f"name: {optimizer}" in (run_dir / ".hydra" / "config.yaml").read_text()
+    if optimizer == "muonclip":  # per-layer max logits and clipped heads are logged
+        assert rows[-1]["qk/max_logit"] > 0 and "qk/layer1/max_logit" in rows[-1]
+        assert rows[-1]["qk/clipped_heads"] == 0  # tau = 100 is far above a fresh model's logits

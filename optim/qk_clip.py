@@ -1,0 +1,81 @@
+"""QK-clip (MuonClip): cap every attention head's max logit at tau by rescaling its weights.
+
+Attention modules expose two small hooks (model/attention.py, model/mla.py):
+- `record_max_logits` (bool) and `max_logits` ((H,) running max of q.k x scale over the
+  training forwards since it was last read);
+- `qk_clip_row_scales(gamma)`: (parameter, per-row factor) pairs that scale head h's logits by
+  gamma[h] (MHA: sqrt(gamma) on W_q and W_k rows; GQA: gamma on W_q rows; MLA: sqrt(gamma) on
+  q_nope and k_nope rows, gamma on q_rope rows).
+
+After each optimizer step the trainer all-reduces the (L, H) max logits with MAX over ranks and
+calls `apply_qk_clip`: heads above tau get gamma = tau / max_logit, the rest gamma = 1 (their
+weights untouched). Sharded (DTensor) weights are scaled on their local rows.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Replicate
+
+from optim.errors import OptimConfigError
+
+
+def clip_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(n, m) for n, m in model.named_modules() if hasattr(m, "qk_clip_row_scales")]
+
+
+def enable_qk_clip(model: nn.Module) -> None:
+    """Turn on max-logit recording; QK-norm already bounds logits and defeats weight scaling."""
+    layers = clip_layers(model)
+    if not layers:
+        raise OptimConfigError("QK-clip needs attention layers with qk_clip_row_scales")
+    for name, module in layers:
+        if getattr(module, "q_norm", None) is not None:
+            raise OptimConfigError(
+                f"{name} uses QK-norm (model.attention.qk_norm=true): it normalizes q and k after "
+                "the projections, so QK-clip's weight scaling has no effect; use optim=muon"
+            )
+        module.record_max_logits = True
+
+
+def pop_max_logits(model: nn.Module) -> Tensor | None:
+    """(L, H) max logits recorded since the last call, and forget them (None: no forward yet)."""
+    logits = []
+    for _, module in clip_layers(model):
+        if module.max_logits is None:
+            return None
+        logits.append(module.max_logits)
+        module.max_logits = None
+    return torch.stack(logits)
+
+
+@torch.no_grad()
+def apply_qk_clip(model: nn.Module, max_logits: Tensor, tau: float) -> dict[str, float]:
+    """Rescale heads whose max logit exceeds tau; returns logging statistics."""
+    peaks = max_logits.float()
+    over = peaks > tau  # only these heads change (tau / peak could round below 1 at peak == tau)
+    gammas = torch.where(over, tau / peaks.clamp(min=1e-30), torch.ones_like(peaks))  # (L, H)
+    stats: dict[str, float] = {}
+    for (name, module), gamma, peak in zip(clip_layers(model), gammas, max_logits):
+        if bool((gamma != 1).any()):
+            for param, rows in module.qk_clip_row_scales(gamma):
+                scale_rows(param, rows)
+        layer = name.split(".")[1] if name.startswith("layers.") else name
+        stats[f"qk/layer{layer}/max_logit"] = float(peak.max())
+    stats["qk/max_logit"] = float(max_logits.max())
+    stats["qk/clipped_heads"] = float(over.sum())
+    return stats
+
+
+def scale_rows(param: Tensor, rows: Tensor) -> None:
+    """param[r, ...] *= rows[r], on this rank's rows when param is a dim-0-sharded DTensor."""
+    factor = rows.to(param.dtype).view(-1, *([1] * (param.dim() - 1)))
+    if isinstance(param, DTensor):
+        mesh = param.device_mesh
+        full = factor.expand(param.shape).contiguous()
+        replicated = DTensor.from_local(full, mesh, [Replicate()] * mesh.ndim, run_check=False)
+        local = replicated.redistribute(mesh, param.placements).to_local()
+        param.to_local().mul_(local)
+    else:
+        param.mul_(factor)
