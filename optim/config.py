@@ -33,6 +33,8 @@ class OptimConfig:
     # Muon (optim=muon): hidden matrices; the rest (embeddings, head, norms, router) use AdamW
     muon_momentum: float = 0.95  # momentum of the Muon groups (Nesterov by muon_nesterov)
     muon_nesterov: bool = True
+    muon_momentum_warmup: int = 0  # steps ramping momentum from muon_momentum_start; 0 = off
+    muon_momentum_start: float = 0.85
     ns_steps: int = 5  # Newton-Schulz iterations
     ns_schedule: str = "quintic"  # quintic (3.4445, -4.7750, 2.0315) | polar_express
     muon_scaling: str = "match_adamw"  # match_adamw (0.2 sqrt(max dim)) | spectral
@@ -68,6 +70,11 @@ class OptimConfig:
         _require(
             0 <= self.muon_momentum < 1,
             f"optim.muon_momentum={self.muon_momentum} must be in [0, 1)",
+        )
+        _require(
+            self.muon_momentum_warmup >= 0 and 0 <= self.muon_momentum_start < 1,
+            f"optim.muon_momentum_warmup={self.muon_momentum_warmup} must be >= 0 and "
+            f"optim.muon_momentum_start={self.muon_momentum_start} in [0, 1)",
         )
         _require(self.adamw_lr >= 0, f"optim.adamw_lr={self.adamw_lr} must be >= 0 (0 = optim.lr)")
         _require(

@@ -41,3 +41,12 @@ def lr_multiplier(cfg: OptimConfig, step: int, total_steps: int) -> float:
         return 1.0
     left = _decay((step - decay_start) / decay_steps, cfg.decay_shape)
     return floor + (1.0 - floor) * left
+
+
+def muon_momentum(cfg: OptimConfig, step: int) -> float:
+    """Muon's momentum for the step about to be taken: optionally ramped linearly from
+    `muon_momentum_start` to `muon_momentum` over `muon_momentum_warmup` steps."""
+    if step >= cfg.muon_momentum_warmup:
+        return cfg.muon_momentum
+    frac = step / cfg.muon_momentum_warmup
+    return cfg.muon_momentum_start + frac * (cfg.muon_momentum - cfg.muon_momentum_start)

@@ -23,7 +23,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from data.loader import TokenLoader
 from model.transformer import Transformer
-from optim.schedules import lr_multiplier
+from optim.schedules import lr_multiplier, muon_momentum
 from trainer.checkpoint import Checkpointer
 from trainer.config import RootConfig
 from trainer.console import console
@@ -116,8 +116,11 @@ class Training:
                 window.data_wait += time.perf_counter() - waited
                 multiplier = lr_multiplier(self.cfg.optim, self.step, tcfg.max_steps)
                 lr = self.cfg.optim.lr * multiplier
+                momentum = muon_momentum(self.cfg.optim, self.step)
                 for group in self.optimizer.param_groups:  # groups may have their own peak lr
                     group["lr"] = group.get("base_lr", self.cfg.optim.lr) * multiplier
+                    if group.get("algorithm") == "muon":
+                        group["momentum"] = momentum
                 result = train_step(
                     self.model,
                     self.optimizer,

@@ -134,3 +134,12 @@ def test_muon_trains_the_tiny_model() -> None:
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < 0.7 * losses[0]
+
+
+def test_muon_momentum_warmup_ramps_linearly() -> None:
+    from optim.schedules import muon_momentum
+
+    cfg = OptimConfig(name="muon", muon_momentum_warmup=10, muon_momentum_start=0.85)
+    values = [muon_momentum(cfg, step) for step in (0, 5, 10, 50)]
+    assert values == pytest.approx([0.85, 0.90, 0.95, 0.95])
+    assert muon_momentum(OptimConfig(), 0) == 0.95  # off by default

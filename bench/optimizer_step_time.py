@@ -1,0 +1,134 @@
+"""Optimizer step time as a fraction of the whole training step: AdamW vs Muon (vs MuonClip),
+on the tiny model (bf16 autocast, global batch 8 x 256), in one process and with FSDP2 on 2 gloo
+processes (same global batch).
+
+    python bench/optimizer_step_time.py [--steps 6]
+Writes bench/results/optimizer_step_time_cpu.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from bench.machine import machine
+from data.loader import Batch
+from model.presets import load_preset
+from optim.builder import build_optimizer
+from optim.config import OptimConfig
+from optim.qk_clip import enable_qk_clip
+from parallel.config import ParallelConfig
+from parallel.mesh import ParallelDims
+from trainer.build import build_parallel_model
+from trainer.config import TrainerConfig
+from trainer.precision import autocast_factory
+from trainer.step import LossTracker, train_step
+
+OPTIMIZERS = ("adamw", "muon", "muonclip")
+
+
+def measure(rank: int, world: int, name: str, args: argparse.Namespace) -> dict:
+    cfg = load_preset("tiny")
+    dims = ParallelDims.resolve(ParallelConfig(), world)
+    device = torch.device("cpu")
+    tcfg = TrainerConfig(batch_size=args.batch)
+    model, _ = build_parallel_model(cfg, tcfg, ParallelConfig(), dims, device, seed=0)
+    tau = 100.0 if name == "muonclip" else 0.0
+    optimizer = build_optimizer(OptimConfig(name=name, warmup_steps=0, qk_clip_tau=tau), model)
+    if tau:
+        enable_qk_clip(model)
+    optimizer_seconds: list[float] = []
+    step = optimizer.step
+
+    def timed_step(*a, **k):
+        start = time.perf_counter()
+        out = step(*a, **k)
+        optimizer_seconds.append(time.perf_counter() - start)
+        return out
+
+    optimizer.step = timed_step  # type: ignore[method-assign]
+    tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq_len + 1))
+    local = args.batch // world
+    part = tokens[rank * local : (rank + 1) * local]
+    batch = Batch(part[:, :-1], part[:, 1:], torch.zeros_like(part[:, 1:]))
+    autocast, tracker, totals = autocast_factory("bf16", device), LossTracker(0.0), []
+    for _ in range(args.warmup + args.steps):
+        if world > 1:
+            dist.barrier()
+        start = time.perf_counter()
+        train_step(model, optimizer, batch, 1, autocast, 1.0, False, tracker, None, tau)
+        totals.append(time.perf_counter() - start)
+    total = statistics.median(totals[args.warmup :])
+    opt = statistics.median(optimizer_seconds[args.warmup :])
+    return {"optimizer": name, "ranks": world, "step_s": total, "optimizer_s": opt}
+
+
+def _entry(rank: int, world: int, port: int, out: str, name: str, args) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(max(1, args.cores // world))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    result = measure(rank, world, name, args)
+    dist.destroy_process_group()
+    if rank == 0:
+        Path(out).write_bytes(pickle.dumps(result))
+
+
+def run(world: int, name: str, args: argparse.Namespace) -> dict:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "r.pkl")
+        mp.start_processes(
+            _entry, (world, port, out, name, args), nprocs=world, start_method="spawn"
+        )
+        return pickle.loads(Path(out).read_bytes())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--cores", type=int, default=len(os.sched_getaffinity(0)))
+    args = parser.parse_args()
+    rows = []
+    print("| optimizer | ranks | step s | optimizer s | share of step |")
+    print("|---|---:|---:|---:|---:|")
+    for world in (1, 2):
+        for name in OPTIMIZERS:
+            row = run(world, name, args)
+            row["share"] = row["optimizer_s"] / row["step_s"]
+            rows.append(row)
+            print(
+                f"| {name} | {world} | {row['step_s']:.3f} | {row['optimizer_s']:.3f} | "
+                f"{100 * row['share']:.1f}% |"
+            )
+    report = {
+        "benchmark": "optimizer_step_time",
+        "args": vars(args),
+        "machine": machine(),
+        "rows": rows,
+    }
+    out = Path(__file__).parent / "results" / "optimizer_step_time_cpu.json"
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
