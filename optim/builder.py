@@ -26,7 +26,7 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [
         {"params": decay, "weight_decay": weight_decay, "name": "matrices"},
         {"params": no_decay, "weight_decay": 0.0, "name": "vectors"},
-    ]
+    ]  # the schedule scales each group's base_lr (apply_config sets it)
 
 
 def _muon(cfg: OptimConfig, model: nn.Module) -> torch.optim.Optimizer:
@@ -69,4 +69,28 @@ def build_optimizer(cfg: OptimConfig, model: nn.Module) -> torch.optim.Optimizer
         raise OptimConfigError(
             f"optim.name={cfg.name!r} is not available; choose one of: {', '.join(OPTIMIZERS)}"
         )
-    return OPTIMIZERS[cfg.name](cfg, model)
+    optimizer = OPTIMIZERS[cfg.name](cfg, model)
+    apply_config(optimizer, cfg)
+    return optimizer
+
+
+def apply_config(optimizer: torch.optim.Optimizer, cfg: OptimConfig) -> None:
+    """Set every group's hyperparameters from `cfg` (by group name). A loaded checkpoint brings
+    back the saved ones; after a resume the config given now must win (e.g. a lowered lr)."""
+    adamw_lr = (cfg.adamw_lr or cfg.lr) if cfg.name != "adamw" else cfg.lr
+    peak = {"muon": cfg.lr, "adamw_matrices": adamw_lr, "adamw_vectors": adamw_lr}
+    decay = {"adamw_vectors": 0.0, "vectors": 0.0}
+    for group in optimizer.param_groups:
+        name = group.get("name", "")
+        group["base_lr"] = peak.get(name, cfg.lr)
+        group["weight_decay"] = decay.get(name, cfg.weight_decay)
+        group["betas"] = (cfg.beta1, cfg.beta2)
+        group["eps"] = cfg.eps
+        if group.get("algorithm") == "muon":
+            group.update(
+                momentum=cfg.muon_momentum,
+                nesterov=cfg.muon_nesterov,
+                ns_steps=cfg.ns_steps,
+                ns_schedule=cfg.ns_schedule,
+                scaling=cfg.muon_scaling,
+            )

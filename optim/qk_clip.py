@@ -37,6 +37,11 @@ def enable_qk_clip(model: nn.Module) -> None:
                 "the projections, so QK-clip's weight scaling has no effect; use optim=muon"
             )
         module.record_max_logits = True
+    # the recording mutates the module inside checkpointed blocks; replaying it in the recompute
+    # changes nothing (the same max), so let dynamo trace those blocks instead of falling back
+    dynamo_config = torch._dynamo.config
+    if hasattr(dynamo_config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        dynamo_config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
 
 
 def pop_max_logits(model: nn.Module) -> Tensor | None:

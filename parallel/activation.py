@@ -41,7 +41,10 @@ SAVED_OPS |= {_c10d.all_to_all_single.default, _c10d.wait_tensor.default}
 
 
 def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    # ops under no_grad (QK-clip's max-logit recording) are never worth keeping for backward
+    if op in SAVED_OPS and torch.is_grad_enabled():
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _context_fn():

@@ -13,7 +13,7 @@ import torch
 from omegaconf import OmegaConf
 
 from model.accounting import param_counts, training_flops_per_token
-from optim.builder import build_optimizer
+from optim.builder import apply_config, build_optimizer
 from optim.qk_clip import enable_qk_clip
 from parallel.mesh import ParallelDims
 from trainer.build import (
@@ -119,6 +119,8 @@ def _resume_into(training: Training, resume_from: str) -> str | None:
         training.optimizer,
         training.ranks.rank,
     )
+    if restored is not None:  # the config given now wins over the saved hyperparameters
+        apply_config(training.optimizer, training.cfg.optim)
     if restored is not None and training.master is not None:
         training.master.master_to_model(buffers=True)
     if restored is None:

@@ -143,3 +143,23 @@ def test_muon_momentum_warmup_ramps_linearly() -> None:
     values = [muon_momentum(cfg, step) for step in (0, 5, 10, 50)]
     assert values == pytest.approx([0.85, 0.90, 0.95, 0.95])
     assert muon_momentum(OptimConfig(), 0) == 0.95  # off by default
+
+
+@pytest.mark.parametrize("name", ["adamw", "muon"])
+def test_a_resumed_optimizer_takes_the_hyperparameters_of_the_config(name: str) -> None:
+    from optim.builder import apply_config
+
+    cfg = load_preset("tiny", {"d_model": 64, "n_layers": 1, "vocab_size": 64})
+    model = build_model(cfg, seed=0)
+    old = build_optimizer(OptimConfig(name=name, lr=1e-2, weight_decay=0.1), model)
+    model(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long)).backward()
+    old.step()
+    new_cfg = OptimConfig(name=name, lr=1e-3, weight_decay=0.05, muon_momentum=0.9)
+    new = build_optimizer(new_cfg, model)
+    new.load_state_dict(old.state_dict())  # brings back lr 1e-2 and weight decay 0.1
+    apply_config(new, new_cfg)
+    for group in new.param_groups:
+        assert group["base_lr"] == 1e-3
+        assert group["weight_decay"] in (0.05, 0.0)
+        if group.get("algorithm") == "muon":
+            assert group["momentum"] == 0.9
