@@ -93,6 +93,8 @@ class Muon(torch.optim.Optimizer):
         mu, lr, wd = group["momentum"], group["lr"], group["weight_decay"]
         params, updates, kinds = [], [], []
         for param in group["params"]:
+            if param.ndim not in (2, 3):
+                raise ValueError(f"Muon takes matrices or expert stacks, got shape {param.shape}")
             layout = "experts" if param.ndim == 3 else "linear"
             if param.grad is None:
                 continue

@@ -62,14 +62,18 @@ def apply_qk_clip(model: nn.Module, max_logits: Tensor, tau: float) -> dict[str,
     over = peaks > tau  # only these heads change (tau / peak could round below 1 at peak == tau)
     gammas = torch.where(over, tau / peaks.clamp(min=1e-30), torch.ones_like(peaks))  # (L, H)
     stats: dict[str, float] = {}
-    for (name, module), gamma, peak in zip(clip_layers(model), gammas, max_logits):
-        if bool((gamma != 1).any()):
+    layer_peaks = peaks.amax(dim=1).tolist()  # one device-to-host copy for the logging
+    layer_clipped = over.any(dim=1).tolist()
+    for (name, module), gamma, peak, clipped in zip(
+        clip_layers(model), gammas, layer_peaks, layer_clipped
+    ):
+        if clipped:
             for param, rows in module.qk_clip_row_scales(gamma):
                 scale_rows(param, rows)
         layer = name.split(".")[1] if name.startswith("layers.") else name
-        stats[f"qk/layer{layer}/max_logit"] = float(peak.max())
-    stats["qk/max_logit"] = float(max_logits.max())
-    stats["qk/clipped_heads"] = float(over.sum())
+        stats[f"qk/layer{layer}/max_logit"] = peak
+    stats["qk/max_logit"] = max(layer_peaks)
+    stats["qk/clipped_heads"] = float(sum(over.sum(dim=1).tolist()))
     return stats
 
 
