@@ -26,6 +26,7 @@ from bench.machine import machine
 RUNS = [
     ("adamw", 3e-3),
     ("adamw", 6e-3),
+    ("adamw", 1.2e-2),
     ("muon", 3e-3),
     ("muon", 6e-3),
     ("muon", 1.2e-2),
@@ -84,7 +85,10 @@ def main() -> None:
         for index, (optimizer, lr) in enumerate(runs):
             curve = train(optimizer, lr, args, Path(tmp) / f"run{index}")
             results.append({"optimizer": optimizer, "lr": lr, "curve": curve})
-            print(f"{optimizer:9s} lr {lr:<7g} final validation loss {curve[-1]['val_loss']:.4f}")
+            print(
+                f"{optimizer:9s} lr {lr:<7g} final validation loss {curve[-1]['val_loss']:.4f}",
+                flush=True,
+            )
             if index == len(RUNS) - 1:  # MuonClip at the best Muon learning rate
                 muon = [r for r in results if r["optimizer"] == "muon"]
                 best = min(muon, key=lambda r: r["curve"][-1]["val_loss"])
@@ -93,7 +97,10 @@ def main() -> None:
             optimizer, lr = runs[-1]
             curve = train(optimizer, lr, args, Path(tmp) / "clip")
             results.append({"optimizer": optimizer, "lr": lr, "curve": curve})
-            print(f"{optimizer:9s} lr {lr:<7g} final validation loss {curve[-1]['val_loss']:.4f}")
+            print(
+                f"{optimizer:9s} lr {lr:<7g} final validation loss {curve[-1]['val_loss']:.4f}",
+                flush=True,
+            )
 
     def best(name: str) -> dict:
         return min(
