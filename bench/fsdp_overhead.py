@@ -14,21 +14,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import pickle
-import socket
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from bench.machine import machine
+from bench.ranks import run_on_ranks
 from data.loader import Batch
 from model.presets import load_preset
 from optim.builder import build_optimizer
@@ -64,28 +61,6 @@ def step_times(rank: int, world: int, args: argparse.Namespace) -> list[float]:
     return times[args.warmup :]
 
 
-def _rank_entry(rank: int, world: int, port: int, out: str, args: argparse.Namespace) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(max(1, args.cores // world))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    times = step_times(rank, world, args)
-    dist.destroy_process_group()
-    if rank == 0:
-        Path(out).write_bytes(pickle.dumps(times))
-
-
-def run(world: int, args: argparse.Namespace) -> list[float]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        out = str(Path(tmp) / "times.pkl")
-        mp.start_processes(
-            _rank_entry, (world, port, out, args), nprocs=world, start_method="spawn"
-        )
-        return pickle.loads(Path(out).read_bytes())
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ranks", type=int, default=2)
@@ -97,7 +72,7 @@ def main() -> None:
     args = parser.parse_args()
     rows = []
     for world in (1, args.ranks):
-        seconds = statistics.median(run(world, args))
+        seconds = statistics.median(run_on_ranks(world, args.cores, step_times, args))
         tokens = args.batch * args.seq_len / seconds
         rows.append({"ranks": world, "seconds_per_step": seconds, "tokens_per_s": tokens})
         print(f"{world} rank(s): {seconds:.3f} s/step, {tokens:.0f} tokens/s")

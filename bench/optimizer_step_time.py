@@ -11,21 +11,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import pickle
-import socket
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from bench.machine import machine
+from bench.ranks import run_on_ranks
 from data.loader import Batch
 from model.presets import load_preset
 from optim.builder import build_optimizer
@@ -77,28 +74,6 @@ def measure(rank: int, world: int, name: str, args: argparse.Namespace) -> dict:
     return {"optimizer": name, "ranks": world, "step_s": total, "optimizer_s": opt}
 
 
-def _entry(rank: int, world: int, port: int, out: str, name: str, args) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(max(1, args.cores // world))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    result = measure(rank, world, name, args)
-    dist.destroy_process_group()
-    if rank == 0:
-        Path(out).write_bytes(pickle.dumps(result))
-
-
-def run(world: int, name: str, args: argparse.Namespace) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        out = str(Path(tmp) / "r.pkl")
-        mp.start_processes(
-            _entry, (world, port, out, name, args), nprocs=world, start_method="spawn"
-        )
-        return pickle.loads(Path(out).read_bytes())
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch", type=int, default=8)
@@ -112,7 +87,7 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|")
     for world in (1, 2):
         for name in OPTIMIZERS:
-            row = run(world, name, args)
+            row = run_on_ranks(world, args.cores, measure, name, args)
             row["share"] = row["optimizer_s"] / row["step_s"]
             rows.append(row)
             print(
