@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -25,7 +24,7 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from bench.machine import machine
-from bench.ranks import run_on_ranks
+from bench.ranks import add_step_arguments, run_on_ranks
 from data.loader import Batch
 from model.presets import load_preset
 from optim.builder import build_optimizer
@@ -64,11 +63,7 @@ def step_times(rank: int, world: int, args: argparse.Namespace) -> list[float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--cores", type=int, default=len(os.sched_getaffinity(0)))
+    add_step_arguments(parser)
     args = parser.parse_args()
     rows = []
     for world in (1, args.ranks):

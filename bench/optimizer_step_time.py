@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -22,7 +21,7 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from bench.machine import machine
-from bench.ranks import run_on_ranks
+from bench.ranks import add_step_arguments, run_on_ranks
 from data.loader import Batch
 from model.presets import load_preset
 from optim.builder import build_optimizer
@@ -76,11 +75,7 @@ def measure(rank: int, world: int, name: str, args: argparse.Namespace) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--cores", type=int, default=len(os.sched_getaffinity(0)))
+    add_step_arguments(parser)
     args = parser.parse_args()
     rows = []
     print("| optimizer | ranks | step s | optimizer s | share of step |")

@@ -40,3 +40,12 @@ def _entry(
     dist.destroy_process_group()
     if rank == 0:
         Path(out).write_bytes(pickle.dumps(result))
+
+
+def add_step_arguments(parser) -> None:
+    """The step-timing options the multi-rank benchmarks share."""
+    parser.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=6, help="timed steps (median counts)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--cores", type=int, default=len(os.sched_getaffinity(0)))
