@@ -107,6 +107,20 @@ class Attention(nn.Module):
 
     # ---- accounting and caching hooks ---------------------------------------------------------
 
+    def muon_matrix_blocks(self) -> dict[str, tuple[int, int, tuple[int, ...]]]:
+        """Per-head layout of each projection for optimizers that treat heads as matrices:
+        weight name -> (dim, heads, per-head parts); `dim` (0 rows, 1 columns) is (heads, sum)."""
+        H, K, D = self.n_heads, self.n_kv_heads, self.head_dim
+        blocks = {
+            "q_proj.weight": (0, H, (D,)),
+            "k_proj.weight": (0, K, (D,)),
+            "v_proj.weight": (0, K, (D,)),
+            "o_proj.weight": (1, H, (D,)),
+        }
+        if self.gate_proj is not None:
+            blocks["gate_proj.weight"] = (0, H, (D,))
+        return blocks
+
     def score_dims(self) -> tuple[int, int, int]:
         """(query heads, query-key dims per head, value dims per head): what attention FLOPs scale with."""
         return self.n_heads, self.head_dim, self.head_dim

@@ -143,6 +143,19 @@ class MultiHeadLatentAttention(nn.Module):
 
     # ---- accounting and caching hooks ---------------------------------------------------------
 
+    def muon_matrix_blocks(self) -> dict[str, tuple[int, int, tuple[int, ...]]]:
+        """Layout of each projection for optimizers that treat heads or fused parts as matrices:
+        weight name -> (dim, heads, per-head parts); `dim` (0 rows, 1 columns) is (heads, sum).
+        kv_a fuses the latent and the shared rope key; kv_b fuses each head's k_nope and v."""
+        H, qk_dim = self.n_heads, self.nope_dim + self.rope_dim
+        q_name = "q_proj.weight" if self.q_proj is not None else "q_b_proj.weight"
+        return {
+            q_name: (0, H, (qk_dim,)),
+            "kv_a_proj.weight": (0, 1, (self.kv_rank, self.rope_dim)),
+            "kv_b_proj.weight": (0, H, (self.nope_dim, self.v_dim)),
+            "o_proj.weight": (1, H, (self.v_dim,)),
+        }
+
     def score_dims(self) -> tuple[int, int, int]:
         return self.n_heads, self.nope_dim + self.rope_dim, self.v_dim
 

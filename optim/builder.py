@@ -14,7 +14,7 @@ from torch import nn
 
 from optim.config import OptimConfig
 from optim.errors import OptimConfigError
-from optim.grouping import muon_param_groups
+from optim.grouping import muon_param_groups, split_matrices
 from optim.muon import Muon
 
 
@@ -41,6 +41,7 @@ def _muon(cfg: OptimConfig, model: nn.Module) -> torch.optim.Optimizer:
         scaling=cfg.muon_scaling,
         betas=(cfg.beta1, cfg.beta2),
         eps=cfg.eps,
+        blocks=split_matrices(cfg, model),
     )
 
 

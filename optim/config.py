@@ -9,6 +9,7 @@ from optim.errors import OptimConfigError
 SCHEDULES = ("cosine", "wsd", "constant")
 NS_SCHEDULES = ("quintic", "polar_express")
 MUON_SCALINGS = ("match_adamw", "spectral")
+MUON_SPLITS = ("none", "fused", "heads")
 DECAY_SHAPES = ("linear", "cosine", "sqrt")
 
 
@@ -40,6 +41,9 @@ class OptimConfig:
     muon_scaling: str = "match_adamw"  # match_adamw (0.2 sqrt(max dim)) | spectral
     adamw_lr: float = 0.0  # peak lr of the AdamW-group parameters under Muon; 0 = optim.lr
     muon_exclude: list[str] = field(default_factory=list)  # name patterns kept on AdamW
+    # matrices Muon orthogonalizes: none (weights whole) | fused (split fused projections such
+    # as MLA's kv_a/kv_b into their parts) | heads (also every attention head's slice alone)
+    muon_split: str = "fused"
     qk_clip_tau: float = 0.0  # MuonClip: cap each head's max attention logit at this; 0 = off
 
     def __post_init__(self) -> None:
@@ -65,6 +69,10 @@ class OptimConfig:
         _require(
             self.muon_scaling in MUON_SCALINGS,
             f"optim.muon_scaling={self.muon_scaling!r} is not one of {MUON_SCALINGS}",
+        )
+        _require(
+            self.muon_split in MUON_SPLITS,
+            f"optim.muon_split={self.muon_split!r} is not one of {MUON_SPLITS}",
         )
         _require(1 <= self.ns_steps <= 20, f"optim.ns_steps={self.ns_steps} must be in [1, 20]")
         _require(

@@ -1,61 +1,106 @@
 """Newton-Schulz on sharded matrices: each matrix is orthogonalized once, whole, on one rank.
 
-With FSDP2 every rank holds a dim-0 shard of every matrix, but Newton-Schulz needs the whole
-matrix. For matrices sharded on dim 0 over a 1-D mesh (FSDP), each round of P matrices is gathered
-(in bf16) onto ranks 0..P-1 of that mesh, one matrix each, orthogonalized there in parallel,
-and scattered back as shards: each rank does 1/P of the Newton-Schulz work, and the traffic is
-one gather and one scatter of each matrix in bf16. Expert stacks split only along the expert
-dim need nothing (Newton-Schulz is per expert and local experts are whole). Other layouts
-(HSDP, experts split inside a matrix) fall back to gathering on every rank (correct, redundant).
-Plain tensors are orthogonalized in place of the call.
+With FSDP2 every rank holds a shard of every matrix, but Newton-Schulz needs the whole matrix.
+The matrices are dealt out in rounds to owner ranks: an owner gathers its matrix's row shards
+(in bf16, the dtype Newton-Schulz computes in) from the ranks of its shard group,
+orthogonalizes it, and scatters the result back as shards. Layouts:
 
-The result equals single-process Muon: the same full matrix goes through the same iteration.
+- FSDP (1-D mesh, Shard(0)): a round is P matrices, one per rank of the mesh.
+- HSDP (replicate x shard, [Replicate, Shard(0)]): a round is R x P matrices. Matrix m of the
+  round belongs to replica m // P and there to shard rank m % P; the replica's shard group
+  gathers and scatters it, then each shard is broadcast over the replicate group. Every matrix
+  is still orthogonalized once in the whole job.
+- Expert stacks (E, in, out) split along E only (EP and/or FSDP on dim 0): every local expert is
+  whole, so Newton-Schulz runs locally, per expert, with no communication.
+- Expert stacks split inside each expert (FSDP on dim 1, when there are fewer local experts
+  than shard ranks): every local expert is one matrix whose rows are sharded; dealt out as above.
+- Anything else falls back to gathering the whole tensor on every rank (correct, redundant).
+
+The result equals single-process Muon bitwise: the same full matrix goes through the same
+iteration. `work` counts the matrices this process orthogonalized (tests check the division).
 """
 
 from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from optim.newton_schulz import orthogonalize
+NS = Callable[[Tensor], Tensor]  # whole matrix (or expert stack) -> orthogonalized, bf16
+work: Counter[str] = Counter()  # "local", "owned", "fallback": matrices orthogonalized here
 
-Coefficients = list[tuple[float, float, float]]
 
-
-def orthogonalize_all(updates: list[Tensor], coefficients: Coefficients) -> list[Tensor]:
-    """NS(update) for each update, in the update's own layout (DTensor shards stay shards)."""
+def orthogonalize_all(updates: list[Tensor], ns: list[NS]) -> list[Tensor]:
+    """ns[i](updates[i]) for each update, in the update's own layout (DTensor shards stay
+    shards), with the work divided among ranks as the module docstring describes."""
     out: list[Tensor | None] = [None] * len(updates)
-    by_mesh: dict[int, list[int]] = {}
+    by_layout: dict[tuple, list[int]] = {}
     for i, u in enumerate(updates):
         if not isinstance(u, DTensor):
-            out[i] = orthogonalize(u, coefficients)
-        elif u.ndim == 3 and _whole_experts(u):  # per-expert NS: local experts are whole
-            local = orthogonalize(u.to_local(), coefficients).to(u.dtype)
-            out[i] = DTensor.from_local(
-                local,
-                u.device_mesh,
-                u.placements,
-                run_check=False,
-                shape=u.shape,
-                stride=u.stride(),
-            )
-        elif u.device_mesh.ndim == 1 and u.placements == (Shard(0),):
-            by_mesh.setdefault(id(u.device_mesh), []).append(i)
+            out[i] = ns[i](u)
+            work["local"] += 1
+        elif u.ndim == 3 and _whole_experts(u):
+            out[i] = _rewrap(ns[i](u.to_local()), u)
+            work["local"] += u.to_local().shape[0]
+        elif (layout := _owner_layout(u)) is not None:
+            by_layout.setdefault((id(u.device_mesh), layout), []).append(i)
         else:
-            full = orthogonalize(u.full_tensor(), coefficients)
-            out[i] = _local_piece(full, u)
-    for indices in by_mesh.values():
-        owned = _owner_orthogonalize([updates[i] for i in indices], coefficients)
+            out[i] = _local_piece(ns[i](u.full_tensor()), u)
+            work["fallback"] += 1
+    for (_, layout), indices in by_layout.items():
+        owned = _owner_orthogonalize(
+            [updates[i] for i in indices], [ns[i] for i in indices], layout
+        )
         for i, result in zip(indices, owned):
             out[i] = result
     return out  # type: ignore[return-value]
 
 
+@dataclass(frozen=True)
+class _OwnerLayout:
+    shard_dim: int  # mesh dim whose ranks hold the row shards of each matrix
+    replicate_dim: int | None  # mesh dim of identical replicas (HSDP), if any
+    experts: bool  # a (E, in, out) stack split on dim 1: each local expert is one matrix
+
+
+def _owner_layout(u: DTensor) -> _OwnerLayout | None:
+    """The layout the owner path handles, or None (fallback). Size-1 mesh dims are ignored."""
+    row_dim = 1 if u.ndim == 3 else 0
+    shard_dims, replicate_dims = [], []
+    for mesh_dim, placement in enumerate(u.placements):
+        if u.device_mesh.size(mesh_dim) == 1:
+            continue
+        if placement.is_replicate():
+            replicate_dims.append(mesh_dim)
+        elif type(placement) is Shard and placement.dim == row_dim:
+            shard_dims.append(mesh_dim)
+        elif not (u.ndim == 3 and placement.is_shard() and placement.dim == 0):  # E split: fine
+            return None
+    if u.ndim not in (2, 3) or len(shard_dims) != 1 or len(replicate_dims) > 1:
+        return None
+    replicate = replicate_dims[0] if replicate_dims else None
+    return _OwnerLayout(shard_dims[0], replicate, experts=u.ndim == 3)
+
+
 def _whole_experts(u: DTensor) -> bool:
     """An expert stack (E, in, out) split only along E: every local expert is complete."""
     return all(p.is_replicate() or (p.is_shard() and p.dim == 0) for p in u.placements)
+
+
+def _rewrap(local: Tensor, like: DTensor) -> DTensor:
+    return DTensor.from_local(
+        local.to(like.dtype),
+        like.device_mesh,
+        like.placements,
+        run_check=False,
+        shape=like.shape,
+        stride=like.stride(),
+    )
 
 
 def _local_piece(full: Tensor, like: DTensor) -> Tensor:
@@ -66,57 +111,110 @@ def _local_piece(full: Tensor, like: DTensor) -> Tensor:
     return replicated.redistribute(like.device_mesh, like.placements)
 
 
-def _owner_orthogonalize(updates: list[DTensor], coefficients: Coefficients) -> list[Tensor]:
-    """Rounds of P matrices: all P gathers (matrix j of the round to rank j) in flight at once,
-    every rank orthogonalizes its one matrix, then all P scatters. Shards travel in bf16, the
-    dtype Newton-Schulz computes in, so the result is bitwise the single-process one."""
-    mesh = updates[0].device_mesh
-    group, size = mesh.get_group(), mesh.size()
-    me = dist.get_rank(group)
-    ranks = dist.get_process_group_ranks(group)
-    results: list[Tensor] = []
-    for first in range(0, len(updates), size):
-        batch = updates[first : first + size]
-        padded = [_padded_shard(u, size) for u in batch]
-        gathered = [
-            [torch.empty_like(p) for _ in range(size)] if j == me else None
-            for j, p in enumerate(padded)
-        ]
-        handles = [
-            dist.gather(p, gathered[j], dst=ranks[j], group=group, async_op=True)
-            for j, p in enumerate(padded)
-        ]
-        for handle in handles:
-            handle.wait()
-        send: list[list[Tensor] | None] = [None] * len(batch)
-        if me < len(batch):
-            rows = batch[me].shape[0]
-            full = torch.cat(gathered[me])[:rows]  # type: ignore[arg-type]
-            ortho = orthogonalize(full, coefficients)
-            pad = padded[me].shape[0] * size - rows
-            ortho = torch.cat([ortho, ortho.new_zeros((pad, *ortho.shape[1:]))])
-            send[me] = list(ortho.chunk(size))
-        received = [torch.empty_like(p) for p in padded]
-        handles = [
-            dist.scatter(received[j], send[j], src=ranks[j], group=group, async_op=True)
-            for j in range(len(batch))
-        ]
-        for handle in handles:
-            handle.wait()
-        for u, piece in zip(batch, received):
-            local = piece[: u.to_local().shape[0]].to(u.dtype)
-            results.append(
-                DTensor.from_local(
-                    local, mesh, u.placements, run_check=False, shape=u.shape, stride=u.stride()
-                )
-            )
+@dataclass
+class _Item:
+    """One matrix of the owner path: this rank's row shard, padded to the even chunk."""
+
+    shard: Tensor  # (ceil(rows / P), cols) bf16
+    rows: int  # the whole matrix's rows
+    local_rows: int  # rows of the real (unpadded) shard
+    ns: NS
+
+
+def _items(u: DTensor, ns: NS, size: int) -> list[_Item]:
+    local = u.to_local()
+    if u.ndim == 2:
+        return [_Item(_padded(local, u.shape[0], size), u.shape[0], local.shape[0], ns)]
+    return [_Item(_padded(e, u.shape[1], size), u.shape[1], e.shape[0], ns) for e in local]
+
+
+def _padded(local: Tensor, rows: int, size: int) -> Tensor:
+    """A dim-0 shard in bf16, zero-padded to FSDP2's shard size ceil(rows / P)."""
+    padded = local.new_zeros((-(-rows // size), *local.shape[1:]), dtype=torch.bfloat16)
+    padded[: local.shape[0]] = local
+    return padded
+
+
+class _Groups:
+    """This rank's shard group (and replicate group, under HSDP) for one mesh layout."""
+
+    def __init__(self, mesh, layout: _OwnerLayout) -> None:
+        self.shard = mesh.get_group(layout.shard_dim)
+        self.shard_ranks = dist.get_process_group_ranks(self.shard)
+        self.me = self.shard_ranks.index(dist.get_rank())
+        self.replicate = (
+            None if layout.replicate_dim is None else mesh.get_group(layout.replicate_dim)
+        )
+        self.replica_ranks = (
+            [dist.get_rank()]
+            if self.replicate is None
+            else dist.get_process_group_ranks(self.replicate)
+        )
+        self.my_replica = self.replica_ranks.index(dist.get_rank())
+        self.per_round = len(self.shard_ranks) * len(self.replica_ranks)
+
+
+def _owner_orthogonalize(
+    updates: list[DTensor], ns: list[NS], layout: _OwnerLayout
+) -> list[Tensor]:
+    groups = _Groups(updates[0].device_mesh, layout)
+    size = len(groups.shard_ranks)
+    items = [item for u, f in zip(updates, ns) for item in _items(u, f, size)]
+    pieces: list[Tensor] = []
+    for first in range(0, len(items), groups.per_round):
+        pieces += _round(items[first : first + groups.per_round], groups)
+    results, used = [], 0
+    for u in updates:
+        count = 1 if u.ndim == 2 else u.to_local().shape[0]
+        mine = [p[: item.local_rows] for p, item in zip(pieces[used : used + count], items[used:])]
+        used += count
+        results.append(_rewrap(mine[0] if u.ndim == 2 else torch.stack(mine), u))
     return results
 
 
-def _padded_shard(u: DTensor, size: int) -> Tensor:
-    """This rank's dim-0 shard in bf16, zero-padded to FSDP2's full shard size ceil(rows / P)."""
-    local = u.to_local()
-    chunk = -(-u.shape[0] // size)
-    padded = local.new_zeros((chunk, *local.shape[1:]), dtype=torch.bfloat16)
-    padded[: local.shape[0]] = local
-    return padded
+def _round(items: list[_Item], g: _Groups) -> list[Tensor]:
+    """One round: item m belongs to replica m // P and there to shard rank m % P. All gathers
+    are in flight at once, then each owner orthogonalizes, then all scatters and broadcasts."""
+    size = len(g.shard_ranks)
+    owner = [divmod(m, size) for m in range(len(items))]  # (replica, shard rank)
+    ours = [m for m, (replica, _) in enumerate(owner) if replica == g.my_replica]
+    gathered = {m: [torch.empty_like(items[m].shard) for _ in range(size)] for m in ours}
+    handles = [
+        dist.gather(
+            items[m].shard,
+            gathered[m] if owner[m][1] == g.me else None,
+            dst=g.shard_ranks[owner[m][1]],
+            group=g.shard,
+            async_op=True,
+        )
+        for m in ours
+    ]
+    for handle in handles:
+        handle.wait()
+    send: dict[int, list[Tensor]] = {}
+    for m in ours:
+        if owner[m][1] == g.me:
+            item = items[m]
+            ortho = item.ns(torch.cat(gathered[m])[: item.rows]).bfloat16()
+            padding = ortho.new_zeros((item.shard.shape[0] * size - item.rows, *ortho.shape[1:]))
+            send[m] = list(torch.cat([ortho, padding]).chunk(size))
+            work["owned"] += 1
+    received = [torch.empty_like(item.shard) for item in items]
+    handles = [
+        dist.scatter(
+            received[m], send.get(m), src=g.shard_ranks[owner[m][1]], group=g.shard, async_op=True
+        )
+        for m in ours
+    ]
+    for handle in handles:
+        handle.wait()
+    if g.replicate is not None:  # every replica gets each shard from the replica that made it
+        handles = [
+            dist.broadcast(
+                received[m], src=g.replica_ranks[replica], group=g.replicate, async_op=True
+            )
+            for m, (replica, _) in enumerate(owner)
+        ]
+        for handle in handles:
+            handle.wait()
+    return received

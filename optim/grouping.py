@@ -3,6 +3,7 @@
 Muon: hidden matrices (attention and FFN projections, expert weight stacks). AdamW: embeddings,
 the output head, positions, MoE router weights, and every 1-D parameter (norm gains, biases).
 `optim.muon_exclude` adds name patterns (fnmatch, e.g. `layers.0.*`) that stay on AdamW.
+`optim.muon_split` splits fused projections (and optionally heads) into separate matrices.
 """
 
 from __future__ import annotations
@@ -10,9 +11,10 @@ from __future__ import annotations
 import logging
 from fnmatch import fnmatch
 
-from torch import nn
+from torch import Tensor, nn
 
 from optim.config import OptimConfig
+from optim.matrix_blocks import MatrixBlocks, matrix_blocks
 
 log = logging.getLogger("optim")
 ADAMW_MATRICES = ("embed.*", "head.*", "pos.*", "*.router.gate.weight")
@@ -50,3 +52,24 @@ def muon_param_groups(cfg: OptimConfig, model: nn.Module) -> list[dict]:
         for key, spec in groups.items()
         if members[key]
     ]
+
+
+def split_matrices(cfg: OptimConfig, model: nn.Module) -> dict[Tensor, MatrixBlocks]:
+    """The Muon weights that are orthogonalized in blocks (optim.muon_split), logged."""
+    params = dict(model.named_parameters())
+    found = {
+        name: blocks
+        for name, blocks in matrix_blocks(model, cfg.muon_split).items()
+        if uses_muon(name, params[name].ndim, cfg.muon_exclude)
+    }
+    if found:
+        matrices = sum(
+            b.heads * len(b.parts) if b.per_head else len(b.parts) for b in found.values()
+        )
+        log.info(
+            "muon_split=%s: %d weights orthogonalized as %d matrices",
+            cfg.muon_split,
+            len(found),
+            matrices,
+        )
+    return {params[name]: blocks for name, blocks in found.items()}

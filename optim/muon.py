@@ -9,6 +9,7 @@ O = NS(U) (Newton-Schulz orthogonalization, optim.newton_schulz); W <- W (1 - lr
 with s = 0.2 sqrt(max(fan_out, fan_in)) ("match_adamw": the update has AdamW's RMS, so AdamW
 learning rates and weight decay transfer, as in Moonlight) or sqrt(max(1, fan_out / fan_in))
 ("spectral", the original). 3-D expert weights (E, in, out) are orthogonalized per expert.
+Weights listed in `blocks` are split first (fused parts, or per head: optim.matrix_blocks).
 
 AdamW step: the decoupled-weight-decay AdamW of torch.optim.AdamW.
 
@@ -18,12 +19,14 @@ Sharded (FSDP2 DTensor) matrices are orthogonalized whole: see optim.distributed
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 from torch import Tensor
 
-from optim.distributed_muon import orthogonalize_all
-from optim.newton_schulz import coefficient_schedule
+from optim.distributed_muon import NS, orthogonalize_all
+from optim.matrix_blocks import MatrixBlocks, orthogonalize_blocks, update_scale
+from optim.newton_schulz import coefficient_schedule, orthogonalize
 
 SCALINGS = ("match_adamw", "spectral")
 
@@ -33,13 +36,6 @@ def fan_out_in(param: Tensor, layout: str) -> tuple[int, int]:
     if layout == "experts":
         return param.shape[-1], param.shape[-2]
     return param.shape[0], param.shape[1]
-
-
-def update_scale(param: Tensor, layout: str, scaling: str) -> float:
-    fan_out, fan_in = fan_out_in(param, layout)
-    if scaling == "match_adamw":
-        return 0.2 * math.sqrt(max(fan_out, fan_in))
-    return math.sqrt(max(1.0, fan_out / fan_in))
 
 
 class Muon(torch.optim.Optimizer):
@@ -59,6 +55,7 @@ class Muon(torch.optim.Optimizer):
         scaling: str = "match_adamw",
         betas: tuple[float, float] = (0.9, 0.95),
         eps: float = 1e-8,
+        blocks: dict[Tensor, MatrixBlocks] | None = None,
     ) -> None:
         if scaling not in SCALINGS:
             raise ValueError(f"scaling={scaling!r} is not one of {SCALINGS}")
@@ -75,6 +72,8 @@ class Muon(torch.optim.Optimizer):
             eps=eps,
         )
         super().__init__(groups, defaults)
+        # keyed by id: a tensor's __eq__ is elementwise; parameters live as long as the optimizer
+        self.blocks = {id(param): b for param, b in (blocks or {}).items()}
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
@@ -106,11 +105,20 @@ class Muon(torch.optim.Optimizer):
             updates.append(param.grad.lerp(buf, mu) if group["nesterov"] else buf)
             params.append(param)
             kinds.append(layout)
-        coefficients = coefficient_schedule(group["ns_schedule"], group["ns_steps"])
-        for param, layout, ortho in zip(params, kinds, orthogonalize_all(updates, coefficients)):
+        ns = [self._newton_schulz(param, group) for param in params]
+        for param, layout, ortho in zip(params, kinds, orthogonalize_all(updates, ns)):
             param.mul_(1 - lr * wd)
-            scale = update_scale(param, layout, group["scaling"])
+            scale = update_scale(*fan_out_in(param, layout), group["scaling"])
             param.add_(ortho.to(param.dtype), alpha=-lr * scale)
+
+    def _newton_schulz(self, param: Tensor, group: dict) -> NS:
+        coefficients = coefficient_schedule(group["ns_schedule"], group["ns_steps"])
+        blocks = self.blocks.get(id(param))
+        if blocks is None:
+            return partial(orthogonalize, coefficients=coefficients)
+        return partial(
+            orthogonalize_blocks, coefficients=coefficients, blocks=blocks, scaling=group["scaling"]
+        )
 
     def _adamw(self, group: dict) -> None:
         beta1, beta2 = group["betas"]

@@ -16,11 +16,19 @@ STEPS = 3
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_sharded_newton_schulz_is_bitwise_the_whole_matrix_result(world: int) -> None:
-    # uneven shards (7 rows over 2 or 4 ranks), tall and wide, and an expert stack
+def test_sharded_newton_schulz_is_bitwise_and_done_once(world: int) -> None:
+    # uneven shards (7 rows over 2 or 4 ranks), tall and wide, expert stacks, a fused weight
     shapes = [(64, 32), (7, 48), (32, 96), (4, 16, 24), (5, 8)]
-    for per_rank in run_ranks(world, sharded_newton_schulz, shapes):
-        assert all(per_rank), per_rank
+    per_rank = run_ranks(world, sharded_newton_schulz, shapes)
+    for result in per_rank:
+        assert all(result["equal"]), result["equal"]
+        assert result["work"].get("fallback", 0) == 0, result["work"]
+    # owner-path matrices: 4 FSDP 2-D + the fused one + the 4 experts split inside (dim 1);
+    # with 4 ranks also 4 HSDP 2-D, 2 ep groups x 2 experts, and the 4 HSDP experts
+    owned = sum(result["work"].get("owned", 0) for result in per_rank)
+    expected = 4 + 1 + 4 + (4 + 2 * 2 + 4 if world == 4 else 0)
+    assert owned == expected  # every matrix orthogonalized exactly once in the whole job
+    assert max(r["work"].get("owned", 0) for r in per_rank) <= -(-expected // world) + 1
 
 
 @pytest.fixture(scope="module")

@@ -198,29 +198,43 @@ def dispatch_matches_local(rank: int, counts_by_rank: list[list[int]]) -> dict[s
     return {"y": (y_ep.detach(), y_ref.detach()), "dx": (x_ep.grad, x_ref.grad)}
 
 
-def sharded_newton_schulz(rank: int, shapes: list[tuple[int, ...]]) -> list[bool]:
-    """orthogonalize_all on dim-0 shards (1-D mesh: the owner path; 2-D: the fallback) equals
-    orthogonalize on the whole matrix, bitwise."""
+def sharded_newton_schulz(rank: int, shapes: list[tuple[int, ...]]) -> dict[str, Any]:
+    """orthogonalize_all on sharded matrices equals the whole-matrix result bitwise, through the
+    owner path for FSDP, HSDP, fused blocks and experts split inside each expert; returns the
+    comparisons and how many matrices this rank orthogonalized."""
+    from functools import partial
+
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from optim.distributed_muon import orthogonalize_all
+    from optim import distributed_muon
+    from optim.matrix_blocks import MatrixBlocks, orthogonalize_blocks
     from optim.newton_schulz import coefficient_schedule, orthogonalize
 
     _, size = world()
     coefficients = coefficient_schedule("quintic", 5)
+    plain = partial(orthogonalize, coefficients=coefficients)
     gen = torch.Generator().manual_seed(0)
     full = [torch.randn(*shape, generator=gen) for shape in shapes]
+    stacks = [t for t in full if t.ndim == 3]
     flat = init_device_mesh("cpu", (size,))
-    sharded = [distribute_tensor(t, flat, [Shard(0)], src_data_rank=None) for t in full]
-    if size == 4:  # an HSDP-like 2-D mesh takes the fallback path
+    cases = [(t, flat, [Shard(0)], plain) for t in full]  # FSDP; stacks split along E
+    cases += [(t, flat, [Shard(1)], plain) for t in stacks]  # stacks split inside experts
+    blocks = MatrixBlocks(dim=0, heads=4, parts=(3, 5), per_head=False)  # (32, 24): 2 matrices
+    fused = partial(
+        orthogonalize_blocks, coefficients=coefficients, blocks=blocks, scaling="spectral"
+    )
+    cases.append((torch.randn(32, 24, generator=gen), flat, [Shard(0)], fused))
+    if size == 4:
         mesh2d = init_device_mesh("cpu", (2, 2))
-        sharded += [
-            distribute_tensor(t, mesh2d, [Replicate(), Shard(0)], src_data_rank=None) for t in full
-        ]
-        full = full + full
-    results = orthogonalize_all(sharded, coefficients)
-    return [
-        torch.equal(r.full_tensor().float(), orthogonalize(t, coefficients).float())
-        for r, t in zip(results, full)
+        cases += [(t, mesh2d, [Replicate(), Shard(0)], plain) for t in full if t.ndim == 2]  # HSDP
+        cases += [(t, mesh2d, [Shard(0), Shard(1)], plain) for t in stacks]  # EP x FSDP inside
+        cases += [(t, mesh2d, [Replicate(), Shard(1)], plain) for t in stacks]  # HSDP experts
+    sharded = [distribute_tensor(t, mesh, p, src_data_rank=None) for t, mesh, p, _ in cases]
+    distributed_muon.work.clear()
+    results = distributed_muon.orthogonalize_all(sharded, [ns for *_, ns in cases])
+    equal = [
+        torch.equal(r.full_tensor().float(), ns(t).float())
+        for r, (t, _, _, ns) in zip(results, cases)
     ]
+    return {"equal": equal, "work": dict(distributed_muon.work)}
