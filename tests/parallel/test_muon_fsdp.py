@@ -48,6 +48,18 @@ def test_sharded_muon_equals_one_process(single: dict, world: int, layout: dict)
     assert single["losses"][-1] < single["losses"][0]
 
 
+def test_muon_with_experts_sharded_inside_each_expert_equals_one_process() -> None:
+    # 2 experts over ep=2 leave 1 local expert for 2 FSDP shards: FSDP splits it on dim 1, so
+    # each expert matrix is gathered onto an owner rank (no fallback)
+    moe = small_model("tiny_moe", **{"moe.expert_hidden": 32, "moe.n_routed_experts": 2})
+    single = train(0, moe, {}, STEPS, 1, "fp32", 1.0, "", "", "muon")
+    results = run_ranks(4, train, moe, {"ep": 2}, STEPS, 1, "fp32", 1.0, "", "", "muon")
+    assert any("Shard(dim=1)" in p for p in results[0]["placements"].values())
+    for result in results:
+        assert result["newton_schulz"].get("fallback", 0) == 0, result["newton_schulz"]
+        torch.testing.assert_close(result["losses"], single["losses"], rtol=1e-5, atol=1e-5)
+
+
 def test_muon_state_survives_a_resharding_resume(tmp_path: Path, single: dict) -> None:
     first = run_ranks(2, train, small_model(), {}, 2, 1, "fp32", 1.0, "", str(tmp_path), "muon")[0]
     second = train(

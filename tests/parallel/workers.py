@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 from data.loader import Batch
 from model.config import ModelConfig
 from model.presets import load_preset
+from optim import distributed_muon
 from optim.builder import build_optimizer
 from optim.config import OptimConfig
 from parallel.config import ParallelConfig
@@ -87,6 +88,7 @@ def train(
     initial = full_state(model)
     optim_cfg = OptimConfig(name=optimizer_name, lr=3e-3, warmup_steps=0, schedule="constant")
     optimizer = build_optimizer(optim_cfg, model)
+    distributed_muon.work.clear()
     if qk_clip_tau:
         from optim.qk_clip import enable_qk_clip
 
@@ -128,6 +130,7 @@ def train(
         "initial": initial,
         "final": full_state(model),
         "placements": placements,
+        "newton_schulz": dict(distributed_muon.work),
         "local": {
             name: (p.to_local() if isinstance(p, DTensor) else p).detach().clone()
             for name, p in model.named_parameters()
