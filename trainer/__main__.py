@@ -34,8 +34,8 @@ def main(dict_cfg: DictConfig) -> None:
     except (ConfigError, DataError, OptimConfigError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
-    ranks = ranks_from_env()
     try:
+        ranks = ranks_from_env()
         init_distributed(
             ranks, cfg.parallel.backend, pick_device(cfg.trainer.device, ranks.local_rank)
         )
@@ -61,4 +61,9 @@ def main(dict_cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    try:  # before Hydra: the run directory and `.hydra/` depend on the rank
+        ranks_from_env()
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
     main()

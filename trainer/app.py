@@ -7,6 +7,8 @@ functions (trainer.build) so that each component receives only its own settings.
 from __future__ import annotations
 
 import logging
+import os
+import socket
 from pathlib import Path
 
 import torch
@@ -141,6 +143,9 @@ def _resume_into(training: Training, resume_from: str) -> str | None:
 
 
 def train(cfg: RootConfig, run_dir: Path, ranks: Ranks) -> int:
+    if job := os.environ.get("SLURM_JOB_ID"):
+        restarts = os.environ.get("SLURM_RESTART_COUNT", "0")
+        log.info("SLURM job %s (restart count %s) on %s", job, restarts, socket.gethostname())
     training = build_training(cfg, run_dir, ranks)
     training.stop.install()
     return training.run()

@@ -50,6 +50,8 @@ class TrainerConfig:
     threads: int = 0  # torch intra-op threads on CPU; 0 = torch's default
     peak_flops: float = 0.0  # per-device peak FLOP/s for MFU; 0 = table (GPU) or measured (CPU)
     fault_step: int = -1  # testing: raise SIGKILL on this step (once per run directory)
+    fault_rank: int = -1  # testing: the rank that dies at fault_step; -1 = every rank
+    requeue: bool = True  # under SLURM: after a stop signal, requeue the job (if it allows it)
 
     def __post_init__(self) -> None:
         for key in ("max_steps", "batch_size", "log_every"):

@@ -33,6 +33,7 @@ from trainer.plot import plot_losses
 from trainer.precision import MasterWeights
 from trainer.runtime import Ranks, rng_state
 from trainer.signals import StopFlag
+from trainer.slurm import requeue_slurm_job
 from trainer.step import LossTracker, train_step
 from trainer.wandb_run import WandbRun
 
@@ -172,6 +173,8 @@ class Training:
         self.save(f"{self.stop.name()} received", final=True)
         log.info("stopped by %s at step %d; resume continues here", self.stop.name(), self.step)
         self.wandb.finish()
+        if self.cfg.trainer.requeue:
+            requeue_slurm_job(self.ranks)
         return 0
 
     def _progress(self) -> Progress:
@@ -282,8 +285,11 @@ class Training:
         return True
 
     def _maybe_inject_fault(self) -> None:
-        """trainer.fault_step: SIGKILL this process once at that step (tests of exact resume)."""
+        """trainer.fault_step: SIGKILL this process once at that step (tests of exact resume and
+        of torchrun's restarts); trainer.fault_rank picks one rank."""
         if self.step != self.cfg.trainer.fault_step:
+            return
+        if self.cfg.trainer.fault_rank not in (-1, self.ranks.rank):
             return
         marker = self.run_dir / f".fault_step_{self.step}_rank{self.ranks.rank}"
         if marker.exists():

@@ -22,6 +22,7 @@ import torch
 from omegaconf import OmegaConf
 from rich.logging import RichHandler
 
+from trainer.cluster_env import check_ranks, map_srun_env
 from trainer.console import console
 
 log = logging.getLogger("trainer")
@@ -39,12 +40,10 @@ class Ranks:
 
 
 def ranks_from_env() -> Ranks:
-    env = os.environ
-    return Ranks(
-        rank=int(env.get("RANK", 0)),
-        world_size=int(env.get("WORLD_SIZE", 1)),
-        local_rank=int(env.get("LOCAL_RANK", 0)),
-    )
+    """This process's place in the launch (torchrun's or mapped srun variables), checked."""
+    map_srun_env(os.environ)
+    rank, world_size, local_rank = check_ranks(os.environ)
+    return Ranks(rank=rank, world_size=world_size, local_rank=local_rank)
 
 
 def default_run_dir() -> str:

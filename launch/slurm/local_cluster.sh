@@ -136,8 +136,9 @@ JobRequeue=1
 ReturnToService=2
 SlurmdParameters=config_overrides
 KillWait=5
-# Keep finished jobs visible to scontrol/squeue -t all for an hour (no sacct here).
-MinJobAge=3600
+# Finished jobs stay visible to scontrol/squeue -t all for 16-80 s (no sacct here). Also sets
+# sbatch --wait's poll period: 2 s, then every 8 s (MinJobAge >= 18 would make it every 32 s).
+MinJobAge=16
 InactiveLimit=0
 SlurmctldTimeout=60
 SlurmdTimeout=60
@@ -186,18 +187,24 @@ cmd_start() {
   # -i: ignore unreadable state files from an unclean stop (jobs recovered when readable).
   start_daemon slurmctld -i
   start_daemon slurmd -N "$NODE"
-  # The daemons write their own pid files (same pids as the launch ones with -D).
-  local i state=""
+  # Wait until the node has registered (idle); a drain recovered from old state is lifted.
+  local i d state=""
   for i in $(seq 60); do
     state=$(node_state)
-    [[ $state == idle* || $state == mixed* || $state == allocated* ]] && break
+    [[ $state =~ ^(idle|mixed|allocated)$ ]] && break
+    if [[ $state == drain* ]]; then
+      SLURM_CONF=$CONF scontrol update NodeName="$NODE" State=RESUME || true
+    fi
     for d in slurmctld slurmd; do
       kill -0 "$(<"$DIR/$d.pid.launch")" 2>/dev/null || fail "$d exited during start-up"
     done
     sleep 0.5
   done
-  [[ $state == idle* || $state == mixed* || $state == allocated* ]] \
-    || fail "node $NODE not idle after 30 s (state: '${state:-no answer}')"
+  if [[ ! $state =~ ^(idle|mixed|allocated)$ ]]; then
+    SLURM_CONF=$CONF sinfo -R >&2 || true
+    fail "node $NODE not idle after 30 s (state: '${state:-no answer}')"
+  fi
+  # With -D the launch pid is the daemon itself (the daemon's own pid file says the same).
   for d in slurmctld slurmd; do mv -f "$DIR/$d.pid.launch" "$DIR/$d.pid"; done
   link_etc_conf
   echo "SLURM up: node $NODE $state, state in $DIR"
@@ -228,11 +235,15 @@ stop_daemons() {
   done
   kill_wait slurmd
   kill_wait slurmctld
-  # Fallback for lost pid files: daemons started with exactly this conf (matched by its path).
-  local stray
-  stray=$(pgrep -f -- "^(/usr/sbin/)?slurm(ctld|d) -D -f $CONF( |$)" || true)
+  # Fallback for lost pid files: daemons started with exactly this conf, found by their command
+  # line in /proc (no pkill: procps may be absent, and other slurm daemons must survive).
+  local p cmdline stray=""
+  for p in /proc/[0-9]*; do
+    cmdline=$(tr '\0' ' ' <"$p/cmdline" 2>/dev/null) || continue
+    if [[ $cmdline =~ ^(/usr/sbin/)?slurm(ctld|d)\ -D\ -f\ $CONF\  ]]; then stray+=" ${p#/proc/}"; fi
+  done
   if [[ -n $stray ]]; then
-    echo "killing daemons of $CONF without pid files: $stray" >&2
+    echo "killing daemons of $CONF without pid files:$stray" >&2
     kill -TERM $stray 2>/dev/null || true
     sleep 2
     kill -KILL $stray 2>/dev/null || true

@@ -1,0 +1,187 @@
+"""`python -m launch.torchrun [options] [--] [trainer overrides]`: `python -m trainer` under
+torchrun, with the checks and settings a cluster launch needs.
+
+- One node: `torchrun --standalone` (a free port on localhost).
+- Several nodes: a c10d rendezvous at MASTER_ADDR:MASTER_PORT with id `--rdzv-id`; run this
+  once per node. Under SLURM (one task per node, launch/slurm/train.sbatch) the node count,
+  the first node, a port derived from the job id and the job id come from the job.
+- `--max-restarts K`: torchrun restarts all workers when one dies, up to K times; the trainer
+  resumes from the newest checkpoint of the same run directory (torchrun's run id).
+- Stop signals: torchrun forwards SIGTERM, SIGINT, SIGHUP, SIGQUIT and (added here) SIGUSR2 to
+  the workers, which save a checkpoint and exit; it waits `--shutdown-timeout` seconds for that
+  before SIGKILL.
+
+Before anything starts it checks: the node count against the SLURM allocation, the rendezvous
+port on the node that hosts it, and that the run directory is writable. It prints the exact
+command, then replaces itself with torchrun (signals sent to this process reach torchrun).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import socket
+import sys
+import tempfile
+from pathlib import Path
+
+from trainer.cluster_env import first_node, slurm_port
+
+SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2"
+
+
+class LaunchError(Exception):
+    """A launch that cannot work; the message names the problem and the fix."""
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    env = os.environ
+    parser = argparse.ArgumentParser(prog="python -m launch.torchrun", description=__doc__)
+    parser.add_argument(
+        "--nproc-per-node",
+        default=env.get("NPROC_PER_NODE", "auto"),
+        help="processes per node; auto = the GPUs on this node, or 1 on CPU",
+    )
+    parser.add_argument(
+        "--nnodes",
+        type=int,
+        default=int(env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_JOB_NUM_NODES") or 1),
+    )
+    parser.add_argument(
+        "--node-rank",
+        type=int,
+        default=_optional_int(env.get("SLURM_NODEID")),
+        help="this node's index; node 0 hosts the rendezvous (checked port)",
+    )
+    parser.add_argument("--master-addr", default=env.get("MASTER_ADDR"))
+    parser.add_argument("--master-port", type=int, default=_optional_int(env.get("MASTER_PORT")))
+    parser.add_argument("--rdzv-id", default=env.get("SLURM_JOB_ID", "lmforge"))
+    parser.add_argument("--max-restarts", type=int, default=0)
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=int,
+        default=120,
+        help="seconds the workers get to checkpoint after a stop signal",
+    )
+    parser.add_argument("--dry-run", action="store_true", help="print the command, run nothing")
+    parser.add_argument("overrides", nargs=argparse.REMAINDER, help="the trainer's overrides")
+    args = parser.parse_args(argv)
+    args.overrides = [o for o in args.overrides if o != "--"]
+    return args
+
+
+def _optional_int(value: str | None) -> int | None:
+    return int(value) if value not in (None, "") else None
+
+
+def build_command(args: argparse.Namespace) -> list[str]:
+    command = [sys.executable, "-m", "torch.distributed.run"]
+    command += [f"--nproc-per-node={_nproc(args.nproc_per_node)}"]
+    if args.nnodes == 1:
+        command += ["--standalone"]
+    else:
+        command += [
+            f"--nnodes={args.nnodes}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={args.master_addr}:{args.master_port}",
+            f"--rdzv-id={args.rdzv_id}",
+        ]
+        if args.node_rank is not None:  # the host serves the store; the others only connect
+            command += [f"--rdzv-conf=is_host={int(args.node_rank == 0)}"]
+    command += [f"--max-restarts={args.max_restarts}"]
+    options = _torchrun_options()
+    if "--signals-to-handle" in options:
+        command += [f"--signals-to-handle={SIGNALS}"]
+    if "--shutdown-timeout" in options:
+        command += [f"--shutdown-timeout={args.shutdown_timeout}"]
+    return [*command, "-m", "trainer", *args.overrides]
+
+
+def _nproc(value: str) -> str:
+    if value != "auto":
+        return value
+    import torch
+
+    return str(torch.cuda.device_count() or 1)
+
+
+def _torchrun_options() -> set[str]:
+    from torch.distributed.run import get_args_parser
+
+    return {flag for action in get_args_parser()._actions for flag in action.option_strings}
+
+
+def resolve_rendezvous(args: argparse.Namespace) -> None:
+    """Multi-node: fill MASTER_ADDR / MASTER_PORT from SLURM when not given; check the count."""
+    if "SLURM_JOB_ID" in os.environ:
+        allocated = int(
+            os.environ.get("SLURM_STEP_NUM_NODES") or os.environ.get("SLURM_JOB_NUM_NODES") or 1
+        )
+        if args.nnodes != allocated:
+            raise LaunchError(
+                f"--nnodes={args.nnodes} but this SLURM step runs on {allocated} node(s): "
+                "submit with --nodes matching it (the launcher runs once per node)"
+            )
+        if args.nnodes > 1:
+            args.master_addr = args.master_addr or first_node(os.environ)
+            args.master_port = args.master_port or slurm_port(os.environ["SLURM_JOB_ID"])
+    if args.nnodes > 1 and (not args.master_addr or not args.master_port):
+        raise LaunchError(
+            f"--nnodes={args.nnodes} needs the rendezvous address: pass --master-addr and "
+            "--master-port (or export MASTER_ADDR and MASTER_PORT), the same on every node"
+        )
+
+
+def check_port(args: argparse.Namespace) -> None:
+    """On the node that hosts the rendezvous, its port must be free."""
+    if args.nnodes == 1 or args.node_rank != 0:
+        return
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind(("", args.master_port))
+        except OSError as err:
+            raise LaunchError(
+                f"rendezvous port {args.master_port} on {socket.gethostname()} is in use "
+                f"({err.strerror}): pick another with --master-port (or MASTER_PORT)"
+            ) from None
+
+
+def check_run_dir(overrides: list[str]) -> None:
+    """The run directory (hydra.run.dir=..., else runs/) must be creatable and writable."""
+    run_dir = Path("runs")
+    for override in overrides:
+        if override.startswith("hydra.run.dir="):
+            run_dir = Path(override.split("=", 1)[1])
+    existing = run_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    try:  # a real write: permission bits say nothing to root or on read-only mounts
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as err:
+        raise LaunchError(
+            f"run directory {run_dir} cannot be created: {existing} is not writable "
+            f"({err.strerror}); pass hydra.run.dir=<a writable path>"
+        ) from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        resolve_rendezvous(args)
+        check_port(args)
+        check_run_dir(args.overrides)
+    except LaunchError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    command = build_command(args)
+    print("+ " + shlex.join(command), flush=True)
+    if args.dry_run:
+        return 0
+    os.execv(command[0], command)
+    return 0  # not reached
+
+
+if __name__ == "__main__":
+    sys.exit(main())

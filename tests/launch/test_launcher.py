@@ -1,0 +1,134 @@
+"""`python -m launch.torchrun`: the command it builds, its checks before anything starts, and for
+real on CPU (gloo): an elastic restart after a worker dies continues to the uninterrupted run's
+losses, and two "nodes" (two launchers on localhost, c10d rendezvous) train together."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.commands import OFFLINE, ROOT, run_module
+from tests.trainer.helpers import SMALL_OVERRIDES, metric_rows
+
+
+def launch(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    return run_module("launch.torchrun", *args, cwd=cwd, env={"OMP_NUM_THREADS": "1"} | (env or {}))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_printed_command_is_standalone_or_c10d(tmp_path: Path) -> None:
+    one = launch("--dry-run", "--nproc-per-node=2", "--max-restarts=3", "model=tiny", cwd=tmp_path)
+    assert one.returncode == 0, one.stderr
+    assert "--standalone" in one.stdout and "--max-restarts=3" in one.stdout
+    assert "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2" in one.stdout
+    assert one.stdout.rstrip().endswith("-m trainer model=tiny")
+    args = ["--dry-run", "--nnodes=2", "--node-rank=1", "--master-addr=host0"]
+    two = launch(*args, "--master-port=29400", "--rdzv-id=job7", cwd=tmp_path)
+    assert two.returncode == 0, two.stderr
+    for part in ("--rdzv-endpoint=host0:29400", "--rdzv-id=job7", "--rdzv-conf=is_host=0"):
+        assert part in two.stdout
+
+
+def test_bad_launches_are_refused_before_anything_starts(tmp_path: Path) -> None:
+    slurm = {"SLURM_JOB_ID": "77", "SLURM_JOB_NUM_NODES": "1", "SLURM_NODEID": "0"}
+    result = launch("--dry-run", "--nnodes=2", cwd=tmp_path, env=slurm)
+    assert result.returncode == 2
+    assert "--nnodes=2 but this SLURM step runs on 1 node(s)" in result.stderr
+    result = launch("--dry-run", "--nnodes=2", cwd=tmp_path)
+    assert result.returncode == 2 and "needs the rendezvous address" in result.stderr
+    with socket.socket() as busy:
+        busy.bind(("", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        args = ["--dry-run", "--nnodes=2", "--node-rank=0", "--master-addr=127.0.0.1"]
+        result = launch(*args, f"--master-port={port}", cwd=tmp_path)
+    assert result.returncode == 2 and f"rendezvous port {port}" in result.stderr
+    assert "is in use" in result.stderr
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    result = launch("--dry-run", f"hydra.run.dir={blocker}/run", cwd=tmp_path)
+    assert result.returncode == 2 and "cannot be created" in result.stderr
+
+
+COMMON = [*SMALL_OVERRIDES, "trainer.precision=fp32", "trainer.eval_every=0"]
+COMMON += ["trainer.max_steps=6", "checkpoint.every=2"]
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in metric_rows(run_dir) if "loss" in r}
+
+
+def only_run(cwd: Path) -> Path:
+    runs = list((cwd / "runs").iterdir())
+    assert len(runs) == 1, runs
+    return runs[0]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
+    cwd = tmp_path_factory.mktemp("uninterrupted")
+    result = launch("--nproc-per-node=2", f"data.path={dataset}", *COMMON, cwd=cwd)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return losses(only_run(cwd))
+
+
+@pytest.mark.integration
+@pytest.mark.distributed
+def test_an_elastic_restart_resumes_and_matches_the_uninterrupted_run(
+    dataset: Path, tmp_path: Path, uninterrupted: dict[int, float]
+) -> None:
+    fault = ["trainer.fault_step=3", "trainer.fault_rank=1"]
+    args = ["--nproc-per-node=2", "--max-restarts=1", f"data.path={dataset}", *COMMON, *fault]
+    result = launch(*args, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    run_dir = only_run(tmp_path)  # the restart kept torchrun's run id, so the run directory
+    log = (run_dir / "train.log").read_text()
+    assert "resumed from" in log and "step_00000002" in log  # the newest checkpoint at the crash
+    assert (run_dir / ".fault_step_3_rank1").exists() and not (
+        run_dir / ".fault_step_3_rank0"
+    ).exists()
+    assert losses(run_dir) == uninterrupted  # steps 3-6 recomputed bitwise
+
+
+@pytest.mark.integration
+@pytest.mark.distributed
+def test_two_nodes_on_localhost_train_together(
+    dataset: Path, tmp_path: Path, uninterrupted: dict[int, float]
+) -> None:
+    port = free_port()
+    node = ["--nnodes=2", "--nproc-per-node=1", "--master-addr=127.0.0.1", f"--master-port={port}"]
+    node += ["--rdzv-id=two-nodes"]
+    env = os.environ | OFFLINE | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "launch.torchrun", *node]
+    overrides = [f"data.path={dataset}", *COMMON]
+    nodes = [
+        subprocess.Popen(
+            [*command, f"--node-rank={rank}", *overrides],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    outputs = [p.communicate(timeout=600)[0] for p in nodes]
+    for p, out in zip(nodes, outputs):
+        assert p.returncode == 0, out[-4000:]
+    run_dir = only_run(tmp_path)
+    assert run_dir.name == "torchrun-two-nodes"  # both nodes wrote to the rendezvous id's dir
+    assert "world 2" in (run_dir / "train.log").read_text()
+    got = losses(run_dir)
+    assert got.keys() == uninterrupted.keys()
+    for step, loss in uninterrupted.items():  # the same 2 ranks, only the launch differs
+        assert got[step] == pytest.approx(loss, rel=1e-6)
