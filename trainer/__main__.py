@@ -13,6 +13,7 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from data.errors import DataError
@@ -31,17 +32,14 @@ register_resolvers()
 def main(dict_cfg: DictConfig) -> None:
     try:
         cfg = OmegaConf.to_object(dict_cfg)
-    except (ConfigError, DataError, OptimConfigError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
-    try:
         ranks = ranks_from_env()
         init_distributed(
             ranks, cfg.parallel.backend, pick_device(cfg.trainer.device, ranks.local_rank)
         )
-    except ConfigError as err:
+    except (ConfigError, DataError, OptimConfigError) as err:
         print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+        _finish(2)
+        return
     run_dir = agree_on_run_dir(Path(HydraConfig.get().runtime.output_dir), ranks)
     setup_logging(run_dir, ranks)
     import logging
@@ -57,7 +55,16 @@ def main(dict_cfg: DictConfig) -> None:
         code = 1
     if code == 0:
         shutdown_distributed()
-    sys.exit(code)
+    _finish(code)
+
+
+def _finish(code: int) -> None:
+    """Exit with `code`; in a sweep (`-m`, also on SLURM through submitit) the other jobs go on,
+    so a job reports its failure by raising instead."""
+    if HydraConfig.get().mode != RunMode.MULTIRUN:
+        sys.exit(code)
+    if code != 0:
+        raise RuntimeError(f"training ended with exit code {code}: see the job's train.log")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,174 @@
+"""On a real single-node SLURM (launch/slurm/local_cluster.sh; CI installs the Debian packages):
+launch/slurm/train.sbatch with 2 CPU ranks trains and finishes; a job signalled as at its
+pre-timeout (SIGUSR2 to the batch shell) checkpoints, requeues itself, resumes with
+SLURM_RESTART_COUNT=1 and ends with the uninterrupted job's losses; Hydra's submitit launcher
+submits a sweep."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.commands import OFFLINE, ROOT
+from tests.trainer.helpers import SMALL_OVERRIDES, metric_rows
+
+pytestmark = [pytest.mark.slurm, pytest.mark.integration, pytest.mark.distributed]
+CLUSTER = ROOT / "launch" / "slurm" / "local_cluster.sh"
+TEMPLATE = ROOT / "launch" / "slurm" / "train.sbatch"
+OVERRIDES = [*SMALL_OVERRIDES, "trainer.precision=fp32", "trainer.eval_every=0"]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory):
+    """A running cluster: the developer's own if `sinfo` answers, else one started here."""
+    if _cluster_answers():
+        yield {}
+        return
+    missing = [c for c in ("slurmctld", "slurmd", "munged", "sbatch") if not _which(c)]
+    if missing or os.geteuid() != 0:
+        reason = f"needs root and SLURM ({', '.join(missing) or 'not root'}): .ci/run installs it"
+        if os.environ.get("LMFORGE_REQUIRE_SLURM") == "1":
+            pytest.fail(reason)
+        pytest.skip(reason)
+    state = tmp_path_factory.mktemp("slurm")
+    start = subprocess.run(
+        ["bash", str(CLUSTER), "start", str(state)], capture_output=True, text=True, timeout=180
+    )
+    assert start.returncode == 0, start.stdout + start.stderr
+    try:
+        yield {"SLURM_CONF": str(state / "slurm.conf")}
+    finally:
+        subprocess.run(["bash", str(CLUSTER), "stop", str(state)], timeout=120, check=False)
+
+
+def _cluster_answers() -> bool:
+    if not _which("sinfo"):
+        return False
+    try:
+        return subprocess.run(["sinfo", "-h"], capture_output=True, timeout=15).returncode == 0
+    except subprocess.TimeoutExpired:
+        return False
+
+
+def _which(command: str) -> str | None:
+    return shutil.which(command, path=f"{os.environ.get('PATH', '')}:/usr/sbin:/sbin")
+
+
+def job_env(cluster: dict) -> dict[str, str]:
+    return (
+        os.environ
+        | OFFLINE
+        | cluster
+        | {
+            "PYTHONPATH": str(ROOT),
+            "PYTHON": sys.executable,
+            "NPROC_PER_NODE": "2",
+            "OMP_NUM_THREADS": "1",
+        }
+    )
+
+
+def submit(cluster: dict, cwd: Path, name: str, *overrides: str) -> subprocess.Popen:
+    """`sbatch --wait` of the template in the background (it returns when the job has ended for
+    good, requeues included, with the job's exit code)."""
+    command = ["sbatch", "--wait", "--parsable", f"--job-name={name}", "--nodes=1"]
+    command += ["--cpus-per-task=2", str(TEMPLATE), *OVERRIDES, *overrides]
+    return subprocess.Popen(
+        command,
+        cwd=cwd,
+        env=job_env(cluster),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def job_id(name: str, cluster: dict, timeout: float = 60) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        out = subprocess.run(
+            ["squeue", "-h", "-n", name, "-o", "%i"],
+            capture_output=True,
+            text=True,
+            env=os.environ | cluster,
+        )
+        if out.stdout.strip():
+            return out.stdout.split()[0]
+        time.sleep(0.5)
+    raise AssertionError(f"job {name} never appeared in squeue")
+
+
+def finish(job: subprocess.Popen, timeout: float = 600) -> None:
+    out, err = job.communicate(timeout=timeout)
+    assert job.returncode == 0, out + err
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in metric_rows(run_dir) if "loss" in r}
+
+
+def wait_for_step(run_dir: Path, step: int, timeout: float = 300) -> None:
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if metrics.exists():
+            rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+            if any(r.get("step", 0) >= step and "loss" in r for r in rows):
+                return
+        time.sleep(0.5)
+    raise AssertionError(f"{metrics} did not reach step {step}")
+
+
+def test_a_job_trains_is_preempted_requeues_itself_and_ends_like_an_uninterrupted_one(
+    cluster: dict, dataset: Path, tmp_path: Path
+) -> None:
+    steps = [f"data.path={dataset}", "trainer.max_steps=30", "checkpoint.every=100"]
+    plain = submit(cluster, tmp_path, "plain", *steps)
+    plain_id = job_id("plain", cluster)
+    finish(plain)
+    plain_dir = tmp_path / "runs" / f"slurm-{plain_id}"
+    assert "world 2" in (plain_dir / "train.log").read_text()
+    uninterrupted = losses(plain_dir)
+    assert sorted(uninterrupted) == list(range(1, 31))
+
+    job = submit(cluster, tmp_path, "preempted", *steps)
+    preempted_id = job_id("preempted", cluster)
+    run_dir = tmp_path / "runs" / f"slurm-{preempted_id}"
+    wait_for_step(run_dir, 3)
+    # what --signal=B:USR2@120 does before the time limit: SIGUSR2 to the batch shell
+    subprocess.run(
+        ["scancel", "--signal=USR2", "--batch", preempted_id],
+        check=True,
+        env=os.environ | cluster,
+    )
+    finish(job)
+    log = (run_dir / "train.log").read_text()
+    assert "SIGUSR2 received" in log and f"job {preempted_id} requeued" in log
+    assert f"SLURM job {preempted_id} (restart count 1)" in log and "resumed from" in log
+    output = (tmp_path / f"slurm-{preempted_id}.out").read_text()  # --open-mode=append
+    assert "(restart 0)" in output and "(restart 1)" in output
+    assert losses(run_dir) == uninterrupted  # the resumed steps recomputed bitwise
+
+
+def test_hydra_submitit_launcher_submits_a_sweep(
+    cluster: dict, dataset: Path, tmp_path: Path
+) -> None:
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    sweep = tmp_path / "sweep"
+    command = [sys.executable, "-m", "trainer", "-m", "hydra/launcher=lmforge_slurm"]
+    command += [f"hydra.sweep.dir={sweep}", "hydra.launcher.cpus_per_task=1"]
+    command += [f"data.path={dataset}", *OVERRIDES, "trainer.max_steps=2", "optim.lr=1e-3,2e-3"]
+    env = job_env(cluster) | {"NPROC_PER_NODE": "1"}
+    result = subprocess.run(
+        command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for point in ("0", "1"):
+        assert sorted(losses(sweep / point)) == [1, 2]
