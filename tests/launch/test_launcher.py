@@ -60,6 +60,15 @@ def test_bad_launches_are_refused_before_anything_starts(tmp_path: Path) -> None
     assert result.returncode == 2 and "cannot be created" in result.stderr
 
 
+def test_the_sbatch_templates_name_missing_slurm_commands(tmp_path: Path) -> None:
+    for template in ("train.sbatch", "train_srun.sbatch"):
+        script = ROOT / "launch" / "slurm" / template
+        result = subprocess.run(
+            ["/bin/bash", str(script)], capture_output=True, text=True, env={"PATH": str(tmp_path)}
+        )
+        assert result.returncode == 2 and "not on PATH" in result.stderr, result.stderr
+
+
 COMMON = [*SMALL_OVERRIDES, "trainer.precision=fp32", "trainer.eval_every=0"]
 COMMON += ["trainer.max_steps=6", "checkpoint.every=2"]
 

@@ -75,11 +75,14 @@ def job_env(cluster: dict) -> dict[str, str]:
     )
 
 
-def submit(cluster: dict, cwd: Path, name: str, *overrides: str) -> subprocess.Popen:
-    """`sbatch --wait` of the template in the background (it returns when the job has ended for
+def submit(
+    cluster: dict, cwd: Path, name: str, *overrides: str, layout: tuple[str, ...] = ()
+) -> subprocess.Popen:
+    """`sbatch --wait` of a template in the background (it returns when the job has ended for
     good, requeues included, with the job's exit code)."""
     command = ["sbatch", "--wait", "--parsable", f"--job-name={name}", "--nodes=1"]
-    command += ["--cpus-per-task=2", str(TEMPLATE), *OVERRIDES, *overrides]
+    command += list(layout or ("--cpus-per-task=2", str(TEMPLATE)))
+    command += [*OVERRIDES, *overrides]
     return subprocess.Popen(
         command,
         cwd=cwd,
@@ -172,3 +175,19 @@ def test_hydra_submitit_launcher_submits_a_sweep(
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     for point in ("0", "1"):
         assert sorted(losses(sweep / point)) == [1, 2]
+
+
+def test_one_task_per_rank_without_torchrun_maps_the_slurm_variables(
+    cluster: dict, dataset: Path, tmp_path: Path
+) -> None:
+    template = str(TEMPLATE.with_name("train_srun.sbatch"))
+    layout = ("--ntasks-per-node=2", "--cpus-per-task=1", template)
+    job = submit(
+        cluster, tmp_path, "srun", f"data.path={dataset}", "trainer.max_steps=3", layout=layout
+    )
+    name = job_id("srun", cluster)
+    finish(job)
+    run_dir = tmp_path / "runs" / f"slurm-{name}"
+    assert "world 2" in (run_dir / "train.log").read_text()
+    assert (run_dir / "logs" / "rank1.log").is_file()  # RANK came from SLURM_PROCID
+    assert sorted(losses(run_dir)) == [1, 2, 3]

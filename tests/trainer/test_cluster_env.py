@@ -84,3 +84,12 @@ def test_a_missing_master_address_without_scontrol_is_explained(monkeypatch) -> 
     del env["MASTER_ADDR"]
     with pytest.raises(LaunchEnvError, match="scontrol is not on PATH"):
         map_srun_env(env)
+
+
+def test_the_trainer_refuses_contradictory_variables_before_starting(tmp_path) -> None:
+    from tests.commands import run_module
+
+    result = run_module("trainer", cwd=tmp_path, env={"WORLD_SIZE": "2", "RANK": "5"})
+    assert result.returncode == 2
+    assert "error: RANK=5 is outside WORLD_SIZE=2" in result.stderr
+    assert not (tmp_path / "runs").exists()  # nothing was written
