@@ -47,14 +47,15 @@ def orthogonalize_all(updates: list[Tensor], ns: list[NS]) -> list[Tensor]:
         elif u.ndim == 3 and _whole_experts(u):
             out[i] = _rewrap(ns[i](u.to_local()), u)
             work["local"] += u.to_local().shape[0]
-        elif (layout := _owner_layout(u)) is not None:
-            by_layout.setdefault((id(u.device_mesh), layout), []).append(i)
+        elif (layout := _owner_layout(u)) is not None:  # meshes compare by value: FSDP2
+            by_layout.setdefault((u.device_mesh, layout), []).append(i)  # makes one per param
         else:
             out[i] = _local_piece(ns[i](u.full_tensor()), u)
             work["fallback"] += 1
+    first_owner = 0  # rotates, so that partial rounds do not all start on the same rank
     for (_, layout), indices in by_layout.items():
-        owned = _owner_orthogonalize(
-            [updates[i] for i in indices], [ns[i] for i in indices], layout
+        owned, first_owner = _owner_orthogonalize(
+            [updates[i] for i in indices], [ns[i] for i in indices], layout, first_owner
         )
         for i, result in zip(indices, owned):
             out[i] = result
@@ -63,7 +64,7 @@ def orthogonalize_all(updates: list[Tensor], ns: list[NS]) -> list[Tensor]:
 
 @dataclass(frozen=True)
 class _OwnerLayout:
-    shard_dim: int  # mesh dim whose ranks hold the row shards of each matrix
+    shard_dim: int | None  # mesh dim whose ranks hold the row shards; None: no sharding
     replicate_dim: int | None  # mesh dim of identical replicas (HSDP), if any
     experts: bool  # a (E, in, out) stack split on dim 1: each local expert is one matrix
 
@@ -79,17 +80,28 @@ def _owner_layout(u: DTensor) -> _OwnerLayout | None:
             replicate_dims.append(mesh_dim)
         elif type(placement) is Shard and placement.dim == row_dim:
             shard_dims.append(mesh_dim)
-        elif not (u.ndim == 3 and placement.is_shard() and placement.dim == 0):  # E split: fine
+        elif not (u.ndim == 3 and _shard_dim(placement) == 0):  # splitting E: experts stay whole
             return None
-    if u.ndim not in (2, 3) or len(shard_dims) != 1 or len(replicate_dims) > 1:
+    if u.ndim not in (2, 3) or len(shard_dims) > 1 or len(replicate_dims) > 1:
         return None
+    if not shard_dims and not replicate_dims:
+        return None
+    shard = shard_dims[0] if shard_dims else None  # None: whole on every rank (replicated)
     replicate = replicate_dims[0] if replicate_dims else None
-    return _OwnerLayout(shard_dims[0], replicate, experts=u.ndim == 3)
+    return _OwnerLayout(shard, replicate, experts=u.ndim == 3)
+
+
+def _shard_dim(placement) -> int | None:
+    """The tensor dim a placement splits (Shard or FSDP2's _StridedShard under EP), else None."""
+    if placement.is_shard() or type(placement).__name__ == "_StridedShard":
+        return placement.dim
+    return None
 
 
 def _whole_experts(u: DTensor) -> bool:
-    """An expert stack (E, in, out) split only along E: every local expert is complete."""
-    return all(p.is_replicate() or (p.is_shard() and p.dim == 0) for p in u.placements)
+    """An expert stack (E, in, out) split only along E (by EP, and by FSDP when there are enough
+    local experts): every local expert is complete."""
+    return all(p.is_replicate() or _shard_dim(p) == 0 for p in u.placements)
 
 
 def _rewrap(local: Tensor, like: DTensor) -> DTensor:
@@ -136,61 +148,53 @@ def _padded(local: Tensor, rows: int, size: int) -> Tensor:
 
 
 class _Groups:
-    """This rank's shard group (and replicate group, under HSDP) for one mesh layout."""
+    """This rank's shard group and replicate group (either may be absent) for one layout."""
 
     def __init__(self, mesh, layout: _OwnerLayout) -> None:
-        self.shard = mesh.get_group(layout.shard_dim)
-        self.shard_ranks = dist.get_process_group_ranks(self.shard)
-        self.me = self.shard_ranks.index(dist.get_rank())
+        me = dist.get_rank()
+        self.shard = None if layout.shard_dim is None else mesh.get_group(layout.shard_dim)
+        self.shard_ranks = [me] if self.shard is None else dist.get_process_group_ranks(self.shard)
+        self.me = self.shard_ranks.index(me)
         self.replicate = (
             None if layout.replicate_dim is None else mesh.get_group(layout.replicate_dim)
         )
         self.replica_ranks = (
-            [dist.get_rank()]
-            if self.replicate is None
-            else dist.get_process_group_ranks(self.replicate)
+            [me] if self.replicate is None else dist.get_process_group_ranks(self.replicate)
         )
-        self.my_replica = self.replica_ranks.index(dist.get_rank())
+        self.my_replica = self.replica_ranks.index(me)
         self.per_round = len(self.shard_ranks) * len(self.replica_ranks)
 
 
 def _owner_orthogonalize(
-    updates: list[DTensor], ns: list[NS], layout: _OwnerLayout
-) -> list[Tensor]:
+    updates: list[DTensor], ns: list[NS], layout: _OwnerLayout, first_owner: int
+) -> tuple[list[Tensor], int]:
+    """Every matrix of these updates orthogonalized once; returns the results (as the updates'
+    DTensors) and the owner slot where the next layout should start."""
     groups = _Groups(updates[0].device_mesh, layout)
     size = len(groups.shard_ranks)
     items = [item for u, f in zip(updates, ns) for item in _items(u, f, size)]
     pieces: list[Tensor] = []
     for first in range(0, len(items), groups.per_round):
-        pieces += _round(items[first : first + groups.per_round], groups)
+        batch = items[first : first + groups.per_round]
+        pieces += _round(batch, groups, (first_owner + first) % groups.per_round)
     results, used = [], 0
     for u in updates:
         count = 1 if u.ndim == 2 else u.to_local().shape[0]
         mine = [p[: item.local_rows] for p, item in zip(pieces[used : used + count], items[used:])]
         used += count
         results.append(_rewrap(mine[0] if u.ndim == 2 else torch.stack(mine), u))
-    return results
+    return results, (first_owner + len(items)) % groups.per_round
 
 
-def _round(items: list[_Item], g: _Groups) -> list[Tensor]:
-    """One round: item m belongs to replica m // P and there to shard rank m % P. All gathers
-    are in flight at once, then each owner orthogonalizes, then all scatters and broadcasts."""
+def _round(items: list[_Item], g: _Groups, offset: int) -> list[Tensor]:
+    """One round: item m takes owner slot s = (m + offset) mod R*P, that is replica s // P and
+    there shard rank s % P. All gathers are in flight at once, then each owner orthogonalizes,
+    then all scatters and broadcasts."""
     size = len(g.shard_ranks)
-    owner = [divmod(m, size) for m in range(len(items))]  # (replica, shard rank)
+    owner = [divmod((m + offset) % g.per_round, size) for m in range(len(items))]
     ours = [m for m, (replica, _) in enumerate(owner) if replica == g.my_replica]
-    gathered = {m: [torch.empty_like(items[m].shard) for _ in range(size)] for m in ours}
-    handles = [
-        dist.gather(
-            items[m].shard,
-            gathered[m] if owner[m][1] == g.me else None,
-            dst=g.shard_ranks[owner[m][1]],
-            group=g.shard,
-            async_op=True,
-        )
-        for m in ours
-    ]
-    for handle in handles:
-        handle.wait()
+    gathered = {m: _gather(items[m].shard, owner[m][1], g) for m in ours}
+    gathered = {m: _wait(value) for m, value in gathered.items()}
     send: dict[int, list[Tensor]] = {}
     for m in ours:
         if owner[m][1] == g.me:
@@ -200,12 +204,15 @@ def _round(items: list[_Item], g: _Groups) -> list[Tensor]:
             send[m] = list(torch.cat([ortho, padding]).chunk(size))
             work["owned"] += 1
     received = [torch.empty_like(item.shard) for item in items]
-    handles = [
-        dist.scatter(
-            received[m], send.get(m), src=g.shard_ranks[owner[m][1]], group=g.shard, async_op=True
-        )
-        for m in ours
-    ]
+    handles = []
+    for m in ours:
+        if g.shard is None:
+            received[m] = send[m][0]
+        else:
+            src = g.shard_ranks[owner[m][1]]
+            handles.append(
+                dist.scatter(received[m], send.get(m), src=src, group=g.shard, async_op=True)
+            )
     for handle in handles:
         handle.wait()
     if g.replicate is not None:  # every replica gets each shard from the replica that made it
@@ -218,3 +225,19 @@ def _round(items: list[_Item], g: _Groups) -> list[Tensor]:
         for handle in handles:
             handle.wait()
     return received
+
+
+def _gather(shard: Tensor, owner: int, g: _Groups):
+    """Start gathering a matrix's shards onto its owner: (list to fill or None, handle)."""
+    if g.shard is None:
+        return [shard], None
+    target = [torch.empty_like(shard) for _ in g.shard_ranks] if owner == g.me else None
+    handle = dist.gather(shard, target, dst=g.shard_ranks[owner], group=g.shard, async_op=True)
+    return target, handle
+
+
+def _wait(pending):
+    target, handle = pending
+    if handle is not None:
+        handle.wait()
+    return target

@@ -38,13 +38,25 @@ def init_distributed(ranks: Ranks, backend: str, device: torch.device) -> None:
         raise ConfigError("parallel.backend=nccl needs CUDA devices; use gloo on CPU")
     if backend == "nccl":  # plus gloo for CPU tensors: asynchronous DCP saves need it
         backend = "cpu:gloo,cuda:nccl"
+    timeout = timedelta(minutes=10)
     dist.init_process_group(
         backend,
+        store=_attempt_store(ranks, timeout),
         rank=ranks.rank,
         world_size=ranks.world_size,
-        timeout=timedelta(minutes=10),
+        timeout=timeout,
         device_id=device if device.type == "cuda" else None,
     )
+
+
+def _attempt_store(ranks: Ranks, timeout: timedelta) -> dist.Store:
+    """The env:// store, with a key prefix per torchrun restart. After an elastic restart the
+    workers meet in torchrun's store again, which still holds the dead workers' gloo addresses
+    under the same keys: a fast rank can read a stale one and wait for a process that is gone.
+    The prefix gives every attempt its own keys."""
+    store, _, _ = next(dist.rendezvous("env://", ranks.rank, ranks.world_size, timeout=timeout))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"lmforge/attempt_{attempt}/", store)
 
 
 def agree_on_run_dir(run_dir: Path, ranks: Ranks) -> Path:

@@ -23,12 +23,11 @@ def test_sharded_newton_schulz_is_bitwise_and_done_once(world: int) -> None:
     for result in per_rank:
         assert all(result["equal"]), result["equal"]
         assert result["work"].get("fallback", 0) == 0, result["work"]
-    # owner-path matrices: 4 FSDP 2-D + the fused one + the 4 experts split inside (dim 1);
-    # with 4 ranks also 4 HSDP 2-D, 2 ep groups x 2 experts, and the 4 HSDP experts
-    owned = sum(result["work"].get("owned", 0) for result in per_rank)
-    expected = 4 + 1 + 4 + (4 + 2 * 2 + 4 if world == 4 else 0)
-    assert owned == expected  # every matrix orthogonalized exactly once in the whole job
-    assert max(r["work"].get("owned", 0) for r in per_rank) <= -(-expected // world) + 1
+    # owner-path matrices: 4 FSDP 2-D + the fused one + the 4 experts split inside (dim 1) + 4
+    # replicated 2-D; with 4 ranks also 4 HSDP 2-D, 2 ep groups x 2 experts, 4 HSDP experts
+    owned = [result["work"].get("owned", 0) for result in per_rank]
+    assert sum(owned) == 13 + (12 if world == 4 else 0)  # each orthogonalized once in the job
+    assert max(owned) - min(owned) <= 1, owned  # and the work is dealt out evenly
 
 
 @pytest.fixture(scope="module")
@@ -48,16 +47,20 @@ def test_sharded_muon_equals_one_process(single: dict, world: int, layout: dict)
     assert single["losses"][-1] < single["losses"][0]
 
 
-def test_muon_with_experts_sharded_inside_each_expert_equals_one_process() -> None:
-    # 2 experts over ep=2 leave 1 local expert for 2 FSDP shards: FSDP splits it on dim 1, so
-    # each expert matrix is gathered onto an owner rank (no fallback)
-    moe = small_model("tiny_moe", **{"moe.expert_hidden": 32, "moe.n_routed_experts": 2})
+@pytest.mark.parametrize("experts", [2, 8])
+def test_muon_with_expert_parallelism_equals_one_process_without_fallback(experts: int) -> None:
+    # ep=2 x FSDP=2: 8 experts leave 4 local experts, FSDP splits them along E (a strided
+    # shard; orthogonalized locally); 2 experts leave 1, which FSDP splits on dim 1 (each expert
+    # matrix is gathered onto an owner rank)
+    moe = small_model("tiny_moe", **{"moe.expert_hidden": 32, "moe.n_routed_experts": experts})
     single = train(0, moe, {}, STEPS, 1, "fp32", 1.0, "", "", "muon")
     results = run_ranks(4, train, moe, {"ep": 2}, STEPS, 1, "fp32", 1.0, "", "", "muon")
-    assert any("Shard(dim=1)" in p for p in results[0]["placements"].values())
+    expert_placement = results[0]["placements"]["layers.1.ffn.experts.w_gate"]
+    assert ("Shard(dim=1)" in expert_placement) == (experts == 2), expert_placement
     for result in results:
         assert result["newton_schulz"].get("fallback", 0) == 0, result["newton_schulz"]
-        torch.testing.assert_close(result["losses"], single["losses"], rtol=1e-5, atol=1e-5)
+        # 5e-5: with 8 experts the EP run's reduction order moves even AdamW's losses by 2e-5
+        torch.testing.assert_close(result["losses"], single["losses"], rtol=5e-5, atol=1e-5)
 
 
 def test_muon_state_survives_a_resharding_resume(tmp_path: Path, single: dict) -> None:

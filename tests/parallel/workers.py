@@ -228,6 +228,7 @@ def sharded_newton_schulz(rank: int, shapes: list[tuple[int, ...]]) -> dict[str,
         orthogonalize_blocks, coefficients=coefficients, blocks=blocks, scaling="spectral"
     )
     cases.append((torch.randn(32, 24, generator=gen), flat, [Shard(0)], fused))
+    cases += [(t, flat, [Replicate()], plain) for t in full if t.ndim == 2]  # replicas only
     if size == 4:
         mesh2d = init_device_mesh("cpu", (2, 2))
         cases += [(t, mesh2d, [Replicate(), Shard(0)], plain) for t in full if t.ndim == 2]  # HSDP
