@@ -24,6 +24,7 @@ import shlex
 import socket
 import sys
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 from trainer.cluster_env import first_node, slurm_port
@@ -37,6 +38,7 @@ class LaunchError(Exception):
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     env = os.environ
+    in_step = "SLURM_JOB_ID" in env and "SLURM_STEP_NUM_NODES" in env  # inside an srun step
     parser = argparse.ArgumentParser(prog="python -m launch.torchrun", description=__doc__)
     parser.add_argument(
         "--nproc-per-node",
@@ -44,19 +46,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="processes per node; auto = the GPUs on this node, or 1 on CPU",
     )
     parser.add_argument(
-        "--nnodes",
-        type=int,
-        default=int(env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_JOB_NUM_NODES") or 1),
+        "--nnodes", type=int, default=int(env["SLURM_STEP_NUM_NODES"]) if in_step else 1
     )
     parser.add_argument(
         "--node-rank",
         type=int,
-        default=_optional_int(env.get("SLURM_NODEID")),
-        help="this node's index; node 0 hosts the rendezvous (checked port)",
+        default=_optional_int(env.get("SLURM_NODEID")) if in_step else None,
+        help="this node's index; node 0 hosts the rendezvous (its port is checked)",
     )
     parser.add_argument("--master-addr", default=env.get("MASTER_ADDR"))
     parser.add_argument("--master-port", type=int, default=_optional_int(env.get("MASTER_PORT")))
-    parser.add_argument("--rdzv-id", default=env.get("SLURM_JOB_ID", "lmforge"))
+    parser.add_argument(
+        "--rdzv-id",
+        default=env.get("SLURM_JOB_ID"),
+        help="multi-node: the same on every node, new for each run (names runs/torchrun-<id>)",
+    )
     parser.add_argument("--max-restarts", type=int, default=0)
     parser.add_argument(
         "--shutdown-timeout",
@@ -67,7 +71,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--dry-run", action="store_true", help="print the command, run nothing")
     parser.add_argument("overrides", nargs=argparse.REMAINDER, help="the trainer's overrides")
     args = parser.parse_args(argv)
-    args.overrides = [o for o in args.overrides if o != "--"]
+    if args.overrides[:1] == ["--"]:
+        args.overrides = args.overrides[1:]
     return args
 
 
@@ -93,9 +98,26 @@ def build_command(args: argparse.Namespace) -> list[str]:
     options = _torchrun_options()
     if "--signals-to-handle" in options:
         command += [f"--signals-to-handle={SIGNALS}"]
+    else:
+        os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = SIGNALS
+        _warn(
+            "this torch's torchrun has no --signals-to-handle: SIGUSR2 may kill torchrun "
+            "before the workers save; use SIGTERM as the pre-timeout signal (B:TERM@120)"
+        )
+    # restarts read the environment variable, not the flag (torch 2.13)
+    os.environ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = str(args.shutdown_timeout)
     if "--shutdown-timeout" in options:
         command += [f"--shutdown-timeout={args.shutdown_timeout}"]
+    else:
+        _warn(
+            "this torch's torchrun has no --shutdown-timeout: workers may get only 30 s to "
+            "save after a stop signal"
+        )
     return [*command, "-m", "trainer", *args.overrides]
+
+
+def _warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr)
 
 
 def _nproc(value: str) -> str:
@@ -113,23 +135,45 @@ def _torchrun_options() -> set[str]:
 
 
 def resolve_rendezvous(args: argparse.Namespace) -> None:
-    """Multi-node: fill MASTER_ADDR / MASTER_PORT from SLURM when not given; check the count."""
-    if "SLURM_JOB_ID" in os.environ:
-        allocated = int(
-            os.environ.get("SLURM_STEP_NUM_NODES") or os.environ.get("SLURM_JOB_NUM_NODES") or 1
-        )
-        if args.nnodes != allocated:
-            raise LaunchError(
-                f"--nnodes={args.nnodes} but this SLURM step runs on {allocated} node(s): "
-                "submit with --nodes matching it (the launcher runs once per node)"
-            )
+    """Multi-node: check the SLURM step, fill MASTER_ADDR / MASTER_PORT from it when not given."""
+    env = os.environ
+    if "SLURM_JOB_ID" in env:
+        _check_slurm_step(args.nnodes, env)
         if args.nnodes > 1:
-            args.master_addr = args.master_addr or first_node(os.environ)
-            args.master_port = args.master_port or slurm_port(os.environ["SLURM_JOB_ID"])
+            args.master_addr = args.master_addr or first_node(env)
+            args.master_port = args.master_port or slurm_port(env["SLURM_JOB_ID"])
     if args.nnodes > 1 and (not args.master_addr or not args.master_port):
         raise LaunchError(
             f"--nnodes={args.nnodes} needs the rendezvous address: pass --master-addr and "
             "--master-port (or export MASTER_ADDR and MASTER_PORT), the same on every node"
+        )
+    if args.nnodes > 1 and not args.rdzv_id:
+        raise LaunchError(
+            f"--nnodes={args.nnodes} needs --rdzv-id: the same on every node and new for each "
+            "run (it names the run directory runs/torchrun-<id>, which resume=auto continues)"
+        )
+
+
+def _check_slurm_step(nnodes: int, env: Mapping[str, str]) -> None:
+    """Inside a SLURM job the launcher runs once per node of its srun step."""
+    if "SLURM_STEP_NUM_NODES" not in env:
+        if nnodes > 1:
+            raise LaunchError(
+                f"--nnodes={nnodes} outside an srun step: run the launcher with srun, one task "
+                "per node (see launch/slurm/train.sbatch)"
+            )
+        return
+    nodes = int(env["SLURM_STEP_NUM_NODES"])
+    tasks = int(env.get("SLURM_STEP_NUM_TASKS") or nodes)
+    if nnodes != nodes:
+        raise LaunchError(
+            f"--nnodes={nnodes} but this srun step runs on {nodes} node(s): submit with "
+            "--nodes matching it (the launcher runs once per node)"
+        )
+    if tasks != nodes:
+        raise LaunchError(
+            f"this srun step runs {tasks} tasks on {nodes} node(s): run the launcher once per "
+            "node (srun --ntasks-per-node=1); torchrun starts each node's processes itself"
         )
 
 
@@ -138,6 +182,8 @@ def check_port(args: argparse.Namespace) -> None:
     if args.nnodes == 1 or args.node_rank != 0:
         return
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        # as TCPStore binds: a socket of a just-ended run in TIME_WAIT does not count
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind(("", args.master_port))
         except OSError as err:

@@ -16,3 +16,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
+
+
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
+LAUNCHER_VARIABLES += ("MASTER_PORT", "NPROC_PER_NODE", "TORCHELASTIC_RUN_ID", "GROUP_RANK")
+
+
+@pytest.fixture(autouse=True)
+def _no_launcher_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tests start from a plain environment even when pytest itself runs inside a SLURM
+    allocation or under torchrun: their subprocesses must not inherit a launch's variables."""
+    import os
+
+    for key in list(os.environ):
+        if key.startswith("SLURM_") or key in LAUNCHER_VARIABLES:
+            monkeypatch.delenv(key)

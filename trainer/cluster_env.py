@@ -2,7 +2,7 @@
 
 torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT.
 Under plain `srun` (one task per GPU, no torchrun: launch/slurm/train_srun.sbatch, submitit)
-SLURM sets SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID and SLURM_TASKS_PER_NODE instead; they
+SLURM sets SLURM_PROCID, SLURM_STEP_NUM_TASKS, SLURM_LOCALID and SLURM_STEP_TASKS_PER_NODE; they
 are mapped to torch's names here, before Hydra resolves anything rank-dependent, and
 MASTER_ADDR / MASTER_PORT default to the job's first node and a port derived from the job id
 (the rule the sbatch templates use). LOCAL_WORLD_SIZE is often unset under plain srun; it is
@@ -43,8 +43,13 @@ def tasks_per_node(spec: str) -> list[int]:
 
 
 def under_plain_srun(env: MutableMapping[str, str]) -> bool:
-    """Several SLURM tasks and no torchrun: each task is one rank."""
-    return "RANK" not in env and "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1
+    """An srun step of several tasks and no torchrun: each task is one rank. (The batch script
+    and salloc shells also carry SLURM_PROCID and SLURM_NTASKS, but no SLURM_STEP_NUM_TASKS.)"""
+    return (
+        "RANK" not in env
+        and "SLURM_PROCID" in env
+        and int(env.get("SLURM_STEP_NUM_TASKS", "1")) > 1
+    )
 
 
 def map_srun_env(env: MutableMapping[str, str] = os.environ) -> None:
@@ -52,11 +57,11 @@ def map_srun_env(env: MutableMapping[str, str] = os.environ) -> None:
     MASTER_ADDR, MASTER_PORT). A no-op under torchrun or for one process."""
     if not under_plain_srun(env):
         return
-    world = env["SLURM_NTASKS"]
+    world = env["SLURM_STEP_NUM_TASKS"]
     if env.get("WORLD_SIZE", world) != world:
         raise LaunchEnvError(
-            f"WORLD_SIZE={env['WORLD_SIZE']} but SLURM_NTASKS={world}: unset WORLD_SIZE under "
-            "srun (each SLURM task is one rank), or launch torchrun once per node"
+            f"WORLD_SIZE={env['WORLD_SIZE']} but SLURM_STEP_NUM_TASKS={world}: unset WORLD_SIZE "
+            "under srun (each SLURM task is one rank), or launch torchrun once per node"
         )
     per_node = tasks_per_node(env.get("SLURM_STEP_TASKS_PER_NODE") or env["SLURM_TASKS_PER_NODE"])
     node = int(env.get("SLURM_NODEID", "0"))

@@ -51,7 +51,7 @@ class TrainerConfig:
     peak_flops: float = 0.0  # per-device peak FLOP/s for MFU; 0 = table (GPU) or measured (CPU)
     fault_step: int = -1  # testing: raise SIGKILL on this step (once per run directory)
     fault_rank: int = -1  # testing: the rank that dies at fault_step; -1 = every rank
-    requeue: bool = True  # under SLURM: after a stop signal, requeue the job (if it allows it)
+    requeue: bool = True  # under SLURM: after SIGUSR2 (pre-timeout), requeue the job if allowed
 
     def __post_init__(self) -> None:
         for key in ("max_steps", "batch_size", "log_every"):

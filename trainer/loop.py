@@ -173,9 +173,19 @@ class Training:
         self.save(f"{self.stop.name()} received", final=True)
         log.info("stopped by %s at step %d; resume continues here", self.stop.name(), self.step)
         self.wandb.finish()
-        if self.cfg.trainer.requeue:
-            requeue_slurm_job(self.ranks)
+        if self._requeue() and os.environ.get("SUBMITIT_EXECUTOR"):
+            # under Hydra's submitit launcher a returned job counts as done: leave without a
+            # result, so that the sweep waits for the requeued run's
+            log.info("submitit job requeued: the requeued run reports the result")
+            raise SystemExit(0)
         return 0
+
+    def _requeue(self) -> bool:
+        """Under SLURM, after the pre-timeout signal of an unfinished run: requeue the job."""
+        finished = self.step >= self.cfg.trainer.max_steps
+        if not (self.cfg.trainer.requeue and self.stop.requeue_wanted()) or finished:
+            return False
+        return requeue_slurm_job(self.ranks)
 
     def _progress(self) -> Progress:
         return Progress(

@@ -99,8 +99,10 @@ def pick_device(choice: str, local_rank: int) -> torch.device:
             from model.errors import ConfigError
 
             raise ConfigError("trainer.device=cuda but torch sees no CUDA device")
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
+        # modulo: a task bound to its own GPU (srun --gpus-per-task=1) sees one device
+        index = local_rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
     return torch.device("cpu")
 
 

@@ -3,7 +3,10 @@
 The loop has saved a checkpoint on every rank when this runs. Rank 0 then asks SLURM to put the
 job back in the queue (`scontrol requeue $SLURM_JOB_ID`); the new run has the same job id, so
 the same run directory (runs/slurm-<id>), and `resume=auto` continues from the checkpoint.
-Nothing happens outside SLURM or for a job submitted without `--requeue` (Requeue=0).
+Only after SIGUSR2 (the templates' pre-timeout signal), not after SIGTERM: a user's `scancel`
+must end the job, and a preempting cluster with PreemptMode=REQUEUE requeues by itself. Nothing
+happens outside SLURM, for a job submitted without `--requeue` (Requeue=0), or once the run has
+reached max_steps.
 """
 
 from __future__ import annotations
@@ -21,14 +24,22 @@ log = logging.getLogger("trainer")
 
 
 def requeue_slurm_job(ranks: Ranks) -> bool:
-    """Requeue this job (rank 0, after every rank has saved); True when SLURM accepted it."""
+    """Requeue this job: rank 0, after every rank has saved, while every rank waits (under
+    `srun --kill-on-bad-exit`, a rank that left early could get rank 0 killed before it asks).
+    True on every rank when SLURM accepted it."""
     job = os.environ.get("SLURM_JOB_ID")
     if not job:
         return False
-    if dist.is_available() and dist.is_initialized():
+    distributed = dist.is_available() and dist.is_initialized()
+    if distributed:
         dist.barrier()  # every rank is past its checkpoint before the job is torn down
-    if not ranks.is_main:
-        return False
+    accepted = [_requeue(job) if ranks.is_main else False]
+    if distributed:
+        dist.broadcast_object_list(accepted, src=0)  # the others wait for rank 0's answer
+    return bool(accepted[0])
+
+
+def _requeue(job: str) -> bool:
     scontrol = shutil.which("scontrol")
     if scontrol is None:
         log.error("cannot requeue job %s: scontrol is not on PATH; resubmit it to resume", job)

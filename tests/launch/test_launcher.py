@@ -40,17 +40,29 @@ def test_the_printed_command_is_standalone_or_c10d(tmp_path: Path) -> None:
 
 
 def test_bad_launches_are_refused_before_anything_starts(tmp_path: Path) -> None:
-    slurm = {"SLURM_JOB_ID": "77", "SLURM_JOB_NUM_NODES": "1", "SLURM_NODEID": "0"}
-    result = launch("--dry-run", "--nnodes=2", cwd=tmp_path, env=slurm)
-    assert result.returncode == 2
-    assert "--nnodes=2 but this SLURM step runs on 1 node(s)" in result.stderr
-    result = launch("--dry-run", "--nnodes=2", cwd=tmp_path)
-    assert result.returncode == 2 and "needs the rendezvous address" in result.stderr
+    job = {"SLURM_JOB_ID": "77", "SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "0"}
+    step = job | {"SLURM_STEP_NUM_NODES": "1", "SLURM_STEP_NUM_TASKS": "1"}
+    refusals = [
+        (["--nnodes=2"], step, "--nnodes=2 but this srun step runs on 1 node(s)"),
+        ([], step | {"SLURM_STEP_NUM_TASKS": "8"}, "runs 8 tasks on 1 node(s)"),
+        (["--nnodes=2"], job, "outside an srun step: run the launcher with srun"),
+        (["--nnodes=2"], {}, "needs the rendezvous address"),
+        (["--nnodes=2", "--master-addr=h", "--master-port=1"], {}, "needs --rdzv-id"),
+    ]
+    for args, env, message in refusals:
+        result = launch("--dry-run", *args, cwd=tmp_path, env=env)
+        assert result.returncode == 2 and message in result.stderr, (args, result.stderr)
     with socket.socket() as busy:
         busy.bind(("", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        args = ["--dry-run", "--nnodes=2", "--node-rank=0", "--master-addr=127.0.0.1"]
+        args = [
+            "--dry-run",
+            "--nnodes=2",
+            "--node-rank=0",
+            "--master-addr=127.0.0.1",
+            "--rdzv-id=x",
+        ]
         result = launch(*args, f"--master-port={port}", cwd=tmp_path)
     assert result.returncode == 2 and f"rendezvous port {port}" in result.stderr
     assert "is in use" in result.stderr
@@ -120,20 +132,27 @@ def test_two_nodes_on_localhost_train_together(
     env = os.environ | OFFLINE | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "launch.torchrun", *node]
     overrides = [f"data.path={dataset}", *COMMON]
-    nodes = [
-        subprocess.Popen(
-            [*command, f"--node-rank={rank}", *overrides],
-            cwd=tmp_path,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in (0, 1)
-    ]
-    outputs = [p.communicate(timeout=600)[0] for p in nodes]
-    for p, out in zip(nodes, outputs):
-        assert p.returncode == 0, out[-4000:]
+    logs = [tmp_path / f"node{rank}.log" for rank in (0, 1)]
+    nodes = []
+    try:
+        for rank, log in enumerate(logs):
+            with log.open("w") as out:  # files, not pipes: no node can block on a full pipe
+                nodes.append(
+                    subprocess.Popen(
+                        [*command, f"--node-rank={rank}", *overrides],
+                        cwd=tmp_path,
+                        env=env,
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                )
+        for process, log in zip(nodes, logs):
+            assert process.wait(timeout=600) == 0, log.read_text()[-4000:]
+    finally:
+        for process in nodes:  # whatever is left (a failed or timed-out launch) goes
+            if process.poll() is None:
+                os.killpg(process.pid, 9)
     run_dir = only_run(tmp_path)
     assert run_dir.name == "torchrun-two-nodes"  # both nodes wrote to the rendezvous id's dir
     assert "world 2" in (run_dir / "train.log").read_text()

@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -27,10 +28,13 @@ OVERRIDES = [*SMALL_OVERRIDES, "trainer.precision=fp32", "trainer.eval_every=0"]
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory):
-    """A running cluster: the developer's own if `sinfo` answers, else one started here."""
-    if _cluster_answers():
+    """A single-node SLURM started here; LMFORGE_SLURM_CLUSTER=existing submits to the one that
+    `sinfo` reaches instead (its nodes must see this machine's /tmp)."""
+    if os.environ.get("LMFORGE_SLURM_CLUSTER") == "existing":
         yield {}
         return
+    if _cluster_answers():
+        pytest.skip("a SLURM cluster already answers: set LMFORGE_SLURM_CLUSTER=existing to use it")
     missing = [c for c in ("slurmctld", "slurmd", "munged", "sbatch") if not _which(c)]
     if missing or os.geteuid() != 0:
         reason = f"needs root and SLURM ({', '.join(missing) or 'not root'}): .ci/run installs it"
@@ -93,6 +97,14 @@ def submit(
     )
 
 
+def unique(name: str) -> str:
+    return f"lmforge-{name}-{uuid.uuid4().hex[:8]}"
+
+
+def cancel(name: str, cluster: dict) -> None:
+    subprocess.run(["scancel", "-n", name], env=os.environ | cluster, check=False)
+
+
 def job_id(name: str, cluster: dict, timeout: float = 60) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -122,36 +134,47 @@ def wait_for_step(run_dir: Path, step: int, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if metrics.exists():
-            rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-            if any(r.get("step", 0) >= step and "loss" in r for r in rows):
-                return
-        time.sleep(0.5)
+            for line in metrics.read_text().splitlines():
+                try:  # the last line may be half written
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if row.get("step", 0) >= step and "loss" in row:
+                    return
+        time.sleep(0.2)
     raise AssertionError(f"{metrics} did not reach step {step}")
 
 
 def test_a_job_trains_is_preempted_requeues_itself_and_ends_like_an_uninterrupted_one(
     cluster: dict, dataset: Path, tmp_path: Path
 ) -> None:
-    steps = [f"data.path={dataset}", "trainer.max_steps=30", "checkpoint.every=100"]
-    plain = submit(cluster, tmp_path, "plain", *steps)
-    plain_id = job_id("plain", cluster)
-    finish(plain)
-    plain_dir = tmp_path / "runs" / f"slurm-{plain_id}"
-    assert "world 2" in (plain_dir / "train.log").read_text()
-    uninterrupted = losses(plain_dir)
-    assert sorted(uninterrupted) == list(range(1, 31))
+    # 200 steps: the signal sent at step 3 must land well before the end (tens of ms a step)
+    steps = [f"data.path={dataset}", "trainer.max_steps=200", "checkpoint.every=1000"]
+    steps += ["trainer.log_every=1"]
+    plain_name, preempted_name = unique("plain"), unique("preempted")
+    try:
+        plain = submit(cluster, tmp_path, plain_name, *steps)
+        plain_id = job_id(plain_name, cluster)
+        finish(plain)
+        plain_dir = tmp_path / "runs" / f"slurm-{plain_id}"
+        assert "world 2" in (plain_dir / "train.log").read_text()
+        uninterrupted = losses(plain_dir)
+        assert sorted(uninterrupted) == list(range(1, 201))
 
-    job = submit(cluster, tmp_path, "preempted", *steps)
-    preempted_id = job_id("preempted", cluster)
-    run_dir = tmp_path / "runs" / f"slurm-{preempted_id}"
-    wait_for_step(run_dir, 3)
-    # what --signal=B:USR2@120 does before the time limit: SIGUSR2 to the batch shell
-    subprocess.run(
-        ["scancel", "--signal=USR2", "--batch", preempted_id],
-        check=True,
-        env=os.environ | cluster,
-    )
-    finish(job)
+        job = submit(cluster, tmp_path, preempted_name, *steps)
+        preempted_id = job_id(preempted_name, cluster)
+        run_dir = tmp_path / "runs" / f"slurm-{preempted_id}"
+        wait_for_step(run_dir, 3)
+        # what --signal=B:USR2@120 does before the time limit: SIGUSR2 to the batch shell
+        subprocess.run(
+            ["scancel", "--signal=USR2", "--batch", preempted_id],
+            check=True,
+            env=os.environ | cluster,
+        )
+        finish(job)
+    finally:
+        for name in (plain_name, preempted_name):
+            cancel(name, cluster)
     log = (run_dir / "train.log").read_text()
     assert "SIGUSR2 received" in log and f"job {preempted_id} requeued" in log
     assert f"SLURM job {preempted_id} (restart count 1)" in log and "resumed from" in log
@@ -163,7 +186,6 @@ def test_a_job_trains_is_preempted_requeues_itself_and_ends_like_an_uninterrupte
 def test_hydra_submitit_launcher_submits_a_sweep(
     cluster: dict, dataset: Path, tmp_path: Path
 ) -> None:
-    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     sweep = tmp_path / "sweep"
     command = [sys.executable, "-m", "trainer", "-m", "hydra/launcher=lmforge_slurm"]
     command += [f"hydra.sweep.dir={sweep}", "hydra.launcher.cpus_per_task=1"]
@@ -182,12 +204,16 @@ def test_one_task_per_rank_without_torchrun_maps_the_slurm_variables(
 ) -> None:
     template = str(TEMPLATE.with_name("train_srun.sbatch"))
     layout = ("--ntasks-per-node=2", "--cpus-per-task=1", template)
-    job = submit(
-        cluster, tmp_path, "srun", f"data.path={dataset}", "trainer.max_steps=3", layout=layout
-    )
-    name = job_id("srun", cluster)
-    finish(job)
-    run_dir = tmp_path / "runs" / f"slurm-{name}"
+    name = unique("srun")
+    try:
+        job = submit(
+            cluster, tmp_path, name, f"data.path={dataset}", "trainer.max_steps=3", layout=layout
+        )
+        number = job_id(name, cluster)
+        finish(job)
+    finally:
+        cancel(name, cluster)
+    run_dir = tmp_path / "runs" / f"slurm-{number}"
     assert "world 2" in (run_dir / "train.log").read_text()
     assert (run_dir / "logs" / "rank1.log").is_file()  # RANK came from SLURM_PROCID
     assert sorted(losses(run_dir)) == [1, 2, 3]

@@ -25,6 +25,7 @@ def _srun(**extra: str) -> dict[str, str]:
         "SLURM_JOB_ID": "1234",
         "SLURM_PROCID": "3",
         "SLURM_NTASKS": "4",
+        "SLURM_STEP_NUM_TASKS": "4",
         "SLURM_LOCALID": "1",
         "SLURM_NODEID": "1",
         "SLURM_TASKS_PER_NODE": "2(x2)",
@@ -49,12 +50,16 @@ def test_torchrun_variables_are_left_alone_and_one_process_needs_nothing() -> No
     single: dict[str, str] = {"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}
     map_srun_env(single)
     assert check_ranks(single) == (0, 1, 0)
+    # the batch script of a 4-task job is not a rank: it has no SLURM_STEP_NUM_TASKS
+    batch = {k: v for k, v in _srun().items() if k != "SLURM_STEP_NUM_TASKS"}
+    map_srun_env(batch)
+    assert "RANK" not in batch and check_ranks(batch) == (0, 1, 0)
 
 
 @pytest.mark.parametrize(
     ("env", "message"),
     [
-        (_srun(WORLD_SIZE="2"), "WORLD_SIZE=2 but SLURM_NTASKS=4"),
+        (_srun(WORLD_SIZE="2"), "WORLD_SIZE=2 but SLURM_STEP_NUM_TASKS=4"),
         (_srun(SLURM_NODEID="5"), "SLURM_NODEID=5 but SLURM_TASKS_PER_NODE lists 2 nodes"),
     ],
 )
