@@ -23,11 +23,10 @@ import os
 import shlex
 import socket
 import sys
-import tempfile
 from collections.abc import Mapping
-from pathlib import Path
 
-from trainer.cluster_env import first_node, slurm_port
+from model.errors import ConfigError
+from trainer.cluster_env import check_run_dir, first_node, slurm_port
 
 SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2"
 
@@ -193,32 +192,13 @@ def check_port(args: argparse.Namespace) -> None:
             ) from None
 
 
-def check_run_dir(overrides: list[str]) -> None:
-    """The run directory (hydra.run.dir=..., else runs/) must be creatable and writable."""
-    run_dir = Path("runs")
-    for override in overrides:
-        if override.startswith("hydra.run.dir="):
-            run_dir = Path(override.split("=", 1)[1])
-    existing = run_dir
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    try:  # a real write: permission bits say nothing to root or on read-only mounts
-        with tempfile.TemporaryFile(dir=existing):
-            pass
-    except OSError as err:
-        raise LaunchError(
-            f"run directory {run_dir} cannot be created: {existing} is not writable "
-            f"({err.strerror}); pass hydra.run.dir=<a writable path>"
-        ) from None
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         resolve_rendezvous(args)
         check_port(args)
         check_run_dir(args.overrides)
-    except LaunchError as err:
+    except (LaunchError, ConfigError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     command = build_command(args)

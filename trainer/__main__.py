@@ -20,6 +20,7 @@ from data.errors import DataError
 from model.errors import ConfigError
 from optim.errors import OptimConfigError
 from trainer.checkpoint import CheckpointError
+from trainer.cluster_env import check_run_dir
 from trainer.config import CONF_DIR, register_configs
 from trainer.distributed import agree_on_run_dir, init_distributed, shutdown_distributed
 from trainer.runtime import pick_device, ranks_from_env, register_resolvers, setup_logging
@@ -70,6 +71,8 @@ def _finish(code: int) -> None:
 if __name__ == "__main__":
     try:  # before Hydra: the run directory and `.hydra/` depend on the rank
         ranks_from_env()
+        if "-m" not in sys.argv[1:] and "--multirun" not in sys.argv[1:]:
+            check_run_dir(sys.argv[1:])
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)

@@ -15,7 +15,9 @@ import os
 import re
 import shutil
 import subprocess
+import tempfile
 from collections.abc import MutableMapping
+from pathlib import Path
 
 from model.errors import ConfigError
 
@@ -125,3 +127,23 @@ def _int(env: MutableMapping[str, str], key: str, default: int) -> int:
         return int(value)
     except ValueError:
         raise LaunchEnvError(f"{key}={value!r} is not an integer") from None
+
+
+def check_run_dir(overrides: list[str]) -> None:
+    """The run directory (hydra.run.dir=..., else under runs/) must be creatable: checked before
+    Hydra makes it, so a bad path gives one line instead of a traceback."""
+    run_dir = Path("runs")
+    for override in overrides:
+        if override.startswith("hydra.run.dir="):
+            run_dir = Path(override.split("=", 1)[1])
+    existing = run_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    try:  # a real write: permission bits say nothing to root or on read-only mounts
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as err:
+        raise LaunchEnvError(
+            f"run directory {run_dir} cannot be created: {existing} is not writable "
+            f"({err.strerror}); pass hydra.run.dir=<a writable path>"
+        ) from None

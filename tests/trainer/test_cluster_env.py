@@ -98,3 +98,14 @@ def test_the_trainer_refuses_contradictory_variables_before_starting(tmp_path) -
     assert result.returncode == 2
     assert "error: RANK=5 is outside WORLD_SIZE=2" in result.stderr
     assert not (tmp_path / "runs").exists()  # nothing was written
+
+
+def test_the_trainer_refuses_a_run_directory_it_cannot_create(tmp_path) -> None:
+    from tests.commands import run_module
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    result = run_module("trainer", f"hydra.run.dir={blocker}/run", cwd=tmp_path)
+    assert result.returncode == 2
+    assert f"run directory {blocker}/run cannot be created" in result.stderr
+    assert "Traceback" not in result.stderr
