@@ -234,3 +234,19 @@ def test_optim_muon_trains_and_prints_its_groups(dataset, tmp_path, optimizer):
     if optimizer == "muonclip":  # per-layer max logits and clipped heads are logged
         assert rows[-1]["qk/max_logit"] > 0 and "qk/layer1/max_logit" in rows[-1]
         assert rows[-1]["qk/clipped_heads"] == 0  # tau = 100 is far above a fresh model's logits
+
+
+@pytest.mark.integration
+def test_a_local_sweep_runs_every_point(dataset, tmp_path):
+    # `-m`: Hydra's basic launcher runs the points one after the other in this process; a point
+    # must not exit the process (it used to end the sweep after the first point)
+    sweep = tmp_path / "sweep"
+    overrides = [f"data.path={dataset}", *SMALL_OVERRIDES, "trainer.eval_every=0"]
+    result = run_trainer(
+        "-m", f"hydra.sweep.dir={sweep}", *overrides, "trainer.max_steps=2,3", cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [sorted(r["step"] for r in metric_rows(sweep / p) if "loss" in r) for p in "01"] == [
+        [1, 2],
+        [1, 2, 3],
+    ]
