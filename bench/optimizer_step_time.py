@@ -1,6 +1,6 @@
 """Optimizer step time as a fraction of the whole training step: AdamW vs Muon (vs MuonClip),
 on the tiny model (bf16 autocast, global batch 8 x 256), in one process and with FSDP2 on 2 gloo
-processes (same global batch).
+processes (same global batch); Muon also with every attention head orthogonalized alone.
 
     python bench/optimizer_step_time.py [--steps 6]
 Writes bench/results/optimizer_step_time_cpu.json.
@@ -34,7 +34,13 @@ from trainer.config import TrainerConfig
 from trainer.precision import autocast_factory
 from trainer.step import LossTracker, train_step
 
-OPTIMIZERS = ("adamw", "muon", "muonclip")
+# name -> (optim.name, optim.muon_split); "muon (heads)" orthogonalizes every attention head alone
+OPTIMIZERS = {
+    "adamw": ("adamw", "fused"),
+    "muon": ("muon", "fused"),
+    "muon (heads)": ("muon", "heads"),
+    "muonclip": ("muonclip", "fused"),
+}
 
 
 def measure(rank: int, world: int, name: str, args: argparse.Namespace) -> dict:
@@ -43,8 +49,10 @@ def measure(rank: int, world: int, name: str, args: argparse.Namespace) -> dict:
     device = torch.device("cpu")
     tcfg = TrainerConfig(batch_size=args.batch)
     model, _ = build_parallel_model(cfg, tcfg, ParallelConfig(), dims, device, seed=0)
-    tau = 100.0 if name == "muonclip" else 0.0
-    optimizer = build_optimizer(OptimConfig(name=name, warmup_steps=0, qk_clip_tau=tau), model)
+    optim_name, split = OPTIMIZERS[name]
+    tau = 100.0 if optim_name == "muonclip" else 0.0
+    settings = OptimConfig(name=optim_name, warmup_steps=0, qk_clip_tau=tau, muon_split=split)
+    optimizer = build_optimizer(settings, model)
     if tau:
         enable_qk_clip(model)
     optimizer_seconds: list[float] = []
