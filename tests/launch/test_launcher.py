@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.commands import OFFLINE, ROOT, run_module
-from tests.trainer.helpers import SMALL_OVERRIDES, metric_rows
+from tests.trainer.helpers import SMALL_OVERRIDES, train_losses
 
 
 def launch(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -85,10 +85,6 @@ COMMON = [*SMALL_OVERRIDES, "trainer.precision=fp32", "trainer.eval_every=0"]
 COMMON += ["trainer.max_steps=6", "checkpoint.every=2"]
 
 
-def losses(run_dir: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in metric_rows(run_dir) if "loss" in r}
-
-
 def only_run(cwd: Path) -> Path:
     runs = list((cwd / "runs").iterdir())
     assert len(runs) == 1, runs
@@ -100,7 +96,7 @@ def uninterrupted(dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> di
     cwd = tmp_path_factory.mktemp("uninterrupted")
     result = launch("--nproc-per-node=2", f"data.path={dataset}", *COMMON, cwd=cwd)
     assert result.returncode == 0, result.stderr[-4000:]
-    return losses(only_run(cwd))
+    return train_losses(only_run(cwd))
 
 
 @pytest.mark.integration
@@ -118,7 +114,7 @@ def test_an_elastic_restart_resumes_and_matches_the_uninterrupted_run(
     assert (run_dir / ".fault_step_3_rank1").exists() and not (
         run_dir / ".fault_step_3_rank0"
     ).exists()
-    assert losses(run_dir) == uninterrupted  # steps 3-6 recomputed bitwise
+    assert train_losses(run_dir) == uninterrupted  # steps 3-6 recomputed bitwise
 
 
 @pytest.mark.integration
@@ -156,7 +152,7 @@ def test_two_nodes_on_localhost_train_together(
     run_dir = only_run(tmp_path)
     assert run_dir.name == "torchrun-two-nodes"  # both nodes wrote to the rendezvous id's dir
     assert "world 2" in (run_dir / "train.log").read_text()
-    got = losses(run_dir)
+    got = train_losses(run_dir)
     assert got.keys() == uninterrupted.keys()
     for step, loss in uninterrupted.items():  # the same 2 ranks, only the launch differs
         assert got[step] == pytest.approx(loss, rel=1e-6)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.commands import OFFLINE, ROOT
-from tests.trainer.helpers import SMALL_OVERRIDES, metric_rows
+from tests.trainer.helpers import SMALL_OVERRIDES, train_losses
 
 pytestmark = [pytest.mark.slurm, pytest.mark.integration, pytest.mark.distributed]
 CLUSTER = ROOT / "launch" / "slurm" / "local_cluster.sh"
@@ -125,10 +125,6 @@ def finish(job: subprocess.Popen, timeout: float = 600) -> None:
     assert job.returncode == 0, out + err
 
 
-def losses(run_dir: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in metric_rows(run_dir) if "loss" in r}
-
-
 def wait_for_step(run_dir: Path, step: int, timeout: float = 300) -> None:
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + timeout
@@ -158,7 +154,7 @@ def test_a_job_trains_is_preempted_requeues_itself_and_ends_like_an_uninterrupte
         finish(plain)
         plain_dir = tmp_path / "runs" / f"slurm-{plain_id}"
         assert "world 2" in (plain_dir / "train.log").read_text()
-        uninterrupted = losses(plain_dir)
+        uninterrupted = train_losses(plain_dir)
         assert sorted(uninterrupted) == list(range(1, 201))
 
         job = submit(cluster, tmp_path, preempted_name, *steps)
@@ -180,7 +176,7 @@ def test_a_job_trains_is_preempted_requeues_itself_and_ends_like_an_uninterrupte
     assert f"SLURM job {preempted_id} (restart count 1)" in log and "resumed from" in log
     output = (tmp_path / f"slurm-{preempted_id}.out").read_text()  # --open-mode=append
     assert "(restart 0)" in output and "(restart 1)" in output
-    assert losses(run_dir) == uninterrupted  # the resumed steps recomputed bitwise
+    assert train_losses(run_dir) == uninterrupted  # the resumed steps recomputed bitwise
 
 
 def test_hydra_submitit_launcher_submits_a_sweep(
@@ -196,7 +192,7 @@ def test_hydra_submitit_launcher_submits_a_sweep(
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     for point in ("0", "1"):
-        assert sorted(losses(sweep / point)) == [1, 2]
+        assert sorted(train_losses(sweep / point)) == [1, 2]
 
 
 def test_one_task_per_rank_without_torchrun_maps_the_slurm_variables(
@@ -216,4 +212,4 @@ def test_one_task_per_rank_without_torchrun_maps_the_slurm_variables(
     run_dir = tmp_path / "runs" / f"slurm-{number}"
     assert "world 2" in (run_dir / "train.log").read_text()
     assert (run_dir / "logs" / "rank1.log").is_file()  # RANK came from SLURM_PROCID
-    assert sorted(losses(run_dir)) == [1, 2, 3]
+    assert sorted(train_losses(run_dir)) == [1, 2, 3]

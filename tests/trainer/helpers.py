@@ -62,3 +62,8 @@ def run_trainer(*overrides: str, cwd: Path, env: dict | None = None) -> subproce
 
 def metric_rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_losses(run_dir: Path) -> dict[int, float]:
+    """Training loss by step, from a run directory's metrics.jsonl."""
+    return {r["step"]: r["loss"] for r in metric_rows(run_dir) if "loss" in r}

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.commands import OFFLINE, ROOT
-from tests.trainer.helpers import SMALL_OVERRIDES, metric_rows, run_trainer
+from tests.trainer.helpers import SMALL_OVERRIDES, metric_rows, run_trainer, train_losses
 
 pytestmark = [pytest.mark.integration, pytest.mark.distributed]
 
@@ -23,10 +23,6 @@ def torchrun(nproc: int, *overrides: str, cwd: Path):
     command += [f"--nproc_per_node={nproc}", "-m", "trainer", *overrides]
     env = os.environ | OFFLINE | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     return subprocess.run(command, capture_output=True, text=True, cwd=cwd, env=env, timeout=600)
-
-
-def train_losses(run_dir: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in metric_rows(run_dir) if "loss" in r}
 
 
 FP32 = ["trainer.precision=fp32", "trainer.eval_every=0"]
