@@ -25,6 +25,9 @@ class ParallelConfig:
     reshard_after_forward: bool = True  # FSDP2: free gathered weights after forward (ZeRO-3)
     param_dtype: str = "auto"  # FSDP2 gather/compute dtype: auto (bf16 unless precision=fp32)
     backend: str = "auto"  # process group backend: auto (nccl with CUDA, else gloo) | nccl | gloo
+    # seconds a collective may wait for the other ranks before this rank gives up (a hung or
+    # dead rank); raise it when ranks legitimately drift apart longer (long compiles or saves)
+    timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         _require(
@@ -45,3 +48,4 @@ class ParallelConfig:
         _require(
             self.backend in BACKENDS, f"parallel.backend={self.backend!r} is not one of {BACKENDS}"
         )
+        _require(self.timeout_s > 0, f"parallel.timeout_s={self.timeout_s} must be > 0")

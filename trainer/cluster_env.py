@@ -15,7 +15,6 @@ import os
 import re
 import shutil
 import subprocess
-import tempfile
 from collections.abc import MutableMapping
 from pathlib import Path
 
@@ -130,20 +129,9 @@ def _int(env: MutableMapping[str, str], key: str, default: int) -> int:
 
 
 def check_run_dir(overrides: list[str]) -> None:
-    """The run directory (hydra.run.dir=..., else under runs/) must be creatable: checked before
-    Hydra makes it, so a bad path gives one line instead of a traceback."""
-    run_dir = Path("runs")
-    for override in overrides:
-        if override.startswith("hydra.run.dir="):
-            run_dir = Path(override.split("=", 1)[1])
-    existing = run_dir
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    try:  # a real write: permission bits say nothing to root or on read-only mounts
-        with tempfile.TemporaryFile(dir=existing):
-            pass
-    except OSError as err:
-        raise LaunchEnvError(
-            f"run directory {run_dir} cannot be created: {existing} is not writable "
-            f"({err.strerror}); pass hydra.run.dir=<a writable path>"
-        ) from None
+    """The run directory (hydra.run.dir=..., else under runs/) must be creatable (one line if
+    not); shared by the launcher and the trainer."""
+    from trainer.run_dir import check_writable, explicit_run_dir
+
+    explicit = explicit_run_dir(overrides)
+    check_writable(Path(explicit if explicit and "${" not in explicit else "runs"))

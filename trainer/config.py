@@ -52,6 +52,7 @@ class TrainerConfig:
     fault_step: int = -1  # testing: raise SIGKILL on this step (once per run directory)
     fault_rank: int = -1  # testing: the rank that dies at fault_step; -1 = every rank
     requeue: bool = True  # under SLURM: after SIGUSR2 (pre-timeout), requeue the job if allowed
+    orphan_grace_s: float = 120.0  # under torchrun: seconds to save and exit once the agent died
 
     def __post_init__(self) -> None:
         for key in ("max_steps", "batch_size", "log_every"):
@@ -67,6 +68,11 @@ class TrainerConfig:
         _require(
             self.max_bad_steps >= 1, f"trainer.max_bad_steps={self.max_bad_steps} must be >= 1"
         )
+        _require(
+            self.spike_factor == 0 or self.spike_factor > 1,
+            f"trainer.spike_factor={self.spike_factor} must be 0 (off) or > 1 (a multiple of the "
+            "running mean loss)",
+        )
 
 
 @dataclass(kw_only=True)
@@ -74,6 +80,7 @@ class CheckpointConfig:
     every: int = 100  # steps between checkpoints (one is also written at the end); 0 = end only
     keep: int = 3  # complete checkpoints kept (oldest removed first)
     async_save: bool = False  # write in the background (dcp.async_save) while training goes on
+    verify: bool = True  # check every file's checksum before loading (all ranks share the reads)
 
     def __post_init__(self) -> None:
         _require(self.every >= 0, f"checkpoint.every={self.every} must be >= 0")

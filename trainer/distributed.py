@@ -22,8 +22,11 @@ from trainer.runtime import Ranks
 REQUIRED_ENV = ("MASTER_ADDR", "MASTER_PORT")
 
 
-def init_distributed(ranks: Ranks, backend: str, device: torch.device) -> None:
-    """Create the default process group when WORLD_SIZE > 1 (no-op for one process)."""
+def init_distributed(
+    ranks: Ranks, backend: str, device: torch.device, timeout_s: float = 300.0
+) -> None:
+    """Create the default process group when WORLD_SIZE > 1 (no-op for one process); a
+    collective that waits longer than `timeout_s` for the other ranks raises."""
     if ranks.world_size == 1 or dist.is_initialized():
         return
     missing = [key for key in REQUIRED_ENV if not os.environ.get(key)]
@@ -38,7 +41,7 @@ def init_distributed(ranks: Ranks, backend: str, device: torch.device) -> None:
         raise ConfigError("parallel.backend=nccl needs CUDA devices; use gloo on CPU")
     if backend == "nccl":  # plus gloo for CPU tensors: asynchronous DCP saves need it
         backend = "cpu:gloo,cuda:nccl"
-    timeout = timedelta(minutes=10)
+    timeout = timedelta(seconds=timeout_s)
     dist.init_process_group(
         backend,
         store=_attempt_store(ranks, timeout),
@@ -70,6 +73,12 @@ def agree_on_run_dir(run_dir: Path, ranks: Ranks) -> Path:
     if agreed.resolve() != run_dir.resolve() and run_dir.is_dir() and not any(run_dir.iterdir()):
         shutil.rmtree(run_dir, ignore_errors=True)
     return agreed
+
+
+def is_collective_timeout(err: BaseException) -> bool:
+    """gloo's "Timed out waiting ... for recv" and NCCL's watchdog timeouts."""
+    text = str(err).lower()
+    return isinstance(err, RuntimeError) and ("timed out" in text or "timeout" in text)
 
 
 def shutdown_distributed() -> None:

@@ -14,6 +14,7 @@ from data.loader import TokenLoader
 from data.tokenizer import Tokenizer
 from model.generate import generate
 from model.transformer import Transformer
+from trainer.collective import several_ranks
 
 
 @torch.no_grad()
@@ -60,6 +61,7 @@ def sample_text(
     gen = torch.Generator(device=device).manual_seed(seed)
     sharded = isinstance(model, FSDPModule)
     if sharded:  # sampling calls the root's methods, not its forward: gather its weights by hand
+        model(prompt_ids[:, :1])  # a forward first: FSDP initializes itself lazily in one
         model.unshard()
     try:
         out = generate(
@@ -69,7 +71,7 @@ def sample_text(
             temperature=0.8,
             top_k=50,
             # several ranks: no early stop, which each rank would decide from its own logits
-            eos_id=None if _several_ranks() else tokenizer.eot_id,
+            eos_id=None if several_ranks() else tokenizer.eot_id,
             generator=gen,
         )
     finally:
@@ -79,7 +81,3 @@ def sample_text(
     if tokenizer.eot_id in new:  # the sample ends at the end of its document
         new = new[: new.index(tokenizer.eot_id)]
     return prompt + tokenizer.decode([t for t in new if t < tokenizer.vocab_size])
-
-
-def _several_ranks() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1

@@ -22,9 +22,13 @@ import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from data.loader import TokenLoader
+from model.config import ModelConfig
 from model.transformer import Transformer
 from optim.schedules import lr_multiplier, muon_momentum
+from parallel.mesh import ParallelDims
 from trainer.checkpoint import Checkpointer
+from trainer.checkpoint_record import protect
+from trainer.collective import from_main
 from trainer.config import RootConfig
 from trainer.console import console
 from trainer.evaluate import perplexity, sample_text, validation_loss
@@ -64,6 +68,10 @@ class Training:
     tracker: LossTracker = field(default_factory=lambda: LossTracker(0.0))
     config_yaml: str = ""
     master: MasterWeights | None = None  # fp32 master weights (trainer.precision=bf16_master)
+    model_cfg: ModelConfig | None = None  # the resolved model config (vocabulary included)
+    dims: ParallelDims | None = None
+    pre_streak: Path | None = None  # the newest checkpoint before the current bad streak
+    phase: str = "start-up"  # what the loop is doing (named when a collective times out)
 
     @property
     def state_model(self) -> torch.nn.Module:
@@ -84,6 +92,7 @@ class Training:
             "config": self.config_yaml,
             "model_config": dataclasses.asdict(self.model.cfg),
             "tokenizer_dir": str(self.loader.manifest.root / "tokenizer"),
+            "tokenizer": self.loader.manifest.tokenizer.to_dict(),
         }
 
     def save(self, reason: str, final: bool = False) -> None:
@@ -105,11 +114,13 @@ class Training:
         tokens_per_step = tcfg.batch_size * self.cfg.data.seq_len
         window = _Window()
         batches = iter(self.loader)
+        self.phase = "the evaluation at step 0"
         if self.step == 0 and not self._evaluate():  # the starting validation loss
             return self._stop_now()
         with self._progress() as progress:
             task = progress.add_task("training", total=tcfg.max_steps, completed=self.step)
             while self.step < tcfg.max_steps:
+                self.phase = f"training step {self.step + 1}"
                 if self.stop.requested():
                     return self._stop_now()
                 waited = time.perf_counter()
@@ -136,7 +147,7 @@ class Training:
                 )
                 self.step += 1
                 self.tokens += tokens_per_step
-                window.add(result.loss, result.grad_norm, tokens_per_step, bool(result.skipped))
+                window.add(result.loss, result.grad_norm, tokens_per_step, result.skip_kind)
                 window.moe = result.moe or window.moe
                 progress.update(task, completed=self.step, description=f"loss {result.loss:.3f}")
                 if result.skipped and self._bad_step(result.skipped):
@@ -149,15 +160,26 @@ class Training:
                     window = _Window()
                 paused = time.perf_counter()  # evaluation and saving are not training time
                 evaluate = (tcfg.eval_every and self.step % tcfg.eval_every == 0) or last
+                self.phase = f"the evaluation at step {self.step}"
                 if evaluate and not self._evaluate():
                     continue  # stopped inside evaluation: the next check saves and exits
                 every = self.cfg.checkpoint.every
-                if (every and self.step % every == 0) or last:
-                    self.save("end of training" if last else "scheduled", final=last)
+                self.phase = f"the checkpoint at step {self.step}"
+                if last:
+                    self.save("end of training", final=True)
+                elif every and self.step % every == 0 and self.bad_streak:
+                    log.info(
+                        "checkpoint at step %d postponed: the last %d step(s) were skipped",
+                        self.step,
+                        self.bad_streak,
+                    )
+                elif every and self.step % every == 0:
+                    self.save("scheduled")
                 elif committed := self.checkpointer.poll():
                     log.info("checkpoint %s saved (background write finished)", committed)
                 window.start += time.perf_counter() - paused
                 self._maybe_inject_fault()
+        self.phase = "the end of training"
         if self.stop.requested():  # stopped inside the last evaluation: save before leaving
             return self._stop_now()
         self.wandb.finish()
@@ -178,7 +200,7 @@ class Training:
             # result, so that the sweep waits for the requeued run's
             log.info("submitit job requeued: the requeued run reports the result")
             raise SystemExit(0)
-        return 0
+        return self.stop.exit_code()
 
     def _requeue(self) -> bool:
         """Under SLURM, after the pre-timeout signal of an unfinished run: requeue the job."""
@@ -202,18 +224,31 @@ class Training:
         """Count a skipped step; True when the run must stop."""
         self.bad_streak += 1
         self.skipped_total += 1
+        if self.bad_streak == 1:  # what was saved before this streak is the last good state
+            self.checkpointer.wait()
+            self.pre_streak = self.checkpointer.last_committed
         log.warning("step %d skipped: %s (%d in a row)", self.step, reason, self.bad_streak)
         limit = self.cfg.trainer.max_bad_steps
         if self.bad_streak < limit:
             return False
-        self.save("last good state before stopping", final=True)
+        good = from_main(self.pre_streak if self.pre_streak and self.pre_streak.is_dir() else None)
+        if good is None:  # nothing saved yet: the weights now are those before the streak
+            self.save("the state before the skipped steps", final=True)
+            good = self.checkpointer.last_committed
+        first_bad = self.step - self.bad_streak + 1
+        if good is not None and self.ranks.is_main:
+            protect(good, f"the last good state before the skipped steps from {first_bad}")
         log.error(
             "stopping: %d consecutive steps skipped (trainer.max_bad_steps=%d), the last because "
-            "%s. The checkpoint holds the last good weights; lower optim.lr, check the data "
-            "around this step, or raise trainer.max_bad_steps",
+            "%s. The last good checkpoint is %s, from before the first skipped step %d; it is kept "
+            "whatever checkpoint.keep says, and resume=auto continues from it. Lower optim.lr, "
+            "check the data around step %d, or raise trainer.max_bad_steps",
             self.bad_streak,
             limit,
             reason,
+            good,
+            first_bad,
+            first_bad,
         )
         self.wandb.finish()
         return True
@@ -232,6 +267,8 @@ class Training:
             "mfu": self.flops_per_token * tokens_per_s / (self.peak_flops * self.ranks.world_size),
             "data_wait_s": window.data_wait,
             "skipped_steps": self.skipped_total,
+            **{f"skipped/{kind}": n for kind, n in window.skip_kinds.items()},
+            **({"skipped_loss": window.skipped_loss} if window.skip_kinds else {}),
             mem_key: mem,
             **window.moe,  # the last step's MoE statistics (model.moe.moe_stats keys)
         }
@@ -256,26 +293,8 @@ class Training:
         """Validation loss (+ sample, plot); False when a stop signal interrupted it."""
         self.model.eval()
         try:
-            val = validation_loss(
-                self.model,
-                self.loader,
-                self.device,
-                self.autocast,
-                self.cfg.trainer.doc_mask,
-                self.stop.requested,
-            )
-            if val is None:
+            if self.loader.val_batches and not self._validate():
                 return False
-            row = {
-                "step": self.step,
-                "tokens": self.tokens,
-                "val_loss": val,
-                "val_ppl": perplexity(val),
-            }
-            self._emit(row)
-            log.info(
-                "step %d  validation loss %.4f  perplexity %.1f", self.step, val, row["val_ppl"]
-            )
             # every rank samples (the same tokens, from the same seed): under FSDP or expert
             # parallelism each forward is collective, so rank 0 cannot run it alone
             if self.cfg.trainer.sample_tokens:
@@ -292,6 +311,28 @@ class Training:
             self.model.train()
         if self.ranks.is_main:
             plot_losses(self.metrics.rows(), self.run_dir / "loss.png")
+        return True
+
+    def _validate(self) -> bool:
+        """One validation row and log line; False when a stop signal interrupted it."""
+        val = validation_loss(
+            self.model,
+            self.loader,
+            self.device,
+            self.autocast,
+            self.cfg.trainer.doc_mask,
+            self.stop.requested,
+        )
+        if val is None:
+            return False
+        row = {
+            "step": self.step,
+            "tokens": self.tokens,
+            "val_loss": val,
+            "val_ppl": perplexity(val),
+        }
+        self._emit(row)
+        log.info("step %d  validation loss %.4f  perplexity %.1f", self.step, val, row["val_ppl"])
         return True
 
     def _maybe_inject_fault(self) -> None:
@@ -319,10 +360,15 @@ class _Window:
         self.tokens = 0
         self.data_wait = 0.0
         self.moe: dict[str, float] = {}
+        self.skip_kinds: dict[str, int] = {}  # why steps of this window were skipped
+        self.skipped_loss = float("nan")  # the loss of the last skipped step, as measured
 
-    def add(self, loss: float, norm: float, tokens: int, skipped: bool) -> None:
+    def add(self, loss: float, norm: float, tokens: int, skip_kind: str) -> None:
         self.tokens += tokens
-        if not skipped:
+        if skip_kind:
+            self.skip_kinds[skip_kind] = self.skip_kinds.get(skip_kind, 0) + 1
+            self.skipped_loss = loss
+        else:
             self.losses.append(loss)
             self.norms.append(norm)
 

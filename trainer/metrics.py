@@ -24,14 +24,11 @@ class MetricsFile:
         self.path, self.enabled = path, enabled
 
     def truncate_after(self, step: int) -> None:
-        """Keep the rows of steps <= `step` (those the resumed checkpoint has seen)."""
+        """Keep the rows of steps <= `step` (those the resumed checkpoint has seen); a torn last
+        line (the process was killed mid-write) is dropped."""
         if not self.enabled or not self.path.is_file():
             return
-        kept = [
-            line
-            for line in self.path.read_text().splitlines()
-            if line.strip() and json.loads(line).get("step", 0) <= step
-        ]
+        kept = [json.dumps(row) for row in self.rows() if row.get("step", 0) <= step]
         atomic_write_bytes(self.path, ("\n".join(kept) + "\n" if kept else "").encode())
 
     def write(self, row: dict[str, Any]) -> None:
@@ -42,9 +39,18 @@ class MetricsFile:
             f.write(json.dumps(clean) + "\n")
 
     def rows(self) -> list[dict[str, Any]]:
+        """Every complete row; a line that is not JSON (torn by a kill) is skipped."""
         if not self.path.is_file():
             return []
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        out = []
+        for line in self.path.read_text(errors="replace").splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(row, dict):
+                out.append(row)
+        return out
 
 
 def _jsonable(value: Any) -> Any:

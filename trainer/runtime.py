@@ -48,13 +48,19 @@ def ranks_from_env() -> Ranks:
 
 def default_run_dir() -> str:
     """runs/<id> that every rank of one launch computes identically."""
+    return launch_run_dir() or f"runs/{datetime.now():%Y-%m-%d_%H-%M-%S}"
+
+
+def launch_run_dir() -> str | None:
+    """runs/slurm-<job id> or runs/torchrun-<run id>: the launch's own id names it (the same
+    directory after a requeue or an elastic restart); None for a plain single process."""
     env = os.environ
     if env.get("SLURM_JOB_ID"):
         return f"runs/slurm-{env['SLURM_JOB_ID']}"
     run_id = env.get("TORCHELASTIC_RUN_ID", "")
     if run_id and run_id != "none" and int(env.get("WORLD_SIZE", 1)) > 1:
         return f"runs/torchrun-{run_id}"
-    return f"runs/{datetime.now():%Y-%m-%d_%H-%M-%S}"
+    return None
 
 
 def register_resolvers() -> None:
@@ -113,9 +119,11 @@ def seed_everything(seed: int) -> None:
 
 
 def rng_state() -> dict:
+    """Every RNG stream as tensors and plain values (checkpoints load with weights_only=True)."""
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
     state = {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": [name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss],
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():  # this rank's device only (visibility may differ on resume)
@@ -124,14 +132,20 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    random.setstate(_tuples(state["python"]))
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         cuda = state["cuda"]
         torch.cuda.set_rng_state(
             cuda[torch.cuda.current_device()] if isinstance(cuda, list) else cuda
         )
+
+
+def _tuples(value):
+    """random.setstate wants the nested tuples that random.getstate gave."""
+    return tuple(_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
 def describe_environment() -> str:

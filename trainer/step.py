@@ -22,6 +22,7 @@ from model.moe import apply_bias_update, expert_load, moe_stats, pop_aux_loss, r
 from model.transformer import Transformer
 from optim.qk_clip import apply_qk_clip, pop_max_logits
 from parallel.grad_norm import clip_grad_norm
+from trainer.collective import several_ranks
 from trainer.precision import MasterWeights
 
 EMA_DECAY = 0.98  # running mean of good losses for the spike rule (about 50 steps)
@@ -31,8 +32,9 @@ EMA_DECAY = 0.98  # running mean of good losses for the spike rule (about 50 ste
 class StepResult:
     loss: float
     grad_norm: float
-    skipped: str  # "" when the update was applied, else why not
+    skipped: str  # "" when the update was applied, else why not (one line for the log)
     moe: dict[str, float] = field(default_factory=dict)  # MoE (moe/...) and QK-clip (qk/...) stats
+    skip_kind: str = ""  # nonfinite_loss | nonfinite_grad_norm | loss_spike (metrics keys)
 
 
 class LossTracker:
@@ -98,13 +100,7 @@ def train_step(
     max_norm = grad_clip if grad_clip > 0 else float("inf")
     norm = clip_grad_norm(params, max_norm)
     loss_value, norm_value = _mean_over_ranks(loss_sum / micro_batches), float(norm)
-    reason = ""
-    if not math.isfinite(loss_value):
-        reason = f"loss is {loss_value}"
-    elif not math.isfinite(norm_value):
-        reason = f"gradient norm is {norm_value}"
-    elif tracker.spike(loss_value):
-        reason = f"loss {loss_value:.3f} > {tracker.factor} x running mean {tracker.mean:.3f}"
+    kind, reason = _bad_step_reason(loss_value, norm_value, tracker)
     stats: dict[str, float] = {}
     if not reason:
         optimizer.step()
@@ -117,11 +113,18 @@ def train_step(
         pop_max_logits(model)  # a skipped step's logits are not acted on
     stats |= _update_expert_biases(model, apply=not reason)
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss_value, norm_value, reason, stats)
+    return StepResult(loss_value, norm_value, reason, stats, kind)
 
 
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+def _bad_step_reason(loss: float, norm: float, tracker: LossTracker) -> tuple[str, str]:
+    """(kind, reason) of a step that must not be applied; ("", "") for a good one."""
+    if not math.isfinite(loss):
+        return "nonfinite_loss", f"loss is {loss}"
+    if not math.isfinite(norm):
+        return "nonfinite_grad_norm", f"gradient norm is {norm} (loss {loss:.4f})"
+    if tracker.spike(loss):
+        return "loss_spike", f"loss {loss:.3f} > {tracker.factor} x running mean {tracker.mean:.3f}"
+    return "", ""
 
 
 def _gradient_sync(model: Transformer, last: bool) -> None:
@@ -133,7 +136,7 @@ def _gradient_sync(model: Transformer, last: bool) -> None:
 
 
 def _mean_over_ranks(value: torch.Tensor) -> float:
-    if _distributed():  # SUM then divide: gloo has no AVG
+    if several_ranks():  # SUM then divide: gloo has no AVG
         value = value.clone()
         dist.all_reduce(value)
         value /= dist.get_world_size()
@@ -145,7 +148,7 @@ def _qk_clip(model: Transformer, updated: torch.nn.Module, tau: float) -> dict[s
     logits = pop_max_logits(model)
     if logits is None:
         return {}
-    if _distributed():
+    if several_ranks():
         dist.all_reduce(logits, op=dist.ReduceOp.MAX)
     return apply_qk_clip(updated, logits, tau)
 
@@ -157,7 +160,7 @@ def _update_expert_biases(model: Transformer, apply: bool) -> dict[str, float]:
     load = expert_load(model)
     if load.numel() == 0:  # a dense model
         return {}
-    if _distributed():
+    if several_ranks():
         dist.all_reduce(load)
     stats = moe_stats(model, load)
     if apply:

@@ -1,0 +1,131 @@
+"""What a checkpoint says about itself (`commit.json`), and the list of checkpoints of a run.
+
+    checkpoints/step_00000100/commit.json   run id, write sequence, step, checksum of every file
+    checkpoints/step_00000100/.protected    (optional) kept whatever `checkpoint.keep` says
+
+The record is written into the temporary directory after every rank's files, so the rename that
+publishes a checkpoint also publishes its checksums. Checksums are computed and verified by all
+ranks together, each taking every W-th file, so no rank reads the whole checkpoint.
+
+Order is the run's own write order (`sequence`: one more than any checkpoint already there),
+not the step number: leftovers with higher steps (an abandoned branch after a fallback) are
+older than what the run writes next. Directories without a record (written before records
+existed, or not by the trainer at all) sort below every recorded one, by step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from data.atomic import atomic_write_json
+from data.manifest import file_checksum
+from trainer.collective import all_true, from_main, rank_and_size, to_main
+
+log = logging.getLogger("trainer.checkpoint")
+RECORD = "commit.json"
+PROTECTED = ".protected"
+NAME = re.compile(r"step_(\d+)")
+
+
+@dataclass(frozen=True)
+class CommitRecord:
+    run_id: str
+    sequence: int  # write order within the checkpoints directory (1, 2, ...)
+    step: int
+    files: dict[str, str]  # file name -> checksum (xxh3_128)
+
+    @classmethod
+    def read(cls, directory: Path) -> CommitRecord | None:
+        """The record, None when there is none; ValueError when it is unreadable."""
+        path = directory / RECORD
+        if not path.is_file():
+            return None
+        try:
+            raw = json.loads(path.read_text())
+            return cls(str(raw["run_id"]), int(raw["sequence"]), int(raw["step"]), raw["files"])
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"{path} is unreadable ({type(err).__name__})") from None
+
+    def write(self, directory: Path) -> None:
+        atomic_write_json(directory / RECORD, asdict(self))
+
+
+@dataclass(frozen=True)
+class Listed:
+    """A checkpoint directory found under checkpoints/."""
+
+    path: Path
+    step: int
+    record: CommitRecord | None
+    problem: str = ""  # why the record could not be read
+
+    @property
+    def order(self) -> tuple[int, int]:
+        return (self.record.sequence if self.record else -1, self.step)
+
+    @property
+    def protected(self) -> bool:
+        return (self.path / PROTECTED).is_file()
+
+
+def list_checkpoints(root: Path, warn: bool = True) -> list[Listed]:
+    """Checkpoints under `root`, newest (last written) first; temporaries are never listed and
+    names other than step_<N> are ignored (with a warning)."""
+    if not root.is_dir():
+        return []
+    found = []
+    for path in root.iterdir():
+        if not path.is_dir() or path.name.endswith(".tmp"):
+            continue
+        match = NAME.fullmatch(path.name)
+        if match is None:
+            if warn:
+                log.warning("ignoring %s: not a checkpoint name (step_<N>)", path)
+            continue
+        try:
+            found.append(Listed(path, int(match.group(1)), CommitRecord.read(path)))
+        except ValueError as err:
+            found.append(Listed(path, int(match.group(1)), None, str(err)))
+    return sorted(found, key=lambda c: c.order, reverse=True)
+
+
+def next_sequence(root: Path) -> int:
+    return 1 + max(
+        (c.record.sequence for c in list_checkpoints(root, False) if c.record), default=0
+    )
+
+
+def protect(directory: Path, reason: str) -> None:
+    (directory / PROTECTED).write_text(reason + "\n")
+
+
+def checksum_files(directory: Path) -> dict[str, str]:
+    """Checksums of every file in `directory`, computed by all ranks together; the full table
+    on rank 0 (an empty one elsewhere)."""
+    names = from_main(sorted(p.name for p in directory.iterdir() if p.is_file()))
+    rank, size = rank_and_size()
+    mine = {name: file_checksum(directory / name) for name in names[rank::size]}
+    parts = to_main(mine)
+    return {k: v for part in parts for k, v in part.items()} if parts else {}
+
+
+def verify_files(directory: Path, files: dict[str, str]) -> str:
+    """ "" when every recorded file is present with its checksum (all ranks agree), else what
+    this rank found wrong, or that another rank found a problem."""
+    rank, size = rank_and_size()
+    problem = ""
+    for name in sorted(files)[rank::size]:
+        path = directory / name
+        if not path.is_file():
+            problem = f"{name} is missing"
+        elif file_checksum(path) != files[name]:
+            problem = f"{name} does not match its checksum"
+        if problem:
+            break
+    if all_true(not problem):
+        return ""
+    return problem or "another rank found a file missing or not matching its checksum"

@@ -1,0 +1,64 @@
+"""What a checkpoint and the run resuming it must agree on: the model and the optimizer's shape.
+
+A checkpoint stores the resolved model config (vocabulary included) and the optimizer settings
+that decide its parameter groups and state; everything else (learning rates, schedule, clip,
+batch size, layout over ranks) may change on resume. Loading weights into another model would
+fail deep inside DCP or, worse, silently load a subset (fewer layers), so the comparison comes
+first and names every differing key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from model.config import ModelConfig
+from optim.config import OptimConfig
+
+# optimizers with the same state (muonclip is muon plus a weight rescale after each step)
+OPTIMIZER_FAMILY = {"muonclip": "muon"}
+
+
+def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
+    """Nested dicts -> {"attention.n_heads": 4, ...}; tuples become lists (as JSON gives them)."""
+    if isinstance(value, dict):
+        out: dict[str, Any] = {}
+        for key, item in value.items():
+            out |= _flat(item, f"{prefix}{key}.")
+        return out
+    if isinstance(value, tuple):
+        value = list(value)
+    return {prefix.rstrip("."): value}
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    model: dict[str, Any]  # flat resolved ModelConfig
+    optim: dict[str, Any]  # optimizer family and its grouping settings
+
+    @classmethod
+    def of(cls, model: ModelConfig, optim: OptimConfig) -> Fingerprint:
+        family = OPTIMIZER_FAMILY.get(optim.name, optim.name)
+        groups = {"name": family}
+        if family == "muon":
+            groups["muon_exclude"] = list(optim.muon_exclude)
+        return cls(_flat(dataclasses.asdict(model)), groups)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "optim": self.optim}
+
+    def differences(self, extra: dict[str, Any]) -> list[str]:
+        """`model.d_model=64 in the checkpoint, 96 now`, ... (empty when they agree). Older
+        checkpoints without a fingerprint are compared by their stored model config alone."""
+        saved = extra.get("fingerprint")
+        if saved is None:
+            saved = {"model": _flat(extra.get("model_config", {})), "optim": self.optim}
+        out = []
+        for group, mine in (("model", self.model), ("optim", self.optim)):
+            theirs = saved.get(group, {})
+            for key in sorted(set(mine) | set(theirs)):
+                if _flat(theirs.get(key)) != _flat(mine.get(key)):
+                    then, now = theirs.get(key, "<absent>"), mine.get(key, "<absent>")
+                    out.append(f"{group}.{key}={then} in the checkpoint, {now} now")
+        return out

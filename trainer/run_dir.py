@@ -1,0 +1,118 @@
+"""The run directory of one launch: chosen before Hydra writes into it, and locked while in use.
+
+- `hydra.run.dir=<dir>` names it; without it every rank of a launch computes the same default
+  (`runs/slurm-<job id>`, `runs/torchrun-<run id>`), and a single process takes
+  `runs/<timestamp>`, with `-2`, `-3`, ... when another run took that name in the same second
+  (claimed with an atomic mkdir).
+- Rank 0 holds an exclusive lock (`<run dir>/.lock`, flock) for the whole run: a second trainer
+  on the same directory stops at once with the holder's pid instead of mixing its rows and
+  checkpoints in. The lock goes with the process, so a killed run leaves nothing to clean up.
+- A launch that created the directory and fails on a config error removes it again.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import socket
+import tempfile
+import time
+from pathlib import Path
+from typing import TextIO
+
+from model.errors import ConfigError
+
+LOCK_FILE = ".lock"
+_held: dict[Path, TextIO] = {}  # run directories this process has locked
+_created: set[Path] = set()  # run directories this launch created
+
+
+class RunDirError(ConfigError):
+    """The run directory cannot be used (not writable, or in use by another trainer)."""
+
+
+def explicit_run_dir(overrides: list[str]) -> str | None:
+    for override in overrides:
+        if override.startswith(("hydra.run.dir=", "++hydra.run.dir=", "+hydra.run.dir=")):
+            return override.split("=", 1)[1]
+    return None
+
+
+def check_writable(run_dir: Path) -> None:
+    """The run directory must be creatable: checked before anything makes it, so a bad path
+    gives one line instead of a traceback."""
+    existing = run_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    try:  # a real write: permission bits say nothing to root or on read-only mounts
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as err:
+        raise RunDirError(
+            f"run directory {run_dir} cannot be created: {existing} is not writable "
+            f"({err.strerror}); pass hydra.run.dir=<a writable path>"
+        ) from None
+
+
+def claim_unique(base: Path) -> Path:
+    """`base`, or `base-2`, `base-3`, ...: the first name this process creates itself."""
+    base.parent.mkdir(parents=True, exist_ok=True)
+    for n in range(1, 10_000):
+        candidate = base if n == 1 else base.with_name(f"{base.name}-{n}")
+        try:
+            candidate.mkdir()
+        except FileExistsError:
+            continue
+        _created.add(candidate.resolve())
+        return candidate
+    raise RunDirError(f"no free run directory name next to {base}; pass hydra.run.dir=<dir>")
+
+
+def create(run_dir: Path) -> None:
+    """Make `run_dir` (and remember whether this launch made it)."""
+    if not run_dir.exists():
+        run_dir.mkdir(parents=True, exist_ok=True)
+        _created.add(run_dir.resolve())
+
+
+def lock(run_dir: Path) -> None:
+    """Hold `run_dir`'s lock for the rest of this process (a no-op when already held)."""
+    key = run_dir.resolve()
+    if key in _held:
+        return
+    create(run_dir)
+    handle = open(run_dir / LOCK_FILE, "a+")  # noqa: SIM115  (kept open: the lock lives with it)
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise RunDirError(
+            f"run directory {run_dir} is in use by {holder}: wait for that run to finish, or "
+            f"pass another hydra.run.dir"
+        ) from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%F %T')}\n")
+    handle.flush()
+    _held[key] = handle
+
+
+def release(run_dir: Path) -> None:
+    handle = _held.pop(run_dir.resolve(), None)
+    if handle is not None:
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        handle.close()
+
+
+def remove_if_created(run_dir: Path) -> bool:
+    """Delete `run_dir` when this launch created it (after a config error); True if removed."""
+    key = run_dir.resolve()
+    if key not in _created:
+        return False
+    release(run_dir)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    _created.discard(key)
+    return True

@@ -1,0 +1,114 @@
+"""Reading checkpoints without running code from them.
+
+A checkpoint directory may come from anywhere (a shared file system, a download), and pickle
+runs whatever a file asks it to. So:
+- `trainer_rank<R>.pt` holds only tensors and plain Python values and is read with
+  `torch.load(weights_only=True)`;
+- DCP's `.metadata` is a pickle of DCP's own metadata classes: `SafeReader` unpickles it with a
+  whitelist of exactly those classes (and torch.Size, dtypes, paths);
+- DCP's non-tensor items (optimizer hyperparameters, steps) go through `weights_only=True` too
+  (`SafePlanner`), where DCP itself would use a full unpickler.
+Anything else is refused with `UnsafeCheckpointError`, naming the file and the class it wanted.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import StorageMeta
+
+METADATA = ".metadata"
+_ALLOWED = {
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+}
+
+
+class UnsafeCheckpointError(RuntimeError):
+    """A checkpoint file asked to build something that is not plain checkpoint data."""
+
+
+def _metadata_class(module: str, name: str) -> bool:
+    """A class (dataclass or enum) defined in DCP's metadata module."""
+    if module != dcp_metadata.__name__:
+        return False
+    return isinstance(getattr(dcp_metadata, name, None), type)
+
+
+def _dtype(module: str, name: str) -> bool:
+    return module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED or _metadata_class(module, name) or _dtype(module, name):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of DCP's checkpoint metadata")
+
+
+def read_dcp_metadata(path: Path) -> Any:
+    """Unpickle a DCP `.metadata` file through the whitelist."""
+    with open(path, "rb") as f:
+        try:
+            return _MetadataUnpickler(f).load()
+        except pickle.UnpicklingError as err:
+            raise UnsafeCheckpointError(f"{path} refused: {err} (a crafted file?)") from None
+
+
+class SafeReader(FileSystemReader):
+    """DCP's file-system reader with a whitelisted unpickler for `.metadata`."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        rank = kwargs.get("rank")
+        name = METADATA if rank is None else f"__{rank}{METADATA}"
+        metadata = read_dcp_metadata(Path(self.path) / name)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafePlanner(DefaultLoadPlanner):
+    """Non-tensor items are read with `weights_only=True`; DCP's planner then reads the re-saved
+    plain value (it always uses a full unpickler)."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        try:
+            plain = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as err:
+            fqn = read_item.dest_index.fqn
+            raise UnsafeCheckpointError(
+                f"checkpoint item {fqn!r} refused: {_first_line(err)}"
+            ) from None
+        again = io.BytesIO()
+        torch.save(plain, again)
+        again.seek(0)
+        super().load_bytes(read_item, again)
+
+
+def load_plain(path: Path) -> Any:
+    """A `torch.save`d file of tensors and plain values (the trainer's own state)."""
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise UnsafeCheckpointError(f"{path} refused: {_first_line(err)}") from None
+
+
+def _first_line(err: BaseException) -> str:
+    """The informative line of torch's weights-only error (it names the refused global)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    named = [line for line in lines if "Unsupported global" in line or "GLOBAL" in line]
+    return (named or lines or [type(err).__name__])[0]
