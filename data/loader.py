@@ -15,6 +15,7 @@ the state.
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -30,6 +31,7 @@ from data.reader import SplitReader
 from data.tokenizer import Tokenizer, TokenizerIdentity, load_tokenizer
 
 STATE_VERSION = 1
+log = logging.getLogger("data.loader")
 
 
 class Batch(NamedTuple):
@@ -144,7 +146,18 @@ class TokenLoader:
         self.position = 0  # global sample index of the next batch
         self._tokenizer: Tokenizer | None = None
         self.val = SplitReader(self.manifest, "val", cfg.verify)
-        self.val_batches = min(cfg.val_batches, self.val.num_windows(cfg.seq_len) // global_batch)
+        available = self.val.num_windows(cfg.seq_len) // global_batch
+        self.val_batches = min(cfg.val_batches, available)
+        if 0 < available < cfg.val_batches:
+            log.warning(
+                "data.val_batches=%d, but the validation split of %s holds only %d batches of %d "
+                "windows: evaluating those %d",
+                cfg.val_batches,
+                cfg.path,
+                available,
+                global_batch,
+                available,
+            )
         if self.val_batches == 0 and cfg.val_batches:
             raise DataError(
                 f"the validation split of {cfg.path} has {self.val.num_windows(cfg.seq_len)} "

@@ -58,7 +58,7 @@ def _adamw(cfg: OptimConfig, model: nn.Module) -> torch.optim.Optimizer:
     )
 
 
-OPTIMIZERS: dict[str, Callable[[OptimConfig, nn.Module], torch.optim.Optimizer]] = {
+BUILDERS: dict[str, Callable[[OptimConfig, nn.Module], torch.optim.Optimizer]] = {
     "adamw": _adamw,
     "muon": _muon,
     "muonclip": _muon,  # the same optimizer; the trainer applies QK-clip after each step
@@ -66,11 +66,11 @@ OPTIMIZERS: dict[str, Callable[[OptimConfig, nn.Module], torch.optim.Optimizer]]
 
 
 def build_optimizer(cfg: OptimConfig, model: nn.Module) -> torch.optim.Optimizer:
-    if cfg.name not in OPTIMIZERS:
+    if cfg.name not in BUILDERS:
         raise OptimConfigError(
-            f"optim.name={cfg.name!r} is not available; choose one of: {', '.join(OPTIMIZERS)}"
+            f"optim.name={cfg.name!r} is not available; choose one of: {', '.join(BUILDERS)}"
         )
-    optimizer = OPTIMIZERS[cfg.name](cfg, model)
+    optimizer = BUILDERS[cfg.name](cfg, model)
     apply_config(optimizer, cfg)
     return optimizer
 

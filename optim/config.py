@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from optim.errors import OptimConfigError
 
+OPTIMIZERS = ("adamw", "muon", "muonclip")  # the builder's registry keys (optim.builder.BUILDERS)
 SCHEDULES = ("cosine", "wsd", "constant")
 NS_SCHEDULES = ("quintic", "polar_express")
 MUON_SCALINGS = ("match_adamw", "spectral")
@@ -47,6 +48,10 @@ class OptimConfig:
     qk_clip_tau: float = 0.0  # MuonClip: cap each head's max attention logit at this; 0 = off
 
     def __post_init__(self) -> None:
+        _require(
+            self.name in OPTIMIZERS,
+            f"optim.name={self.name!r} is not available; choose one of: {', '.join(OPTIMIZERS)}",
+        )
         _require(self.lr > 0, f"optim.lr={self.lr} must be > 0")
         _require(
             0 <= self.beta1 < 1 and 0 <= self.beta2 < 1,

@@ -12,6 +12,7 @@ second trainer on it stops before writing anything (trainer.run_dir).
 
 from __future__ import annotations
 
+import errno
 import sys
 from pathlib import Path
 
@@ -79,6 +80,16 @@ def _train(cfg, run_dir: Path, ranks: Ranks) -> int:
         code = 2 if isinstance(err, SETTINGS_ERRORS) else getattr(err, "exit_code", 1)
     except KeyboardInterrupt:
         return _interrupted()
+    except OSError as err:
+        if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        log.error(
+            "no space left on the device of %s: %s; free space and run the same command "
+            "again (resume=auto continues from the newest checkpoint)",
+            err.filename or run_dir,
+            err.strerror,
+        )
+        return 1
     if code == 0:
         shutdown_distributed()
     return code

@@ -47,7 +47,7 @@ from trainer.checkpoint_record import (
 )
 from trainer.collective import all_true, barrier, from_main, several_ranks
 from trainer.fingerprint import Fingerprint
-from trainer.safe_load import SafePlanner, SafeReader, load_plain
+from trainer.safe_load import METADATA, SafePlanner, SafeReader, load_plain, read_dcp_metadata
 
 log = logging.getLogger("trainer.checkpoint")
 LATEST = "latest"
@@ -267,9 +267,9 @@ def _check_files(path: Path, verify: bool) -> None:
     record = CommitRecord.read(path)
     if record is None:
         log.warning("%s has no commit.json (an older checkpoint): files not verified", path)
-        return
-    if verify and (problem := verify_files(path, record.files)):
+    elif verify and (problem := verify_files(path, record.files)):
         raise CheckpointError(problem)
+    read_dcp_metadata(path / METADATA)  # refuses a crafted pickle with its own message
 
 
 def _read_extra(path: Path, rank: int) -> dict[str, Any]:

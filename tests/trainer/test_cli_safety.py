@@ -1,0 +1,182 @@
+"""`python -m trainer` as users and hostile environments run it (issue 13): a config that does not
+fit the checkpoint exits 2 and touches nothing, a busy run directory is refused, runs started in
+the same second get their own directories, Ctrl-C saves, settings errors stop before any file is
+written, and a disk that fills up gives one line."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.commands import OFFLINE, ROOT
+from tests.trainer.helpers import SMALL_OVERRIDES, metric_rows, run_trainer
+from trainer import run_dir as run_dirs
+from trainer.signals import StopFlag
+
+pytestmark = pytest.mark.integration
+
+
+def small(dataset: Path, run_dir: Path | None, *extra: str) -> list[str]:
+    where = [f"hydra.run.dir={run_dir}"] if run_dir is not None else []
+    return [f"data.path={dataset}", *where, *SMALL_OVERRIDES, "trainer.eval_every=0", *extra]
+
+
+def start(args: list[str], cwd: Path) -> subprocess.Popen:
+    env = os.environ | OFFLINE | {"PYTHONPATH": str(ROOT)}
+    return subprocess.Popen(
+        [sys.executable, "-m", "trainer", *args],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def wait_for_rows(proc: subprocess.Popen, run_dir: Path, rows: int = 3) -> None:
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and metrics.read_text().count("\n") >= rows):
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def test_a_config_that_does_not_fit_the_checkpoint_exits_2_and_keeps_the_run(dataset, tmp_path):
+    run_dir = tmp_path / "run"
+    args = small(dataset, run_dir, "trainer.max_steps=2", "checkpoint.every=2")
+    assert run_trainer(*args, cwd=tmp_path).returncode == 0
+    rows = (run_dir / "metrics.jsonl").read_text()
+    listing = sorted(str(p) for p in (run_dir / "checkpoints").rglob("*"))
+    result = run_trainer(*args, "trainer.max_steps=4", "model.n_layers=1", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "model.n_layers=2 in the checkpoint, 1 now" in result.stderr
+    assert "damaged" not in result.stderr and "Traceback" not in result.stderr
+    assert (run_dir / "metrics.jsonl").read_text() == rows
+    assert sorted(str(p) for p in (run_dir / "checkpoints").rglob("*")) == listing
+
+
+def test_a_busy_run_directory_is_refused_and_ctrl_c_saves(dataset, tmp_path):
+    run_dir = tmp_path / "run"
+    first = start(small(dataset, run_dir, "trainer.max_steps=400"), tmp_path)
+    try:
+        wait_for_rows(first, run_dir)
+        second = run_trainer(*small(dataset, run_dir, "trainer.max_steps=2"), cwd=tmp_path)
+        assert second.returncode == 2
+        assert f"is in use by pid {first.pid}" in second.stderr
+        assert "Traceback" not in second.stderr
+        first.send_signal(signal.SIGINT)  # Ctrl-C: save at the end of the step, exit 130
+        assert first.wait(timeout=120) == 130
+    finally:
+        first.kill()
+    log = (run_dir / "train.log").read_text()
+    assert "stopped by SIGINT" in log and "Traceback" not in first.stderr.read()
+    step = int((run_dir / "checkpoints" / "latest").read_text().strip().split("_")[1])
+    assert 3 <= step < 400
+    assert max(r["step"] for r in metric_rows(run_dir)) <= step + 1
+
+
+def test_a_second_ctrl_c_exits_at_once(monkeypatch):
+    exits = []
+    monkeypatch.setattr(os, "_exit", exits.append)
+    stop = StopFlag()
+    stop._handler(signal.SIGINT, None)
+    assert stop.requested() and stop.name() == "SIGINT" and exits == []
+    stop._handler(signal.SIGINT, None)
+    assert exits == [130]
+
+
+def test_runs_started_in_the_same_second_get_their_own_directories(dataset, tmp_path):
+    procs = [start(small(dataset, None, "trainer.max_steps=1"), tmp_path) for _ in range(2)]
+    for proc in procs:
+        assert proc.wait(timeout=300) == 0, proc.stderr.read()[-3000:]
+    runs = sorted((tmp_path / "runs").iterdir())
+    assert len(runs) == 2 and all((r / "metrics.jsonl").is_file() for r in runs)
+
+
+def test_claiming_a_name_taken_in_the_same_second_adds_a_suffix(tmp_path):
+    base = tmp_path / "runs" / "2026-12-01_08-00-00"
+    assert run_dirs.claim_unique(base) == base
+    assert run_dirs.claim_unique(base).name == "2026-12-01_08-00-00-2"
+    assert run_dirs.claim_unique(base).name == "2026-12-01_08-00-00-3"
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("optim.name=adamx", "optim.name='adamx' is not available; choose one of: adamw, muon"),
+        ("trainer.spike_factor=-2", "trainer.spike_factor=-2.0 must be 0 (off) or > 1"),
+        ("parallel.ep=2", "parallel.ep=2"),
+        ("trainer.batch_size=3", "trainer.batch_size=3 is not divisible"),
+    ],
+)
+def test_settings_errors_touch_no_file(tmp_path, override, message):
+    """With the default corpus not prepared yet: nothing is prepared, no run directory is left."""
+    data_dir = tmp_path / "data"
+    run_dir = tmp_path / "run"
+    result = run_trainer(
+        f"hydra.run.dir={run_dir}",
+        override,
+        "trainer.micro_batch_size=2",
+        "logging.progress=false",
+        cwd=tmp_path,
+        env={"LMFORGE_DATA_DIR": str(data_dir)},
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert message in result.stderr and "Traceback" not in result.stderr
+    assert not run_dir.exists() and not data_dir.exists()
+
+
+def test_without_validation_no_validation_rows_are_written(dataset, tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_trainer(
+        *small(dataset, run_dir, "trainer.max_steps=2", "data.val_batches=0"), cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert not [r for r in metric_rows(run_dir) if "val_loss" in r]
+    assert "validation loss" not in (run_dir / "train.log").read_text()
+
+
+def _can_mount_tmpfs() -> bool:
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        return False
+    probe = subprocess.run(
+        [unshare, "--user", "--map-root-user", "--mount", "sh", "-c", "mount -t tmpfs none /mnt"],
+        capture_output=True,
+    )
+    return probe.returncode == 0
+
+
+@pytest.mark.skipif(not _can_mount_tmpfs(), reason="needs unshare and a user namespace for tmpfs")
+def test_a_full_disk_is_one_line_that_names_what_was_kept(dataset, tmp_path):
+    """The run directory on a 3 MiB tmpfs: the first checkpoint fits, a later one does not."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    args = small(dataset, disk / "run", "trainer.max_steps=40", "checkpoint.every=1")
+    args += ["checkpoint.keep=40"]
+    script = (
+        f"mount -t tmpfs -o size=3m none {disk} && exec {sys.executable} -m trainer "
+        + " ".join(f"'{a}'" for a in args)
+    )
+    env = os.environ | OFFLINE | {"PYTHONPATH": str(ROOT)}
+    result = subprocess.run(
+        ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 1, result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if "no space left on" in line]
+    assert lines and "the newest complete checkpoint is" in lines[0], result.stderr[-3000:]
+    assert "Free space and run the same command again" in lines[0]
+    assert "Traceback" not in result.stderr and "unexpected pos" not in result.stderr

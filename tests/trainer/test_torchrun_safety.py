@@ -1,0 +1,143 @@
+"""Several ranks under torchrun when things go wrong (issue 13, items 5, 14, 15, 16): background
+checkpoints with two ranks commit and resume exactly, workers leave when their agent is killed,
+a stopped rank ends the job after `parallel.timeout_s` with a line naming the collective, and
+FSDP trains with validation off."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.commands import OFFLINE, ROOT
+from tests.trainer.helpers import SMALL_OVERRIDES, metric_rows, train_losses
+from tests.trainer.test_torchrun import torchrun
+
+pytestmark = [pytest.mark.integration, pytest.mark.distributed]
+FP32 = ["trainer.precision=fp32", "trainer.eval_every=0"]
+
+
+def common(dataset: Path, run_dir: Path, *extra: str) -> list[str]:
+    return [f"data.path={dataset}", *SMALL_OVERRIDES, *FP32, f"hydra.run.dir={run_dir}", *extra]
+
+
+def start_torchrun(nproc: int, overrides: list[str], cwd: Path) -> subprocess.Popen:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += [f"--nproc_per_node={nproc}", "-m", "trainer", *overrides]
+    env = os.environ | OFFLINE | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(
+        command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def workers_of(agent: int) -> dict[int, int]:
+    """rank -> pid of the trainer processes whose parent is `agent`."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        ranks = [e for e in env if e.startswith(b"RANK=")]
+        if ppid == agent and ranks:
+            found[int(ranks[0].split(b"=")[1])] = int(entry.name)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def signal_all(pids, sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+def wait_until(condition, seconds: float, what: str) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def rows_written(run_dir: Path, count: int) -> bool:
+    path = run_dir / "metrics.jsonl"
+    return path.exists() and path.read_text().count("\n") >= count
+
+
+def test_background_checkpoints_on_two_ranks_commit_and_resume_exactly(dataset, tmp_path):
+    steps = ["trainer.max_steps=6", "checkpoint.every=2"]
+    whole = torchrun(2, *common(dataset, tmp_path / "whole", *steps), cwd=tmp_path)
+    assert whole.returncode == 0, whole.stderr[-4000:]
+    killed = tmp_path / "killed"
+    background = [*steps, "checkpoint.async_save=true", "trainer.fault_step=5"]
+    first = torchrun(2, *common(dataset, killed, *background), cwd=tmp_path)
+    assert first.returncode != 0  # every rank SIGKILLed itself at step 5
+    committed = [p.name for p in (killed / "checkpoints").iterdir() if p.name.startswith("step")]
+    assert "step_00000004" in committed or "step_00000002" in committed
+    assert not [n for n in committed if n.endswith(".tmp") and n != "step_00000006.tmp"]
+    second = torchrun(2, *common(dataset, killed, *background), cwd=tmp_path)
+    assert second.returncode == 0, second.stderr[-4000:]
+    assert "resumed from" in (killed / "train.log").read_text()
+    assert train_losses(killed) == train_losses(tmp_path / "whole")
+    assert (killed / "checkpoints" / "latest").read_text().strip() == "step_00000006"
+
+
+def test_fsdp_trains_with_validation_off(dataset, tmp_path):
+    run_dir = tmp_path / "run"
+    result = torchrun(
+        2, *common(dataset, run_dir, "trainer.max_steps=2", "data.val_batches=0"), cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert [r["step"] for r in metric_rows(run_dir) if "loss" in r] == [1, 2]
+    assert not [r for r in metric_rows(run_dir) if "val_loss" in r]
+    assert "sample at step 0" in (run_dir / "train.log").read_text()
+
+
+def test_workers_save_and_leave_when_their_agent_is_killed(dataset, tmp_path):
+    run_dir = tmp_path / "run"
+    agent = start_torchrun(2, common(dataset, run_dir, "trainer.max_steps=100000"), tmp_path)
+    workers: dict[int, int] = {}
+    try:
+        wait_until(lambda: rows_written(run_dir, 3), 120, "training rows")
+        workers = workers_of(agent.pid)
+        assert sorted(workers) == [0, 1]
+        os.kill(agent.pid, signal.SIGKILL)
+        agent.wait(timeout=30)
+        wait_until(lambda: not any(alive(p) for p in workers.values()), 150, "workers to exit")
+    finally:
+        signal_all(workers.values(), signal.SIGKILL)
+    log = (run_dir / "train.log").read_text()
+    assert "saved (SIGTERM received)" in log, log[-3000:]
+
+
+def test_a_stopped_rank_ends_the_job_after_the_collective_timeout(dataset, tmp_path):
+    run_dir = tmp_path / "run"
+    overrides = common(dataset, run_dir, "trainer.max_steps=100000", "parallel.timeout_s=5")
+    agent = start_torchrun(2, overrides, tmp_path)
+    workers: dict[int, int] = {}
+    try:
+        wait_until(lambda: rows_written(run_dir, 3), 120, "training rows")
+        workers = workers_of(agent.pid)
+        os.kill(workers[1], signal.SIGSTOP)  # a hung rank
+        agent.wait(timeout=180)  # not the old hard-coded 10 minutes
+    finally:
+        signal_all(workers.values(), signal.SIGCONT)
+        agent.kill()
+    log = (run_dir / "train.log").read_text()
+    assert "rank 0: a collective in training step" in log, log[-3000:]
+    assert "waited more than 5 s (parallel.timeout_s)" in log
