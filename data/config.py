@@ -80,7 +80,14 @@ class PrepareConfig:
         ]
         if self.tokenizer == "train":
             keys += ["vocab_size", "tokenizer_train_chars"]
-        return {k: getattr(self, k) for k in keys}
+        return {k: getattr(self, k) for k in keys} | {"source": self.resolved_source()}
+
+    def resolved_source(self) -> str:
+        """The source with a file path made absolute: `corpus/` and `/home/me/corpus/` are the
+        same source, whichever directory the command runs in."""
+        if self.source == "stdlib" or self.source.startswith("hf:"):
+            return self.source
+        return str(Path(self.source).expanduser().resolve())
 
 
 def default_dataset_name(source: str, tokenizer: str, vocab_size: int) -> str:

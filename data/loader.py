@@ -28,7 +28,7 @@ from data.errors import DataError
 from data.manifest import Manifest
 from data.permutation import IndexPermutation
 from data.reader import SplitReader
-from data.tokenizer import Tokenizer, TokenizerIdentity, load_tokenizer
+from data.tokenizer import Tokenizer, TokenizerIdentity, load_verified_tokenizer
 
 STATE_VERSION = 1
 log = logging.getLogger("data.loader")
@@ -169,7 +169,9 @@ class TokenLoader:
     @property
     def tokenizer(self) -> Tokenizer:
         if self._tokenizer is None:
-            self._tokenizer = load_tokenizer(self.manifest.root / "tokenizer")
+            self._tokenizer = load_verified_tokenizer(
+                self.manifest.root / "tokenizer", self.manifest.tokenizer, f"{self.manifest.root}"
+            )
         return self._tokenizer
 
     @property

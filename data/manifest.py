@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,19 @@ MANIFEST = "manifest.json"
 SPLITS = ("train", "val")
 CHECKSUM = "xxh3_128"
 INDEX_DTYPE = np.dtype(np.int64)
+
+
+def _check_paths_inside(path: Path, splits: dict[str, list[ShardRecord]], tokenizer: str) -> None:
+    """Every file the manifest names lies inside the dataset directory (no absolute paths, no
+    `..`): a crafted manifest must not make the loader read other files."""
+    named = [tokenizer] + [rel for recs in splits.values() for r in recs for rel in (r.bin, r.idx)]
+    for rel in named:
+        normal = os.path.normpath(str(rel))
+        if os.path.isabs(normal) or normal == ".." or normal.startswith(".." + os.sep):
+            raise DataError(
+                f"{path} names {rel!r}, which lies outside the dataset directory: refused. A "
+                f"manifest written by data.prepare only names files inside it; prepare it again"
+            )
 
 
 def file_checksum(path: Path, chunk: int = 1 << 23) -> str:
@@ -97,6 +111,7 @@ class Manifest:
                 name: [ShardRecord(**s) for s in raw["splits"][name]["shards"]] for name in SPLITS
             }
             tok = raw["tokenizer"]
+            _check_paths_inside(path, splits, tok.get("dir", "tokenizer"))
             return cls(
                 root=root,
                 tokenizer=TokenizerIdentity.from_dict(tok),
@@ -113,6 +128,10 @@ class Manifest:
                 f"{path} is damaged ({type(err).__name__}: {err}); delete it and re-run "
                 f"`python -m data.prepare` with the same arguments to rewrite it"
             ) from err
+
+    @property
+    def tokenizer_dir(self) -> Path:
+        return self.root / self.raw["tokenizer"].get("dir", "tokenizer")
 
     def check_tokenizer(self, expected: TokenizerIdentity | None, who: str = "the model") -> None:
         """Stop when the shards were tokenized differently from what `who` was trained with."""

@@ -12,6 +12,7 @@ finished dataset it verifies the shards and rewrites any that are missing or dam
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import itertools
@@ -38,7 +39,13 @@ from data.encode_pool import EncodePool
 from data.errors import DataError
 from data.manifest import FORMAT, MANIFEST, SPLITS, Manifest, file_checksum
 from data.sources import Document, Source, SourceOptions
-from data.tokenizer import META_FILE, Tokenizer, load_tokenizer
+from data.tokenizer import (
+    META_FILE,
+    Tokenizer,
+    TokenizerIdentity,
+    load_tokenizer,
+    load_verified_tokenizer,
+)
 from data.writer import ShardWriter
 
 log = logging.getLogger("data.prepare")
@@ -75,9 +82,18 @@ def token_dtype(choice: str, vocab_size: int) -> np.dtype:
 def prepare(cfg: PrepareConfig) -> Manifest:
     """Prepare (or finish, or repair) the dataset that `cfg` describes; returns its manifest."""
     out = cfg.output_dir()
-    out.mkdir(parents=True, exist_ok=True)
+    _make_dir(out)
     with _exclusive(out):
         return _prepare_locked(cfg, out)
+
+
+def _make_dir(out: Path) -> None:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise DataError(
+            f"out={out} cannot be created ({err.strerror}: {err.filename}); pass out=<a directory>"
+        ) from None
 
 
 @contextmanager
@@ -165,6 +181,13 @@ def _prepare_locked(cfg: PrepareConfig, out: Path) -> Manifest:
 
 def _warn_about_dropped_input(source: Source) -> None:
     report = source.report
+    if report.missing_text:
+        log.warning(
+            "%d rows have no %r value (absent or null) and were left out; set text_column= if "
+            "the text is in another column",
+            report.missing_text,
+            source.options.text_column,
+        )
     if report.skipped_count or report.replaced_count:
         log.warning(
             "%d inputs skipped and %d with replaced bytes (listed under `source` in %s)",
@@ -191,8 +214,17 @@ def _claim(out: Path, cfg: PrepareConfig, source: Source) -> None:
     settings (say, after fixing a bad text_column) simply starts over."""
     path = out / SETTINGS_FILE
     wanted = cfg.fingerprint() | {"source_files": source.files_digest()}
-    if path.is_file():
-        had = json.loads(path.read_text())
+    try:
+        had = _read_settings(out) if path.is_file() else None
+    except DataError:
+        if _has_shards(out):
+            raise
+        had = None  # nothing was written under it yet: start over
+    if had is not None:
+        if had.get("source_files") == source.files_digest(legacy=True):
+            had["source_files"] = wanted["source_files"]  # recorded before paths were resolved
+        if had.get("source") == cfg.source:
+            had["source"] = wanted["source"]
         diff = {k: (had.get(k), v) for k, v in wanted.items() if had.get(k) != v}
         if diff and _has_shards(out):
             if set(diff) == {"source_files"}:
@@ -210,6 +242,23 @@ def _claim(out: Path, cfg: PrepareConfig, source: Source) -> None:
             return
         shutil.rmtree(out / "tokenizer", ignore_errors=True)  # made under the old settings
     atomic_write_json(path, wanted)
+
+
+def _read_settings(out: Path) -> dict:
+    """prepare.json as a dict ({} when absent); a damaged one is named with the way out."""
+    path = out / SETTINGS_FILE
+    if not path.is_file():
+        return {}
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError):
+        raw = None
+    if not isinstance(raw, dict):
+        raise DataError(
+            f"{path} is damaged (not the JSON data.prepare writes), so the settings of the shards "
+            f"in {out} are unknown; restore it, or delete {out} and prepare again"
+        )
+    return raw
 
 
 def _has_shards(out: Path) -> bool:
@@ -233,7 +282,8 @@ def _forget_damaged_shards(out: Path, progress: bool) -> bool:
                     (out / name / f"{later:05d}.json").unlink(missing_ok=True)
                 damaged = True
                 break
-    if damaged:
+    if damaged:  # the manifest goes; its tokenizer identity stays in prepare.json
+        _remember_tokenizer(out, manifest.tokenizer)
         (out / MANIFEST).unlink()
     return damaged
 
@@ -254,7 +304,12 @@ def _obtain_tokenizer(
     """The dataset's own copy in `out/tokenizer` (made on first run: trained, or copied)."""
     directory = out / "tokenizer"
     if (directory / META_FILE).is_file():
-        return load_tokenizer(directory)
+        expected = _recorded_tokenizer(out)
+        if expected is None:  # prepared before identities were recorded: record it now
+            tokenizer = load_tokenizer(directory)
+            _remember_tokenizer(out, tokenizer.identity)
+            return tokenizer
+        return load_verified_tokenizer(directory, expected, f"the dataset in {out}")
     if cfg.tokenizer == "train":
         token_dtype(cfg.token_dtype, cfg.vocab_size)  # before spending the training time
         log.info("training a %d-token BPE on %s", cfg.vocab_size, cfg.source)
@@ -264,8 +319,26 @@ def _obtain_tokenizer(
         tokenizer = load_tokenizer(cfg.tokenizer)
     token_dtype(cfg.token_dtype, tokenizer.vocab_size)  # fail before saving anything
     tokenizer.save(directory)
+    _remember_tokenizer(out, tokenizer.identity)
     log.info("tokenizer %s saved in %s", tokenizer, directory)
     return tokenizer
+
+
+def _recorded_tokenizer(out: Path) -> TokenizerIdentity | None:
+    """The identity of the tokenizer this dataset was made with (prepare.json, or the
+    manifest of a finished dataset)."""
+    settings = _read_settings(out)
+    if "tokenizer_identity" in settings:
+        return TokenizerIdentity.from_dict(settings["tokenizer_identity"])
+    if (out / MANIFEST).is_file():
+        return Manifest.load(out).tokenizer
+    return None
+
+
+def _remember_tokenizer(out: Path, identity: TokenizerIdentity) -> None:
+    atomic_write_json(
+        out / SETTINGS_FILE, _read_settings(out) | {"tokenizer_identity": identity.to_dict()}
+    )
 
 
 def _training_texts(cfg: PrepareConfig, source: Source, split: DocumentSplit) -> Iterator[str]:
@@ -354,7 +427,7 @@ def _configure_logging(out: Path) -> None:
     fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
     console = logging.StreamHandler(sys.stderr)
     console.setFormatter(fmt)
-    out.mkdir(parents=True, exist_ok=True)
+    _make_dir(out)
     logfile = logging.FileHandler(out / "prepare.log")
     logfile.setFormatter(fmt)
     root = logging.getLogger()
@@ -364,11 +437,20 @@ def _configure_logging(out: Path) -> None:
 
 def run(cfg: PrepareConfig) -> int:
     """The command: prepare, log to the console and `out/prepare.log`, exit 1 on bad input."""
-    _configure_logging(cfg.output_dir())
     try:
+        _configure_logging(cfg.output_dir())
         prepare(cfg)
     except DataError as err:
         log.error("%s", err)
+        return 1
+    except OSError as err:
+        if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        log.error(
+            "no space left on the device of %s: the finished shards are kept; free space and run "
+            "the same command again to continue",
+            err.filename or cfg.output_dir(),
+        )
         return 1
     except KeyboardInterrupt:
         log.error("interrupted: finished shards are kept; re-run the same command to continue")

@@ -30,6 +30,7 @@ class SplitReader:
     def __init__(self, manifest: Manifest, split: str, verify: str = "lazy"):
         self.root, self.split, self.verify = manifest.root, split, verify
         self.dtype = manifest.dtype
+        self.vocab_size = manifest.vocab_size
         self.records: list[ShardRecord] = manifest.splits[split]
         sizes = np.array([r.tokens for r in self.records], dtype=np.int64)
         self.starts = np.concatenate([[0], np.cumsum(sizes)])  # (shards + 1,) stream offsets
@@ -90,10 +91,19 @@ class SplitReader:
         if self.verify == "lazy" and k not in self._verified:
             self._verify(k)
         rec = self.records[k]
-        self._maps[k] = (
+        tokens, offsets = (
             _map(self.root / rec.bin, self.dtype),
             _map(self.root / rec.idx, INDEX_DTYPE),
         )
+        # once per shard and process, whatever data.verify says: O(documents), not O(tokens)
+        if offsets.size and (
+            offsets[0] < 0 or offsets[-1] >= max(rec.tokens, 1) or np.any(np.diff(offsets) <= 0)
+        ):
+            raise DataError(
+                f"shard {self.root / rec.bin} is damaged (its document offsets in {rec.idx} are "
+                f"not increasing inside the shard); {self._fix()}"
+            )
+        self._maps[k] = (tokens, offsets)
         if len(self._maps) > MAX_OPEN_SHARDS:
             self._maps.popitem(last=False)  # windows are copies, so no view keeps it open
         return self._maps[k]
@@ -102,10 +112,26 @@ class SplitReader:
         return max(0, (self.tokens - 1) // seq_len)
 
     def window(self, i: int, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
-        """Window i: (tokens (T+1,) int64, doc_ids (T,) int32)."""
+        """Window i: (tokens (T+1,) int64, doc_ids (T,) int32). Damaged shards that passed the
+        size check (data.verify=size) stop with their name, not an IndexError later."""
         start, length = i * seq_len, seq_len + 1
         if i < 0 or start + length > self.tokens:
             raise IndexError(f"window {i} of seq_len {seq_len} is outside the {self.split} split")
+        try:
+            tokens, doc_ids = self._window(start, length, seq_len)
+        except IndexError:
+            raise DataError(self._damaged(start, "its document offsets are out of range")) from None
+        if tokens.min() < 0 or tokens.max() >= self.vocab_size:
+            raise DataError(
+                self._damaged(start, f"it holds token ids outside [0, {self.vocab_size})")
+            )
+        return tokens, doc_ids
+
+    def _damaged(self, start: int, what: str) -> str:
+        k = int(np.searchsorted(self.starts, start, side="right")) - 1
+        return f"shard {self.root / self.records[k].bin} is damaged ({what}); {self._fix()}"
+
+    def _window(self, start: int, length: int, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
         tokens = np.empty(length, dtype=np.int64)
         is_start = np.zeros(length, dtype=np.int32)
         k = int(np.searchsorted(self.starts, start, side="right")) - 1
@@ -116,7 +142,10 @@ class SplitReader:
             hi = min(len(shard_tokens), lo + length - filled)
             tokens[filled : filled + hi - lo] = shard_tokens[lo:hi]
             first, last = np.searchsorted(doc_offsets, [lo, hi])
-            is_start[doc_offsets[first:last] - lo + filled] = 1
+            starts = doc_offsets[first:last] - lo + filled
+            if starts.size and (starts.min() < filled or starts.max() >= filled + hi - lo):
+                raise IndexError("document offsets outside the shard piece")  # unsorted: damaged
+            is_start[starts] = 1
             filled += hi - lo
             k += 1
         is_start[0] = 0  # ids count documents from the window's first token

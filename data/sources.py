@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from data import jsonl
 from data.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ class SourceReport:
     skipped_count: int = 0
     replaced_count: int = 0
     empty: int = 0  # documents with no text
+    missing_text: int = 0  # rows whose text column is absent or null
 
     def skip(self, origin: str, reason: str) -> None:
         self.skipped_count += 1
@@ -70,6 +72,7 @@ class SourceReport:
         return {
             "files": self.files,
             "empty_documents": self.empty,
+            "rows_without_text": self.missing_text,
             "skipped_count": self.skipped_count,
             "skipped": self.skipped,
             "replaced_count": self.replaced_count,
@@ -98,15 +101,28 @@ class Source:
         self.spec, self.options = spec, options
         self.report = SourceReport()
         self.kind, self.files = _resolve(spec, options.include)
-        self.total_bytes = sum(f.stat().st_size for f in self.files) if self.files else None
+        self.stats = {f: _identity(f) for f in self.files}  # (size, mtime) when listed
+        self.total_bytes = sum(size for size, _ in self.stats.values()) if self.files else None
 
-    def files_digest(self) -> str:
-        """Names and sizes of the source files (empty for HF datasets): a change between a crash
-        and the re-run would otherwise mix two corpora in one dataset."""
+    def files_digest(self, legacy: bool = False) -> str:
+        """Absolute names and sizes of the source files (empty for HF datasets): a change between
+        a crash and the re-run would otherwise mix two corpora in one dataset. `legacy`: the
+        names as given (what earlier versions recorded)."""
         h = hashlib.sha256()
         for path in self.files:
-            h.update(f"{path}\t{path.stat().st_size}\n".encode())
+            name = path if legacy else path.resolve()
+            h.update(f"{name}\t{path.stat().st_size}\n".encode())
         return h.hexdigest()[:16]
+
+    def _check_unchanged(self, path: Path) -> None:
+        """A file written to while it is read would put half of it in the dataset."""
+        before, now = self.stats.get(path), _identity(path)
+        if before is not None and now != before:
+            raise DataError(
+                f"{path} changed while it was being prepared ({before[0]} -> {now[0]} bytes): "
+                f"wait until it is complete, then prepare again (into a new out=, or delete the "
+                f"partial one)"
+            )
 
     def describe(self) -> dict[str, Any]:
         d: dict[str, Any] = {"spec": self.spec, "kind": self.kind}
@@ -133,6 +149,7 @@ class Source:
             return
         for index, path in enumerate(self.files):
             text = self._decode(path.read_bytes(), str(path), 0)
+            self._check_unchanged(path)
             if text is None:
                 continue
             if not text:
@@ -153,6 +170,7 @@ class Source:
                     self.report.empty += 1
                     continue
                 yield Document(index - 1, text, f"{path}@{offset}")
+            self._check_unchanged(path)
 
     def _decode(self, raw: bytes, origin: str, offset: int) -> str | None:
         try:
@@ -173,6 +191,12 @@ class Source:
     def _from_structured_files(self) -> Iterator[Document]:
         index = 0
         for path in self.files:
+            if jsonl.readable(path):
+                for doc in self._from_json_lines(path, index):
+                    index = doc.index + 1
+                    yield doc
+                self._check_unchanged(path)
+                continue
             kept = 0
             try:
                 rows = _structured_rows(path, self.options.text_column)
@@ -185,24 +209,65 @@ class Source:
                     raise DataError(f"{path}: {err}; set decode_errors=skip to drop it") from err
                 what = f"kept the {kept} documents before it" if kept else "nothing kept"
                 self.report.skip(str(path), f"{err} ({what})")
+            self._check_unchanged(path)
+
+    def _from_json_lines(self, path: Path, start: int) -> Iterator[Document]:
+        """One row per line; a bad line is skipped alone (or fatal with decode_errors=strict)."""
+        strict = self.options.decode_errors == "strict"
+        valid = 0
+        try:
+            for i, row in enumerate(jsonl.rows(path, self.options.decode_errors)):
+                origin = f"{path}:{row.line}"
+                if row.problem:
+                    if strict:
+                        raise DataError(
+                            f"{origin}: {row.problem}; set decode_errors=skip to drop such lines"
+                        )
+                    self.report.skip(origin, row.problem)
+                    continue
+                doc = self._row_document(row.value, start + i, origin, first=valid == 0)
+                valid += 1
+                if doc is not None:
+                    yield doc
+        except UnicodeDecodeError as err:  # strict: the first bad line stops the preparation
+            raise DataError(
+                f"{path}: undecodable bytes ({err.reason}); set decode_errors=skip or replace"
+            ) from err
 
     def _from_rows(self, rows: Iterator[Any], origin: str, start: int = 0) -> Iterator[Document]:
-        column = self.options.text_column
         for i, row in enumerate(rows):
-            if i == 0 and column not in row:
-                raise DataError(
-                    f"{origin} has no column {column!r} (columns: {sorted(row)}); "
-                    f"set text_column=<one of them>"
-                )
-            text = row[column]
-            if not isinstance(text, str) or not text:
-                self.report.empty += 1
-                continue
-            yield Document(start + i, text, f"{origin}[{i}]")
+            doc = self._row_document(row, start + i, f"{origin}[{i}]", first=i == 0)
+            if doc is not None:
+                yield doc
+
+    def _row_document(self, row: dict, index: int, origin: str, first: bool) -> Document | None:
+        """The document of one row; None (counted) when its text is absent, null or empty."""
+        column = self.options.text_column
+        if first and column not in row:
+            raise DataError(
+                f"{origin} has no column {column!r} (columns: {sorted(row)}); "
+                f"set text_column=<one of them>"
+            )
+        text = row.get(column)
+        if text is None:  # absent from this row, or null
+            self.report.missing_text += 1
+            return None
+        if not isinstance(text, str):
+            self.report.skip(origin, f"{column!r} holds a {type(text).__name__}, not text")
+            return None
+        if not text:
+            self.report.empty += 1
+            return None
+        return Document(index, text, origin)
 
 
 class _RowsFailed(Exception):
     """A structured file could not be parsed (bad JSON, bad bytes, bad parquet)."""
+
+
+def _identity(path: Path) -> tuple[int, int]:
+    stat = path.stat()
+    return stat.st_size, stat.st_mtime_ns
 
 
 def _structured_rows(path: Path, column: str) -> Iterator[dict]:

@@ -165,6 +165,23 @@ def load_tokenizer(spec: str | Path) -> Tokenizer:
     return load_named_encoding(str(spec))
 
 
+def load_verified_tokenizer(directory: Path, expected: TokenizerIdentity, owner: str) -> Tokenizer:
+    """The tokenizer saved in `directory`, which must be the one `owner` (a dataset, a
+    checkpoint) records: a swapped folder would decode and encode other text for the same ids."""
+    if not (directory / RANKS_FILE).is_file():
+        raise DataError(
+            f"{directory} holds no tokenizer ({RANKS_FILE} is missing); {owner} needs it"
+        )
+    tokenizer = load_tokenizer(directory)
+    if tokenizer.identity.hash != expected.hash:
+        raise DataError(
+            f"the tokenizer in {directory} is {tokenizer.identity.short()}, but {owner} records "
+            f"{expected.short()}: the folder was replaced. Restore the original tokenizer/ folder "
+            f"(or prepare the data again)"
+        )
+    return tokenizer
+
+
 def _meta_beside(path: Path) -> Path:
     """`foo.tiktoken` takes its pattern from `foo.json`, or `tokenizer.json` in its directory."""
     own = path.with_suffix(".json")

@@ -21,12 +21,23 @@ import torch.distributed.checkpoint as dcp
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
+from data.errors import DataError
+from data.manifest import Manifest
+from data.tokenizer import TokenizerIdentity, load_verified_tokenizer
 from model.config import ModelConfig, config_from_dict
 from model.errors import ConfigError
 from model.hf import save_hf
 from model.transformer import build_model
-from trainer.checkpoint import complete_checkpoints
+from trainer.checkpoint import LOAD_ERRORS, CheckpointError, complete_checkpoints
+from trainer.checkpoint_record import CommitRecord, verify_files
 from trainer.config import CONF_DIR
+from trainer.safe_load import (
+    METADATA,
+    SafePlanner,
+    SafeReader,
+    load_plain,
+    read_dcp_metadata,
+)
 
 log = logging.getLogger("trainer.export")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -46,31 +57,66 @@ class ExportConfig:
             raise ConfigError(f"dtype={self.dtype!r} is not one of {sorted(DTYPES)}")
 
 
-def find_checkpoint(path: Path) -> Path:
+def candidates(path: Path) -> list[Path]:
+    """A checkpoint directory itself, or a run directory's checkpoints, newest first."""
     if (path / ".metadata").is_file():
-        return path
+        return [path]
     for root in (path / "checkpoints", path):
         found = complete_checkpoints(root)
         if found:
-            return found[0]
+            return found
     raise ConfigError(f"path={path} is neither a checkpoint nor a run directory with one")
 
 
-def export(cfg: ExportConfig) -> Path:
-    ckpt = find_checkpoint(Path(cfg.path).expanduser())
-    extra = torch.load(ckpt / "trainer_rank0.pt", weights_only=False)
-    model_cfg = config_from_dict(ModelConfig, extra["model_config"])
-    model = build_model(model_cfg, device="cpu")
+def load_for_export(path: Path) -> tuple[Path, dict, torch.nn.Module]:
+    """(checkpoint, its trainer state, the model with its weights) of the newest checkpoint
+    under `path` that verifies and loads; damaged ones are reported and skipped."""
+    tried = []
+    for ckpt in candidates(path):
+        try:
+            return (ckpt, *_load(ckpt))
+        except LOAD_ERRORS as err:  # damaged, unsafe or incomplete: the one before it
+            log.warning(
+                "checkpoint %s cannot be exported (%s); trying the one before it", ckpt, err
+            )
+            tried.append(ckpt.name)
+    raise CheckpointError(f"no checkpoint under {path} loads (tried {', '.join(tried)})")
+
+
+def _load(ckpt: Path) -> tuple[dict, torch.nn.Module]:
+    record = CommitRecord.read(ckpt)
+    if record is not None and (problem := verify_files(ckpt, record.files)):
+        raise CheckpointError(problem)
+    read_dcp_metadata(ckpt / METADATA)
+    extra = load_plain(ckpt / "trainer_rank0.pt")
+    model = build_model(config_from_dict(ModelConfig, extra["model_config"]), device="cpu")
     state = {"model": model.state_dict()}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        dcp.load(state, checkpoint_id=str(ckpt))
+        dcp.load(state, storage_reader=SafeReader(str(ckpt)), planner=SafePlanner())
     model.load_state_dict(state["model"])
+    return extra, model
+
+
+def copy_tokenizer(extra: dict, out: Path) -> None:
+    """The training data's tokenizer, verified to be the one the checkpoint was trained with."""
+    directory = Path(extra.get("tokenizer_dir") or "")
+    if not directory.is_dir():
+        log.warning("the tokenizer %s is not there any more: exported without it", directory)
+        return
+    if "tokenizer" in extra:
+        expected = TokenizerIdentity.from_dict(extra["tokenizer"])
+    else:  # older checkpoints: the dataset's manifest says which tokenizer it was
+        expected = Manifest.load(directory.parent).tokenizer
+    load_verified_tokenizer(directory, expected, "the checkpoint")
+    shutil.copytree(directory, out / "tokenizer", dirs_exist_ok=True)
+
+
+def export(cfg: ExportConfig) -> Path:
+    ckpt, extra, model = load_for_export(Path(cfg.path).expanduser())
     out = Path(cfg.out).expanduser()
     save_hf(model, out, dtype=DTYPES[cfg.dtype], overwrite=cfg.overwrite)
-    tokenizer = extra.get("tokenizer_dir")
-    if tokenizer and Path(tokenizer).is_dir():
-        shutil.copytree(tokenizer, out / "tokenizer", dirs_exist_ok=True)
+    copy_tokenizer(extra, out)
     log.info("exported %s (step %d) to %s", ckpt, extra["step"], out)
     return out
 
@@ -83,7 +129,7 @@ def main(dict_cfg: DictConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         export(OmegaConf.to_object(dict_cfg))
-    except (ConfigError, FileExistsError) as err:
+    except (ConfigError, DataError, CheckpointError, FileExistsError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(1)
 

@@ -119,7 +119,7 @@ def test_a_broken_structured_file_is_skipped_or_fatal_as_configured(tmp_path):
     source = Source(str(tmp_path), SourceOptions(decode_errors="skip"))
     assert [d.text for d in source.documents()] == ["good"]
     assert source.report.skipped_count == 1
-    with pytest.raises(DataError, match=r"b.jsonl: cannot read as json"):
+    with pytest.raises(DataError, match=r"b.jsonl:1: malformed JSON"):
         docs(tmp_path, decode_errors="strict")
 
 
@@ -194,18 +194,32 @@ def test_a_bad_piece_is_skipped_alone(tmp_path):
 
 
 @pytest.mark.parametrize("good_rows", [3, 60_000])
-def test_a_broken_structured_file_reports_what_was_kept(tmp_path, good_rows):
-    """datasets parses json in blocks: a bad line in the first block keeps nothing, a bad line
-    further on keeps the rows of the blocks before it; the report says which."""
-    text = "word " * 40  # 60,000 rows of ~200 bytes span more than one 10 MB block
-    rows = "".join(json.dumps({"text": f"{i} {text}"}) + "\n" for i in range(good_rows))
-    (tmp_path / "a.jsonl").write_text(rows + '{"text": broken\n')
+def test_a_malformed_json_line_is_skipped_alone(tmp_path, good_rows):
+    """JSON Lines are read line by line: the rows before and after a bad line are all kept
+    (datasets' block parser used to drop the rest of the file), and the report names the line."""
+    text = "word " * 40
+    rows = [json.dumps({"text": f"{i} {text}"}) + "\n" for i in range(good_rows)]
+    (tmp_path / "a.jsonl").write_text("".join(rows) + '{"text": broken\n' + "".join(rows))
     source = Source(str(tmp_path / "a.jsonl"), SourceOptions())
     got = list(source.documents())
-    assert source.report.skipped_count == 1
-    reason = source.report.skipped[0]["reason"]
-    if good_rows == 3:
-        assert got == [] and reason.endswith("(nothing kept)")
-    else:
-        assert 0 < len(got) < good_rows
-        assert reason.endswith(f"(kept the {len(got)} documents before it)")
+    assert len(got) == 2 * good_rows and source.report.skipped_count == 1
+    assert source.report.skipped[0]["origin"].endswith(f"a.jsonl:{good_rows + 1}")
+    assert source.report.skipped[0]["reason"].startswith("malformed JSON")
+    assert [d.index for d in got][good_rows] == good_rows + 1  # the bad line keeps its index
+
+
+def test_rows_without_the_text_column_are_counted_and_warned_about(tmp_path):
+    write_jsonl(
+        tmp_path / "a.jsonl", [{"text": "one"}, {"other": "x"}, {"text": None}, {"text": ""}]
+    )
+    source = Source(str(tmp_path / "a.jsonl"), SourceOptions())
+    assert [d.text for d in source.documents()] == ["one"]
+    assert source.report.missing_text == 2 and source.report.empty == 1
+
+
+def test_a_file_that_grows_while_it_is_read_is_an_error(tmp_path, monkeypatch):
+    (tmp_path / "a.txt").write_text("first version")
+    source = Source(str(tmp_path / "a.txt"), SourceOptions())
+    (tmp_path / "a.txt").write_text("first version, and more written since")
+    with pytest.raises(DataError, match=r"a.txt changed while it was being prepared \(13 -> 37"):
+        list(source.documents())

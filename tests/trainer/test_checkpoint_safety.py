@@ -184,3 +184,39 @@ def test_a_crafted_pickle_is_refused_without_running(dataset, tmp_path, target):
         load_checkpoint(path.parent, fresh.model, fresh.optimizer, rank=0)
     assert "system" in str(err.value)
     assert not marker.exists()
+
+
+def test_export_falls_back_past_a_damaged_checkpoint_and_checks_the_tokenizer(
+    dataset, tmp_path, caplog
+):
+    from trainer.export import ExportConfig, export
+
+    caplog.set_level("INFO")
+    trained(dataset, tmp_path / "run", 4, every=2)
+    shard = next(ckpt(tmp_path / "run", 4).glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[100] ^= 0x10
+    shard.write_bytes(bytes(data))
+    out = export(ExportConfig(path=str(tmp_path / "run"), out=str(tmp_path / "hf"), dtype="fp32"))
+    assert "step_00000004 cannot be exported" in caplog.text and "step 2" in caplog.text
+    assert (out / "tokenizer" / "tokenizer.tiktoken").is_file()
+
+
+def test_export_refuses_a_swapped_tokenizer(dataset, tmp_path):
+    import shutil
+
+    from data.bpe import train_bpe
+    from data.errors import DataError
+    from tests.data.helpers import write_corpus
+    from trainer.export import ExportConfig, export
+
+    copy = tmp_path / "dataset"
+    shutil.copytree(dataset, copy)
+    trained(copy, tmp_path / "run", 2)
+    other = tmp_path / "other"
+    texts = [p.read_text() for p in write_corpus(tmp_path / "corpus", files=5, seed=3)]
+    train_bpe(texts, 280, name="other").save(other)
+    shutil.rmtree(copy / "tokenizer")
+    shutil.copytree(other, copy / "tokenizer")
+    with pytest.raises(DataError, match="the folder was replaced"):
+        export(ExportConfig(path=str(tmp_path / "run"), out=str(tmp_path / "hf")))
