@@ -36,6 +36,9 @@ class PrepareConfig:
     )
     val_fraction: float = 0.01  # documents held out for validation (by a seeded hash)
     split_seed: int = 0  # seeds the document-level train/validation split
+    # few-document corpora (one input.txt): cut documents into pieces of about this many
+    # characters and hold out val_fraction of the pieces (data.pieces); -1 = auto, 0 = never
+    piece_chars: int = -1
     shard_tokens: int = 1 << 26  # tokens per shard (the last shard of a split is shorter)
     token_dtype: str = "auto"  # auto (uint16 when the vocabulary fits) | uint16 | uint32
     max_documents: int = 0  # stop after this many source documents; 0 = all
@@ -51,6 +54,8 @@ class PrepareConfig:
             raise DataError(f"val_fraction={self.val_fraction} must be in [0, 1)")
         if not 1 <= self.shard_tokens < 1 << 40:
             raise DataError(f"shard_tokens={self.shard_tokens} must be in [1, 2**40)")
+        if self.piece_chars < -1:
+            raise DataError(f"piece_chars={self.piece_chars} must be -1 (auto), 0 (off) or > 0")
         for key in ("vocab_size", "tokenizer_train_chars", "max_documents", "workers"):
             if getattr(self, key) < 0:
                 raise DataError(f"{key}={getattr(self, key)} must be >= 0")
@@ -74,6 +79,7 @@ class PrepareConfig:
             "doc_separator",
             "val_fraction",
             "split_seed",
+            "piece_chars",
             "shard_tokens",
             "token_dtype",
             "max_documents",

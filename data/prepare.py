@@ -38,6 +38,7 @@ from data.config import PrepareConfig
 from data.encode_pool import EncodePool
 from data.errors import DataError
 from data.manifest import FORMAT, MANIFEST, SPLITS, Manifest, file_checksum
+from data.pieces import PieceSplit, plan_pieces
 from data.sources import Document, Source, SourceOptions
 from data.tokenizer import (
     META_FILE,
@@ -51,6 +52,8 @@ from data.writer import ShardWriter
 log = logging.getLogger("data.prepare")
 SETTINGS_FILE = "prepare.json"
 LOCK_FILE = ".lock"
+# settings older prepare.json files lack; None: whatever is asked now (it changed nothing then)
+LEGACY_DEFAULTS = {"piece_chars": None}
 BATCH_CHARS = 1 << 20  # text per batch sent to a worker
 BATCH_DOCS = 2048
 
@@ -65,6 +68,21 @@ class DocumentSplit:
     def __call__(self, index: int) -> str:
         digest = hashlib.blake2b(f"{self.seed}:{index}".encode(), digest_size=8).digest()
         return "val" if int.from_bytes(digest, "little") < self.threshold else "train"
+
+
+class Assigner:
+    """The documents to prepare, each with its split: the document hash, or the piece stride
+    when the corpus is cut into pieces (data.pieces)."""
+
+    def __init__(self, by_hash: DocumentSplit, pieces: PieceSplit | None, max_documents: int):
+        self.by_hash, self.pieces, self.max_documents = by_hash, pieces, max_documents
+
+    def documents(self, source: Source) -> Iterator[Document]:
+        docs = _limited(source.documents(), self.max_documents)
+        return self.pieces.documents(docs) if self.pieces else docs
+
+    def __call__(self, doc: Document) -> str:
+        return doc.split or self.by_hash(doc.index)
 
 
 def token_dtype(choice: str, vocab_size: int) -> np.dtype:
@@ -121,7 +139,9 @@ def _prepare_locked(cfg: PrepareConfig, out: Path) -> Manifest:
     if (out / MANIFEST).is_file() and not _forget_damaged_shards(out, cfg.progress):
         log.info("%s is already prepared (all shards verified)", out)
         return Manifest.load(out)
-    split = DocumentSplit(cfg.val_fraction, cfg.split_seed)
+    piece_chars = plan_pieces(source, cfg.piece_chars, cfg.val_fraction, cfg.doc_separator)
+    pieces = PieceSplit(piece_chars, cfg.val_fraction, cfg.split_seed) if piece_chars else None
+    split = Assigner(DocumentSplit(cfg.val_fraction, cfg.split_seed), pieces, cfg.max_documents)
     with EncodePool(cfg.workers or len(os.sched_getaffinity(0))) as pool:
         # workers start (and load a named or file tokenizer) while this process sets up
         copy_exists = (out / "tokenizer" / META_FILE).is_file()
@@ -153,7 +173,7 @@ def _prepare_locked(cfg: PrepareConfig, out: Path) -> Manifest:
         "tokenizer": tokenizer.identity.to_dict()
         | {"vocab_size": tokenizer.vocab_size, "eot_id": tokenizer.eot_id, "dir": "tokenizer"},
         "dtype": dtype.name,
-        "source": source.describe(),
+        "source": source.describe() | ({"pieces": pieces.report.to_dict()} if pieces else {}),
         "settings": cfg.fingerprint(),
         "splits": {
             name: {
@@ -165,6 +185,8 @@ def _prepare_locked(cfg: PrepareConfig, out: Path) -> Manifest:
         },
     }
     atomic_write_json(out / MANIFEST, manifest)
+    if pieces is not None:
+        log.info("%s has few documents: %s", cfg.source, pieces.report.describe())
     _warn_about_dropped_input(source)
     result = Manifest.load(out)
     log.info(
@@ -225,6 +247,8 @@ def _claim(out: Path, cfg: PrepareConfig, source: Source) -> None:
             had["source_files"] = wanted["source_files"]  # recorded before paths were resolved
         if had.get("source") == cfg.source:
             had["source"] = wanted["source"]
+        for key, value in LEGACY_DEFAULTS.items():  # settings added since, as they were then
+            had.setdefault(key, value if value is not None else wanted[key])
         diff = {k: (had.get(k), v) for k, v in wanted.items() if had.get(k) != v}
         if diff and _has_shards(out):
             if set(diff) == {"source_files"}:
@@ -298,9 +322,7 @@ def _shard_problem(out: Path, rec) -> str | None:
     return None
 
 
-def _obtain_tokenizer(
-    cfg: PrepareConfig, out: Path, source: Source, split: DocumentSplit
-) -> Tokenizer:
+def _obtain_tokenizer(cfg: PrepareConfig, out: Path, source: Source, split: Assigner) -> Tokenizer:
     """The dataset's own copy in `out/tokenizer` (made on first run: trained, or copied)."""
     directory = out / "tokenizer"
     if (directory / META_FILE).is_file():
@@ -341,16 +363,16 @@ def _remember_tokenizer(out: Path, identity: TokenizerIdentity) -> None:
     )
 
 
-def _training_texts(cfg: PrepareConfig, source: Source, split: DocumentSplit) -> Iterator[str]:
+def _training_texts(cfg: PrepareConfig, source: Source, split: Assigner) -> Iterator[str]:
     """Training-split text only, up to `tokenizer_train_chars` characters."""
     budget = cfg.tokenizer_train_chars
     bar = tqdm(
         total=budget, unit="char", unit_scale=True, desc="BPE input", disable=not cfg.progress
     )
-    for doc in _limited(source.documents(), cfg.max_documents):
+    for doc in split.documents(source):
         if budget <= 0:
             break
-        if split(doc.index) == "train":
+        if split(doc) == "train":
             text = doc.text[:budget]
             budget -= len(text)
             bar.update(len(text))
@@ -365,7 +387,7 @@ def _limited(docs: Iterator[Document], max_documents: int) -> Iterator[Document]
 def _tokenize_source(
     cfg: PrepareConfig,
     source: Source,
-    split: DocumentSplit,
+    split: Assigner,
     writers: dict[str, ShardWriter],
     pool: EncodePool,
 ) -> int:
@@ -378,10 +400,10 @@ def _tokenize_source(
 
     def batches() -> Iterator[tuple[tuple[str, list[int]], list[str]]]:
         pending = {name: ([], [], 0) for name in SPLITS}
-        for doc in _limited(source.documents(), cfg.max_documents):
+        for doc in split.documents(source):
             seen["docs"] += 1
             seen["end"] = doc.index + 1
-            name = split(doc.index)
+            name = split(doc)
             if not writers[name].wants(doc.index):
                 bar.update(len(doc.text.encode("utf-8", errors="surrogatepass")))
                 continue

@@ -38,6 +38,7 @@ class Document:
     index: int  # position in the source's fixed order (skipped files keep their index)
     text: str
     origin: str  # file path, or `dataset[row]`
+    split: str | None = None  # train | val when decided by its piece (data.pieces), else None
 
 
 @dataclass
