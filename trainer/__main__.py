@@ -90,7 +90,7 @@ def _train(cfg, run_dir: Path, ranks: Ranks) -> int:
             err.strerror,
         )
         return 1
-    if code == 0:
+    if code in (0, 130):  # every rank stopped at the same step: they can meet once more
         shutdown_distributed()
     return code
 

@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from trainer.distributed import destroy_process_group
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -47,5 +49,5 @@ def _entry(rank: int, world_size: int, port: int, tmp: str, fn: Callable, args: 
         result = fn(rank, *args)
         dist.barrier()
     finally:
-        dist.destroy_process_group()
+        destroy_process_group()
     Path(tmp, f"{rank}.pkl").write_bytes(pickle.dumps(result))
