@@ -165,6 +165,11 @@ class Checkpointer:
         step = int(final.name[len(PREFIX) :])
         CommitRecord(self.run_id, next_sequence(self.root), step, files).write(tmp)
         if final.exists():  # a re-save of the same step (after a resume or a fallback)
+            theirs = _record_or_none(final)
+            if theirs is not None and theirs.run_id != self.run_id:
+                raise CheckpointError(
+                    f"{final} was written by another run ({theirs.run_id}): not overwriting it"
+                )
             shutil.rmtree(final)
         tmp.rename(final)
         atomic_write_bytes(self.root / LATEST, (final.name + "\n").encode())
@@ -175,6 +180,13 @@ class Checkpointer:
         ]
         for old in mine[self.keep :]:  # newest first: `final` is never among them
             shutil.rmtree(old.path, ignore_errors=True)
+
+
+def _record_or_none(path: Path) -> CommitRecord | None:
+    try:
+        return CommitRecord.read(path)
+    except ValueError:
+        return None
 
 
 def _agreed(action) -> None:
