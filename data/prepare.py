@@ -52,8 +52,9 @@ from data.writer import ShardWriter
 log = logging.getLogger("data.prepare")
 SETTINGS_FILE = "prepare.json"
 LOCK_FILE = ".lock"
-# settings older prepare.json files lack; None: whatever is asked now (it changed nothing then)
-LEGACY_DEFAULTS = {"piece_chars": None}
+# settings that older prepare.json files lack: such a directory is finished or repaired the way
+# it was begun (piece_chars: documents were never cut into pieces then)
+LEGACY_SETTINGS = ("piece_chars",)
 BATCH_CHARS = 1 << 20  # text per batch sent to a worker
 BATCH_DOCS = 2048
 
@@ -135,11 +136,13 @@ def _prepare_locked(cfg: PrepareConfig, out: Path) -> Manifest:
         if directory.is_dir():
             remove_temporaries(directory)
     source = Source(cfg.source, _source_options(cfg))
-    _claim(out, cfg, source)
+    legacy = _claim(out, cfg, source)
     if (out / MANIFEST).is_file() and not _forget_damaged_shards(out, cfg.progress):
         log.info("%s is already prepared (all shards verified)", out)
         return Manifest.load(out)
     piece_chars = plan_pieces(source, cfg.piece_chars, cfg.val_fraction, cfg.doc_separator)
+    if "piece_chars" in legacy:
+        piece_chars = 0
     pieces = PieceSplit(piece_chars, cfg.val_fraction, cfg.split_seed) if piece_chars else None
     split = Assigner(DocumentSplit(cfg.val_fraction, cfg.split_seed), pieces, cfg.max_documents)
     with EncodePool(cfg.workers or len(os.sched_getaffinity(0))) as pool:
@@ -230,10 +233,11 @@ def _source_options(cfg: PrepareConfig) -> SourceOptions:
     )
 
 
-def _claim(out: Path, cfg: PrepareConfig, source: Source) -> None:
+def _claim(out: Path, cfg: PrepareConfig, source: Source) -> set[str]:
     """Record the settings (and the source's file list) before the first shard; once a shard
     exists, a later run into the same directory must match them. Before that, a run with other
-    settings (say, after fixing a bad text_column) simply starts over."""
+    settings (say, after fixing a bad text_column) simply starts over. Returns the settings
+    that the directory's prepare.json predates (they must keep their old behaviour)."""
     path = out / SETTINGS_FILE
     wanted = cfg.fingerprint() | {"source_files": source.files_digest()}
     try:
@@ -247,8 +251,9 @@ def _claim(out: Path, cfg: PrepareConfig, source: Source) -> None:
             had["source_files"] = wanted["source_files"]  # recorded before paths were resolved
         if had.get("source") == cfg.source:
             had["source"] = wanted["source"]
-        for key, value in LEGACY_DEFAULTS.items():  # settings added since, as they were then
-            had.setdefault(key, value if value is not None else wanted[key])
+        legacy = {key for key in LEGACY_SETTINGS if key not in had}
+        for key in legacy:  # added since: compared as equal, and prepared as they were then
+            had[key] = wanted[key]
         diff = {k: (had.get(k), v) for k, v in wanted.items() if had.get(k) != v}
         if diff and _has_shards(out):
             if set(diff) == {"source_files"}:
@@ -263,9 +268,10 @@ def _claim(out: Path, cfg: PrepareConfig, source: Source) -> None:
                 f"or delete the directory to start over"
             )
         if not diff:
-            return
+            return legacy
         shutil.rmtree(out / "tokenizer", ignore_errors=True)  # made under the old settings
     atomic_write_json(path, wanted)
+    return set()
 
 
 def _read_settings(out: Path) -> dict:

@@ -13,8 +13,10 @@ import fnmatch
 import glob
 import hashlib
 import logging
+import lzma
 import os
 import sysconfig
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -213,7 +215,20 @@ class Source:
             self._check_unchanged(path)
 
     def _from_json_lines(self, path: Path, start: int) -> Iterator[Document]:
-        """One row per line; a bad line is skipped alone (or fatal with decode_errors=strict)."""
+        """One row per line; a bad line is skipped alone (or fatal with decode_errors=strict).
+        A file that cannot be read on (a truncated or corrupt compressed file) keeps the rows
+        before the damage, like a broken parquet or csv file."""
+        try:
+            yield from self._json_line_documents(path, start)
+        except (OSError, EOFError, lzma.LZMAError, zlib.error) as err:
+            if self.options.decode_errors == "strict":
+                raise DataError(
+                    f"{path}: cannot be read ({type(err).__name__}: {err}); "
+                    f"set decode_errors=skip to keep the rows before the damage"
+                ) from err
+            self.report.skip(str(path), f"cannot be read on ({type(err).__name__}: {err})")
+
+    def _json_line_documents(self, path: Path, start: int) -> Iterator[Document]:
         strict = self.options.decode_errors == "strict"
         valid = 0
         try:

@@ -30,7 +30,8 @@ from trainer.build import (
     dataset_manifest,
     resolve_model_config,
 )
-from trainer.checkpoint import Checkpointer, resume
+from trainer.checkpoint import Checkpointer, resume, set_aside
+from trainer.collective import from_main
 from trainer.config import RootConfig
 from trainer.distributed import is_collective_timeout
 from trainer.fingerprint import Fingerprint
@@ -109,6 +110,7 @@ def build_training(cfg: RootConfig, run_dir: Path, ranks: Ranks) -> Training:
             cfg.checkpoint.keep,
             cfg.checkpoint.async_save,
             fingerprint=Fingerprint.of(model_cfg, cfg.optim),
+            timeout_s=cfg.parallel.timeout_s,
         ),
         master=master,
         model_cfg=model_cfg,
@@ -153,11 +155,16 @@ def _resume_into(training: Training, resume_from: str) -> str | None:
     )
     if restored is None:
         if failed:  # the failed loads may have left weights or moments half-read
-            log.warning("no checkpoint could be loaded: starting from scratch, freshly initialized")
+            kept = set_aside(failed, training.run_dir, training.ranks.is_main)
+            log.warning(
+                "no checkpoint could be loaded: they were moved to %s (nothing deleted), and the "
+                "run starts from scratch, freshly initialized",
+                kept,
+            )
             _start_over(training)
         elif resume_from == "auto":
             log.info("no checkpoint in %s: starting from scratch", checkpointer.root)
-        checkpointer.run_id = uuid.uuid4().hex[:12]
+        checkpointer.run_id = from_main(uuid.uuid4().hex[:12])
         training.metrics.truncate_after(-1)  # rows of an earlier attempt that saved nothing
         return None
     # the config given now wins over the saved hyperparameters
@@ -165,8 +172,10 @@ def _resume_into(training: Training, resume_from: str) -> str | None:
     if training.master is not None:
         training.master.master_to_model(buffers=True)
     extra = restored.extra
-    checkpointer.run_id = extra.get("run_id") or uuid.uuid4().hex[:12]
-    checkpointer.last_committed = restored.path
+    checkpointer.run_id = extra.get("run_id") or from_main(uuid.uuid4().hex[:12])
+    if restored.path.resolve().parent == checkpointer.root.resolve():  # this run's own
+        checkpointer.last_committed = restored.path
+        training.restored_step = extra["step"]
     training.step, training.tokens = extra["step"], extra["tokens"]
     training.bad_streak, training.skipped_total = extra["bad_streak"], extra["skipped_total"]
     training.tracker.load_state_dict(extra["loss_tracker"])

@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -37,15 +38,17 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from data.atomic import atomic_write_bytes
+from trainer.checkpoint_errors import CheckpointConflict, CheckpointError, UnsafeCheckpointError
 from trainer.checkpoint_record import (
     CommitRecord,
     Listed,
     checksum_files,
+    file_problem,
     list_checkpoints,
     next_sequence,
-    verify_files,
 )
-from trainer.collective import all_true, barrier, from_main, several_ranks
+from trainer.collective import all_true, barrier, from_main, max_over_ranks, several_ranks
+from trainer.distributed import is_collective_timeout
 from trainer.fingerprint import Fingerprint
 from trainer.safe_load import METADATA, SafePlanner, SafeReader, load_plain, read_dcp_metadata
 
@@ -57,18 +60,6 @@ LOAD_ERRORS = (Exception, CheckpointException)
 # (also from the thread of an asynchronous save, so a filter rather than a catch_warnings block)
 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*single process")
 PREFIX = "step_"
-
-
-class CheckpointError(RuntimeError):
-    """No usable checkpoint where one was asked for, or a checkpoint could not be written."""
-
-    exit_code = 1
-
-
-class CheckpointConflict(CheckpointError):
-    """The run's settings or its run directory contradict the checkpoints: refuse to start."""
-
-    exit_code = 2
 
 
 @dataclass
@@ -101,13 +92,16 @@ class Checkpointer:
         async_save: bool = False,
         run_id: str = "",
         fingerprint: Fingerprint | None = None,
+        timeout_s: float = 300.0,
     ):
         self.root, self.rank, self.keep, self.async_save = root, rank, keep, async_save
         self.run_id, self.fingerprint = run_id, fingerprint
         self.last_committed: Path | None = None
         self._pending: tuple[Future, Path, Path] | None = None
         # a gloo group of its own: the background write's gathers must not meet FSDP's
-        self._group = dist.new_group(backend="gloo") if async_save and several_ranks() else None
+        self._group = None
+        if async_save and several_ranks():  # gloo's default would be 30 minutes
+            self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
 
     def save(
         self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, Any]
@@ -116,10 +110,7 @@ class Checkpointer:
         final = step_dir(self.root, step)
         tmp = final.with_name(final.name + ".tmp")
         with _disk_full_is_one_line(self, final, tmp):
-            if self.rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
-                tmp.mkdir(parents=True)
-            barrier()
+            _agreed(lambda: _fresh_dir(tmp) if self.rank == 0 else None)
             tmp.mkdir(parents=True, exist_ok=True)  # other nodes may not see rank 0's mkdir yet
             model_sd, optim_sd = get_state_dict(model, optimizer)
             state = {"model": model_sd, "optim": optim_sd}
@@ -180,6 +171,11 @@ class Checkpointer:
         ]
         for old in mine[self.keep :]:  # newest first: `final` is never among them
             shutil.rmtree(old.path, ignore_errors=True)
+
+
+def _fresh_dir(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
 
 
 def _record_or_none(path: Path) -> CommitRecord | None:
@@ -249,14 +245,19 @@ def load_checkpoint(
 
     Every rank takes the same decisions: the record, the checksums and the small per-rank file
     are checked and agreed on before DCP's collective load, whose errors reach every rank."""
-    problem = ""
+    problem, unsafe = "", False
     extra: dict[str, Any] = {}
     try:
         _check_files(path, verify)
         extra = _read_extra(path, rank)
-    except LOAD_ERRORS as err:
+    except UnsafeCheckpointError as err:
+        problem, unsafe = str(err), True
+    except Exception as err:  # I/O, format: this rank's view; agreed on below
         problem = _brief(err)
-    if not all_true(not problem):
+    verdict = max_over_ranks(2 if unsafe else 1 if problem else 0)  # the one agreement
+    if verdict == 2:
+        raise UnsafeCheckpointError(problem or f"{path} was refused on another rank")
+    if verdict == 1:
         raise CheckpointError(f"{path} is incomplete or damaged ({problem or 'on another rank'})")
     if fingerprint is not None and (differences := fingerprint.differences(extra)):
         raise CheckpointConflict(
@@ -279,7 +280,7 @@ def _check_files(path: Path, verify: bool) -> None:
     record = CommitRecord.read(path)
     if record is None:
         log.warning("%s has no commit.json (an older checkpoint): files not verified", path)
-    elif verify and (problem := verify_files(path, record.files)):
+    elif verify and (problem := file_problem(path, record.files)):
         raise CheckpointError(problem)
     read_dcp_metadata(path / METADATA)  # refuses a crafted pickle with its own message
 
@@ -301,13 +302,15 @@ def resume(
     rank: int,
     fingerprint: Fingerprint | None = None,
     verify: bool = True,
-) -> tuple[Restored | None, int]:
-    """(what was restored, how many checkpoints failed to load on the way).
+) -> tuple[Restored | None, list[Path]]:
+    """(what was restored, the checkpoints that failed to load on the way).
 
     `auto`: the newest checkpoint under `root` that loads (falling back past damaged ones, all
     ranks together); `none`: start fresh, which a run directory holding checkpoints refuses;
     anything else: that checkpoint directory, which must load. A failed load may have left
-    weights half-read: the caller re-initializes when it starts from scratch after one."""
+    weights half-read: the caller re-initializes when it starts from scratch after one. A
+    refusal (settings, a crafted file), a collective timeout or Ctrl-C is raised, never taken
+    for damage."""
     listing: list[Listed] = from_main(list_checkpoints(root))  # listings may differ per node
     if resume_from == "none":
         if listing:
@@ -316,7 +319,7 @@ def resume(
                 f": a new run there would mix two runs. Pass another hydra.run.dir for a new "
                 f"run, or resume=auto to continue this one"
             )
-        return None, 0
+        return None, []
     if resume_from != "auto":
         return _resume_from_path(
             Path(resume_from).expanduser(),
@@ -327,21 +330,52 @@ def resume(
             rank,
             fingerprint,
             verify,
-        ), 0
-    failed = 0
+        ), []
+    failed: list[Path] = []
     for listed in listing:
         try:
             extra = load_checkpoint(listed.path, model, optimizer, rank, fingerprint, verify)
         except CheckpointConflict:
             raise
         except LOAD_ERRORS as err:
+            _raise_if_not_damage(err)
             log.warning(
                 "checkpoint %s is damaged (%s); trying the one before it", listed.path, _brief(err)
             )
-            failed += 1
+            failed.append(listed.path)
             continue
         return Restored(listed.path, extra), failed
     return None, failed
+
+
+def set_aside(failed: list[Path], run_dir: Path, is_main: bool) -> Path:
+    """Move checkpoints that did not load (and the metrics they belong to) out of the run's
+    way, into `<run dir>/unloadable-<n>/`: a fresh start then neither mixes with them nor
+    deletes them. Returns that directory."""
+    n = 1
+    while (run_dir / f"unloadable-{n}").exists():
+        n += 1
+    target = from_main(run_dir / f"unloadable-{n}")
+    if is_main:
+        target.mkdir(parents=True)
+        for path in failed:
+            if path.exists():
+                path.rename(target / path.name)
+        for name in ("metrics.jsonl", "loss.png"):
+            if (run_dir / name).exists():
+                (run_dir / name).rename(target / name)
+        (run_dir / "checkpoints" / LATEST).unlink(missing_ok=True)
+    barrier()
+    return target
+
+
+def _raise_if_not_damage(err: BaseException) -> None:
+    """A timeout or Ctrl-C during a load (DCP wraps each rank's exception) is not damage."""
+    for cause in [err, *getattr(err, "failures", {}).values()]:
+        if isinstance(cause, KeyboardInterrupt):
+            raise KeyboardInterrupt from None
+        if isinstance(cause, RuntimeError) and is_collective_timeout(cause):
+            raise cause
 
 
 def _resume_from_path(
@@ -354,7 +388,7 @@ def _resume_from_path(
     fingerprint: Fingerprint | None,
     verify: bool,
 ) -> Restored:
-    if not path.is_dir():
+    if not from_main(path.is_dir()):
         raise CheckpointConflict(
             f"resume={path} does not exist (pass a checkpoint directory, "
             f"checkpoints/step_<N>, or resume=auto)"
@@ -369,6 +403,7 @@ def _resume_from_path(
     except CheckpointConflict:
         raise
     except LOAD_ERRORS as err:
+        _raise_if_not_damage(err)
         raise CheckpointError(f"resume={path} cannot be loaded: {_brief(err)}") from err
 
 

@@ -105,27 +105,33 @@ def protect(directory: Path, reason: str) -> None:
 
 def checksum_files(directory: Path) -> dict[str, str]:
     """Checksums of every file in `directory`, computed by all ranks together; the full table
-    on rank 0 (an empty one elsewhere)."""
+    on rank 0 (an empty one elsewhere). A rank that cannot read its share makes every rank
+    raise (no rank is left waiting in a collective)."""
     names = from_main(sorted(p.name for p in directory.iterdir() if p.is_file()))
     rank, size = rank_and_size()
-    mine = {name: file_checksum(directory / name) for name in names[rank::size]}
+    mine: dict[str, str] = {}
+    problem = ""
+    try:
+        mine = {name: file_checksum(directory / name) for name in names[rank::size]}
+    except OSError as err:
+        problem = f"cannot read {err.filename}: {err.strerror}"
+    if not all_true(not problem):
+        raise OSError(problem or "another rank could not read its part of the checkpoint")
     parts = to_main(mine)
     return {k: v for part in parts for k, v in part.items()} if parts else {}
 
 
-def verify_files(directory: Path, files: dict[str, str]) -> str:
-    """ "" when every recorded file is present with its checksum (all ranks agree), else what
-    this rank found wrong, or that another rank found a problem."""
+def file_problem(directory: Path, files: dict[str, str]) -> str:
+    """What is wrong with this rank's share of the recorded files ("" when nothing); no
+    collective inside: the caller agrees on the outcome once."""
     rank, size = rank_and_size()
-    problem = ""
     for name in sorted(files)[rank::size]:
         path = directory / name
-        if not path.is_file():
-            problem = f"{name} is missing"
-        elif file_checksum(path) != files[name]:
-            problem = f"{name} does not match its checksum"
-        if problem:
-            break
-    if all_true(not problem):
-        return ""
-    return problem or "another rank found a file missing or not matching its checksum"
+        try:
+            if not path.is_file():
+                return f"{name} is missing"
+            if file_checksum(path) != files[name]:
+                return f"{name} does not match its checksum"
+        except OSError as err:
+            return f"{name} cannot be read ({err.strerror})"
+    return ""

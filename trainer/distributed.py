@@ -76,10 +76,18 @@ def agree_on_run_dir(run_dir: Path, ranks: Ranks) -> Path:
     return agreed
 
 
+TIMEOUT_MARKS = ("timed out waiting", "operation timeout", "timed out after", "wait timeout")
+
+
 def is_collective_timeout(err: BaseException) -> bool:
-    """gloo's "Timed out waiting ... for recv" and NCCL's watchdog timeouts."""
+    """gloo's "Timed out waiting ... for recv" and NCCL's watchdog timeouts (not our own
+    errors, whose messages may name a path that happens to say "timeout")."""
+    from trainer.checkpoint_errors import CheckpointError
+
+    if not isinstance(err, RuntimeError) or isinstance(err, CheckpointError | ConfigError):
+        return False
     text = str(err).lower()
-    return isinstance(err, RuntimeError) and ("timed out" in text or "timeout" in text)
+    return any(mark in text for mark in TIMEOUT_MARKS)
 
 
 def shutdown_distributed() -> None:

@@ -29,7 +29,7 @@ from model.errors import ConfigError
 from model.hf import save_hf
 from model.transformer import build_model
 from trainer.checkpoint import LOAD_ERRORS, CheckpointError, complete_checkpoints
-from trainer.checkpoint_record import CommitRecord, verify_files
+from trainer.checkpoint_record import CommitRecord, file_problem
 from trainer.config import CONF_DIR
 from trainer.safe_load import (
     METADATA,
@@ -85,7 +85,7 @@ def load_for_export(path: Path) -> tuple[Path, dict, torch.nn.Module]:
 
 def _load(ckpt: Path) -> tuple[dict, torch.nn.Module]:
     record = CommitRecord.read(ckpt)
-    if record is not None and (problem := verify_files(ckpt, record.files)):
+    if record is not None and (problem := file_problem(ckpt, record.files)):
         raise CheckpointError(problem)
     read_dcp_metadata(ckpt / METADATA)
     extra = load_plain(ckpt / "trainer_rank0.pt")

@@ -72,6 +72,7 @@ class Training:
     dims: ParallelDims | None = None
     pre_streak: Path | None = None  # the newest checkpoint before the current bad streak
     phase: str = "start-up"  # what the loop is doing (named when a collective times out)
+    restored_step: int = -1  # the step of the checkpoint this run resumed from
 
     @property
     def state_model(self) -> torch.nn.Module:
@@ -97,6 +98,15 @@ class Training:
 
     def save(self, reason: str, final: bool = False) -> None:
         """Checkpoint now; `final` (end, stop, give-up) also waits for a background write."""
+        if self.step == self.restored_step and self.checkpointer.last_committed is not None:
+            # nothing happened since the resume (a stop signal right away): that checkpoint
+            # is this state, and replacing it would leave a moment with no checkpoint at all
+            log.info(
+                "checkpoint %s already holds this state (%s)",
+                self.checkpointer.last_committed,
+                reason,
+            )
+            return
         if self.master is not None:
             self.master.buffers_to_master()
         path = self.checkpointer.save(

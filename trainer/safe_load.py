@@ -16,13 +16,16 @@ from __future__ import annotations
 import io
 import pickle
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import StorageMeta
+
+from trainer.checkpoint_errors import UnsafeCheckpointError
 
 METADATA = ".metadata"
 _ALLOWED = {
@@ -37,35 +40,53 @@ _ALLOWED = {
 }
 
 
-class UnsafeCheckpointError(RuntimeError):
-    """A checkpoint file asked to build something that is not plain checkpoint data."""
-
-
 def _metadata_class(module: str, name: str) -> bool:
-    """A class (dataclass or enum) defined in DCP's metadata module."""
+    """A class (dataclass or enum) defined in DCP's metadata module itself (not one it imports)."""
     if module != dcp_metadata.__name__:
         return False
-    return isinstance(getattr(dcp_metadata, name, None), type)
+    value = getattr(dcp_metadata, name, None)
+    return isinstance(value, type) and value.__module__ == dcp_metadata.__name__
 
 
 def _dtype(module: str, name: str) -> bool:
     return module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
 
 
-class _MetadataUnpickler(pickle.Unpickler):
+class _MetadataUnpickler(pickle._Unpickler):  # the Python unpickler: its opcodes can be vetted
+    """Builds only DCP's metadata objects: globals from a whitelist, and BUILD (setting an
+    object's state) only on instances of DCP's own classes, never on a class (which would
+    monkeypatch it for the whole process)."""
+
+    dispatch: ClassVar[dict] = dict(pickle._Unpickler.dispatch)
+
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _ALLOWED or _metadata_class(module, name) or _dtype(module, name):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not part of DCP's checkpoint metadata")
+
+    def load_build(self) -> None:
+        target = self.stack[-2]  # BUILD: the object below its state
+        kind = type(target)
+        allowed = _metadata_class(kind.__module__, kind.__name__) or (
+            (kind.__module__, kind.__name__) in _ALLOWED
+        )
+        if isinstance(target, type) or not allowed:
+            raise pickle.UnpicklingError(f"setting the state of {target!r:.60} is refused")
+        super().load_build()
+
+    dispatch[pickle.BUILD[0]] = load_build
 
 
 def read_dcp_metadata(path: Path) -> Any:
     """Unpickle a DCP `.metadata` file through the whitelist."""
     with open(path, "rb") as f:
         try:
-            return _MetadataUnpickler(f).load()
+            metadata = _MetadataUnpickler(f).load()
         except pickle.UnpicklingError as err:
             raise UnsafeCheckpointError(f"{path} refused: {err} (a crafted file?)") from None
+    if not isinstance(metadata, dcp_metadata.Metadata):
+        raise UnsafeCheckpointError(f"{path} refused: it holds a {type(metadata).__name__}")
+    return metadata
 
 
 class SafeReader(FileSystemReader):
@@ -99,10 +120,17 @@ class SafePlanner(DefaultLoadPlanner):
         super().load_bytes(read_item, again)
 
 
+def _numpy_arrays() -> list:
+    """What a pickled numpy array of a plain dtype needs (checkpoints written before the RNG
+    states were stored as tensors hold numpy's generator state as an array)."""
+    return [np.ndarray(0).__reduce__()[0], np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
 def load_plain(path: Path) -> Any:
     """A `torch.save`d file of tensors and plain values (the trainer's own state)."""
     try:
-        return torch.load(path, weights_only=True)
+        with torch.serialization.safe_globals(_numpy_arrays()):
+            return torch.load(path, weights_only=True)
     except pickle.UnpicklingError as err:
         raise UnsafeCheckpointError(f"{path} refused: {_first_line(err)}") from None
 

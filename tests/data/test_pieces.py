@@ -80,3 +80,31 @@ def test_the_trainer_defaults_find_validation_batches_in_a_one_megabyte_input(
     prepare(prepare_config(tmp_path / "input.txt", out, tokenizer_dir, val_fraction=0.01))
     loader = TokenLoader(LoaderConfig(path=str(out), seq_len=256, num_workers=0), global_batch=8)
     assert loader.val_batches >= 1
+
+
+def test_an_unfinished_preparation_begun_before_pieces_is_finished_without_them(
+    tmp_path, tokenizer_dir
+):
+    """A prepare.json without `piece_chars` (written by an earlier version, which never cut
+    documents): finishing it must not switch to pieces halfway through."""
+    import json
+
+    from tests.data.test_prepare import tree_bytes
+
+    (tmp_path / "input.txt").write_text(paragraphs(60_000), encoding="utf-8")
+    whole, partial = tmp_path / "whole", tmp_path / "partial"
+    config = dict(val_fraction=0.01, piece_chars=0)
+    prepare(prepare_config(tmp_path / "input.txt", whole, tokenizer_dir, **config))
+    prepare(prepare_config(tmp_path / "input.txt", partial, tokenizer_dir, **config))
+    (partial / "manifest.json").unlink()  # as if killed after the first shards
+    for record in sorted((partial / "train").glob("*.json"))[3:]:
+        record.unlink()
+    settings = json.loads((partial / "prepare.json").read_text())
+    del settings["piece_chars"]
+    (partial / "prepare.json").write_text(json.dumps(settings))
+    prepare(prepare_config(tmp_path / "input.txt", partial, tokenizer_dir, val_fraction=0.01))
+    ignore = {"prepare.json", "manifest.json"}  # they record piece_chars as asked (0 vs -1)
+    got = {k: v for k, v in tree_bytes(partial).items() if k not in ignore}
+    assert got == {k: v for k, v in tree_bytes(whole).items() if k not in ignore}
+    splits = [json.loads((d / "manifest.json").read_text())["splits"] for d in (partial, whole)]
+    assert splits[0] == splits[1]

@@ -223,3 +223,19 @@ def test_a_file_that_grows_while_it_is_read_is_an_error(tmp_path, monkeypatch):
     (tmp_path / "a.txt").write_text("first version, and more written since")
     with pytest.raises(DataError, match=r"a.txt changed while it was being prepared \(13 -> 37"):
         list(source.documents())
+
+
+def test_a_truncated_compressed_json_lines_file_keeps_the_rows_before_the_damage(tmp_path):
+    import gzip
+
+    rows = "".join(json.dumps({"text": f"row {i}"}) + "\n" for i in range(2000)).encode()
+    packed = gzip.compress(rows)
+    (tmp_path / "a.jsonl.gz").write_bytes(packed[: len(packed) // 2])
+    source = Source(str(tmp_path / "a.jsonl.gz"), SourceOptions())
+    got = list(source.documents())
+    assert 0 < len(got) < 2000 and got[-1].text == f"row {len(got) - 1}"
+    assert source.report.skipped[0]["reason"].startswith("cannot be read on (EOFError")
+    with pytest.raises(DataError, match="a.jsonl.gz: cannot be read"):
+        list(
+            Source(str(tmp_path / "a.jsonl.gz"), SourceOptions(decode_errors="strict")).documents()
+        )

@@ -94,6 +94,9 @@ def test_starting_over_after_failed_loads_reinitializes_from_the_seed(dataset, t
     training = build_training(cfg, tmp_path, ONE)
     fresh = build_training(small_config(dataset, max_steps=2), tmp_path / "fresh", ONE)
     assert training.step == 0 and not training.optimizer.state
+    aside = tmp_path / "unloadable-1"  # nothing deleted: moved out of the new run's way
+    assert (aside / "step_00000002").is_dir() and (aside / "metrics.jsonl").is_file()
+    assert not complete_checkpoints(tmp_path / "checkpoints")
     for (name, a), (_, b) in zip(training.model.named_parameters(), fresh.model.named_parameters()):
         assert torch.equal(a, b), name
 
@@ -220,3 +223,49 @@ def test_export_refuses_a_swapped_tokenizer(dataset, tmp_path):
     shutil.copytree(other, copy / "tokenizer")
     with pytest.raises(DataError, match="the folder was replaced"):
         export(ExportConfig(path=str(tmp_path / "run"), out=str(tmp_path / "hf")))
+
+
+def test_a_checkpoint_of_the_previous_format_still_resumes(dataset, tmp_path, caplog):
+    """No commit.json and numpy's RNG state pickled as an array: loaded (unverified, said so)."""
+    import numpy as np
+
+    trained(dataset, tmp_path, 2)
+    old = ckpt(tmp_path, 2)
+    (old / RECORD).unlink()
+    extra = torch.load(old / "trainer_rank0.pt", weights_only=False)
+    extra["rng"]["numpy"] = np.random.get_state()  # the tuple with an ndarray, as it was
+    for key in ("run_id", "fingerprint", "tokenizer"):
+        extra.pop(key)
+    torch.save(extra, old / "trainer_rank0.pt")
+    training = build_training(small_config(dataset, max_steps=4), tmp_path, ONE)
+    assert training.step == 2 and "has no commit.json" in caplog.text
+
+
+def test_a_stop_right_after_a_resume_keeps_the_checkpoint_it_resumed_from(dataset, tmp_path):
+    trained(dataset, tmp_path, 2)
+    before = {p.name: p.stat().st_mtime_ns for p in ckpt(tmp_path, 2).iterdir()}
+    training = build_training(small_config(dataset, max_steps=4), tmp_path, ONE)
+    training.save("SIGTERM received", final=True)  # no step since the resume
+    assert {p.name: p.stat().st_mtime_ns for p in ckpt(tmp_path, 2).iterdir()} == before
+
+
+def test_a_crafted_metadata_cannot_patch_classes(dataset, tmp_path):
+    """pickle's BUILD on a whitelisted class would monkeypatch it for the whole process."""
+    trained(dataset, tmp_path / "run", 2)
+    path = ckpt(tmp_path / "run", 2) / ".metadata"
+    original = Path.is_file
+    payload = (
+        b"\x80\x02cpathlib\nPosixPath\nN}X\x07\x00\x00\x00is_filecpathlib\nPurePosixPath\ns\x86b."
+    )
+    _replace_and_fix_checksum(path, payload)
+    fresh = build_training(small_config(dataset, max_steps=2), tmp_path / "other", ONE)
+    with pytest.raises(CheckpointError, match="refused"):
+        load_checkpoint(path.parent, fresh.model, fresh.optimizer, rank=0)
+    assert Path.is_file is original
+
+
+def test_a_timeout_named_in_a_path_is_not_a_collective_timeout():
+    from trainer.distributed import is_collective_timeout
+
+    assert not is_collective_timeout(CheckpointConflict("resume=/runs/timeout/x does not exist"))
+    assert is_collective_timeout(RuntimeError("[gloo] Timed out waiting 5000ms for recv"))
