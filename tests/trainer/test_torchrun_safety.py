@@ -88,13 +88,13 @@ def test_background_checkpoints_on_two_ranks_commit_and_resume_exactly(dataset, 
     first = torchrun(2, *common(dataset, killed, *background), cwd=tmp_path)
     assert first.returncode != 0  # every rank SIGKILLed itself at step 5
     committed = [p.name for p in (killed / "checkpoints").iterdir() if p.name.startswith("step")]
-    assert "step_00000004" in committed or "step_00000002" in committed
-    assert not [n for n in committed if n.endswith(".tmp") and n != "step_00000006.tmp"]
+    assert "step_00000002" in committed  # committed by a poll while training went on
     second = torchrun(2, *common(dataset, killed, *background), cwd=tmp_path)
     assert second.returncode == 0, second.stderr[-4000:]
     assert "resumed from" in (killed / "train.log").read_text()
     assert train_losses(killed) == train_losses(tmp_path / "whole")
     assert (killed / "checkpoints" / "latest").read_text().strip() == "step_00000006"
+    assert not list((killed / "checkpoints").glob("*.tmp"))  # a write cut by the kill: redone
 
 
 def test_fsdp_trains_with_validation_off(dataset, tmp_path):
