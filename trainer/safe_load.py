@@ -14,6 +14,7 @@ Anything else is refused with `UnsafeCheckpointError`, naming the file and the c
 from __future__ import annotations
 
 import io
+import os
 import pickle
 from pathlib import Path
 from typing import Any, ClassVar
@@ -86,6 +87,12 @@ def read_dcp_metadata(path: Path) -> Any:
             raise UnsafeCheckpointError(f"{path} refused: {err} (a crafted file?)") from None
     if not isinstance(metadata, dcp_metadata.Metadata):
         raise UnsafeCheckpointError(f"{path} refused: it holds a {type(metadata).__name__}")
+    for info in (metadata.storage_data or {}).values():  # DCP opens these files
+        name = os.path.normpath(str(getattr(info, "relative_path", "")))
+        if os.path.isabs(name) or name.startswith(".."):
+            raise UnsafeCheckpointError(
+                f"{path} refused: it names {name!r}, outside the checkpoint"
+            )
     return metadata
 
 

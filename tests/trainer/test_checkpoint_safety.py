@@ -269,3 +269,16 @@ def test_a_timeout_named_in_a_path_is_not_a_collective_timeout():
 
     assert not is_collective_timeout(CheckpointConflict("resume=/runs/timeout/x does not exist"))
     assert is_collective_timeout(RuntimeError("[gloo] Timed out waiting 5000ms for recv"))
+
+
+def test_a_metadata_naming_files_outside_the_checkpoint_is_refused(dataset, tmp_path):
+    from trainer.safe_load import read_dcp_metadata
+
+    trained(dataset, tmp_path / "run", 2)
+    path = ckpt(tmp_path / "run", 2) / ".metadata"
+    metadata = read_dcp_metadata(path)
+    for info in metadata.storage_data.values():
+        info.relative_path = "../../../etc/passwd"
+    path.write_bytes(pickle.dumps(metadata))
+    with pytest.raises(CheckpointError, match="outside the checkpoint"):
+        read_dcp_metadata(path)
