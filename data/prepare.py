@@ -16,10 +16,8 @@ import errno
 import fcntl
 import hashlib
 import itertools
-import json
 import logging
 import os
-import shutil
 import sys
 import time
 from collections.abc import Iterator
@@ -39,22 +37,22 @@ from data.encode_pool import EncodePool
 from data.errors import DataError
 from data.manifest import FORMAT, MANIFEST, SPLITS, Manifest, file_checksum
 from data.pieces import PieceSplit, plan_pieces
+from data.prepare_settings import (
+    claim,
+    recorded_tokenizer,
+    remember_tokenizer,
+)
 from data.sources import Document, Source, SourceOptions
 from data.tokenizer import (
     META_FILE,
     Tokenizer,
-    TokenizerIdentity,
     load_tokenizer,
     load_verified_tokenizer,
 )
 from data.writer import ShardWriter
 
 log = logging.getLogger("data.prepare")
-SETTINGS_FILE = "prepare.json"
 LOCK_FILE = ".lock"
-# settings that older prepare.json files lack: such a directory is finished or repaired the way
-# it was begun (piece_chars: documents were never cut into pieces then)
-LEGACY_SETTINGS = ("piece_chars",)
 BATCH_CHARS = 1 << 20  # text per batch sent to a worker
 BATCH_DOCS = 2048
 
@@ -136,7 +134,7 @@ def _prepare_locked(cfg: PrepareConfig, out: Path) -> Manifest:
         if directory.is_dir():
             remove_temporaries(directory)
     source = Source(cfg.source, _source_options(cfg))
-    legacy = _claim(out, cfg, source)
+    legacy = claim(out, cfg, source)
     if (out / MANIFEST).is_file() and not _forget_damaged_shards(out, cfg.progress):
         log.info("%s is already prepared (all shards verified)", out)
         return Manifest.load(out)
@@ -233,69 +231,6 @@ def _source_options(cfg: PrepareConfig) -> SourceOptions:
     )
 
 
-def _claim(out: Path, cfg: PrepareConfig, source: Source) -> set[str]:
-    """Record the settings (and the source's file list) before the first shard; once a shard
-    exists, a later run into the same directory must match them. Before that, a run with other
-    settings (say, after fixing a bad text_column) simply starts over. Returns the settings
-    that the directory's prepare.json predates (they must keep their old behaviour)."""
-    path = out / SETTINGS_FILE
-    wanted = cfg.fingerprint() | {"source_files": source.files_digest()}
-    try:
-        had = _read_settings(out) if path.is_file() else None
-    except DataError:
-        if _has_shards(out):
-            raise
-        had = None  # nothing was written under it yet: start over
-    if had is not None:
-        if had.get("source_files") == source.files_digest(legacy=True):
-            had["source_files"] = wanted["source_files"]  # recorded before paths were resolved
-        if had.get("source") == cfg.source:
-            had["source"] = wanted["source"]
-        legacy = {key for key in LEGACY_SETTINGS if key not in had}
-        for key in legacy:  # added since: compared as equal, and prepared as they were then
-            had[key] = wanted[key]
-        diff = {k: (had.get(k), v) for k, v in wanted.items() if had.get(k) != v}
-        if diff and _has_shards(out):
-            if set(diff) == {"source_files"}:
-                raise DataError(
-                    f"the files of source={cfg.source} changed since out={out} got its first "
-                    f"shards (names or sizes differ); finishing would mix two corpora. Restore "
-                    f"them, or choose another out= (or delete it) to start over"
-                )
-            changes = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in diff.items())
-            raise DataError(
-                f"out={out} was prepared with other settings ({changes}); choose another out= "
-                f"or delete the directory to start over"
-            )
-        if not diff:
-            return legacy
-        shutil.rmtree(out / "tokenizer", ignore_errors=True)  # made under the old settings
-    atomic_write_json(path, wanted)
-    return set()
-
-
-def _read_settings(out: Path) -> dict:
-    """prepare.json as a dict ({} when absent); a damaged one is named with the way out."""
-    path = out / SETTINGS_FILE
-    if not path.is_file():
-        return {}
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, ValueError):
-        raw = None
-    if not isinstance(raw, dict):
-        raise DataError(
-            f"{path} is damaged (not the JSON data.prepare writes), so the settings of the shards "
-            f"in {out} are unknown; restore it, or delete {out} and prepare again"
-        )
-    return raw
-
-
-def _has_shards(out: Path) -> bool:
-    """A shard has been committed: the settings are then fixed for this directory."""
-    return any(True for split in SPLITS for _ in (out / split).glob("*.json"))
-
-
 def _forget_damaged_shards(out: Path, progress: bool) -> bool:
     """Verify every shard of a finished dataset; on damage, drop the manifest and the records
     from the first bad shard on, so the writer redoes exactly those. Returns True on damage."""
@@ -313,7 +248,7 @@ def _forget_damaged_shards(out: Path, progress: bool) -> bool:
                 damaged = True
                 break
     if damaged:  # the manifest goes; its tokenizer identity stays in prepare.json
-        _remember_tokenizer(out, manifest.tokenizer)
+        remember_tokenizer(out, manifest.tokenizer)
         (out / MANIFEST).unlink()
     return damaged
 
@@ -332,10 +267,10 @@ def _obtain_tokenizer(cfg: PrepareConfig, out: Path, source: Source, split: Assi
     """The dataset's own copy in `out/tokenizer` (made on first run: trained, or copied)."""
     directory = out / "tokenizer"
     if (directory / META_FILE).is_file():
-        expected = _recorded_tokenizer(out)
+        expected = recorded_tokenizer(out)
         if expected is None:  # prepared before identities were recorded: record it now
             tokenizer = load_tokenizer(directory)
-            _remember_tokenizer(out, tokenizer.identity)
+            remember_tokenizer(out, tokenizer.identity)
             return tokenizer
         return load_verified_tokenizer(directory, expected, f"the dataset in {out}")
     if cfg.tokenizer == "train":
@@ -347,26 +282,9 @@ def _obtain_tokenizer(cfg: PrepareConfig, out: Path, source: Source, split: Assi
         tokenizer = load_tokenizer(cfg.tokenizer)
     token_dtype(cfg.token_dtype, tokenizer.vocab_size)  # fail before saving anything
     tokenizer.save(directory)
-    _remember_tokenizer(out, tokenizer.identity)
+    remember_tokenizer(out, tokenizer.identity)
     log.info("tokenizer %s saved in %s", tokenizer, directory)
     return tokenizer
-
-
-def _recorded_tokenizer(out: Path) -> TokenizerIdentity | None:
-    """The identity of the tokenizer this dataset was made with (prepare.json, or the
-    manifest of a finished dataset)."""
-    settings = _read_settings(out)
-    if "tokenizer_identity" in settings:
-        return TokenizerIdentity.from_dict(settings["tokenizer_identity"])
-    if (out / MANIFEST).is_file():
-        return Manifest.load(out).tokenizer
-    return None
-
-
-def _remember_tokenizer(out: Path, identity: TokenizerIdentity) -> None:
-    atomic_write_json(
-        out / SETTINGS_FILE, _read_settings(out) | {"tokenizer_identity": identity.to_dict()}
-    )
 
 
 def _training_texts(cfg: PrepareConfig, source: Source, split: Assigner) -> Iterator[str]:

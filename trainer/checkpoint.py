@@ -25,7 +25,6 @@ import warnings
 from collections.abc import Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -34,38 +33,47 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from data.atomic import atomic_write_bytes
 from trainer.checkpoint_errors import CheckpointConflict, CheckpointError, UnsafeCheckpointError
+
+# the reading half, re-exported: `from trainer.checkpoint import resume, load_checkpoint, ...`
+from trainer.checkpoint_load import (
+    LOAD_ERRORS,
+    Restored,
+    load_checkpoint,
+    resume,
+    set_aside,
+)
 from trainer.checkpoint_record import (
+    LATEST,
     CommitRecord,
-    Listed,
     checksum_files,
-    file_problem,
     list_checkpoints,
     next_sequence,
 )
-from trainer.collective import all_true, barrier, from_main, max_over_ranks, several_ranks
-from trainer.distributed import is_collective_timeout
+from trainer.collective import all_true, barrier, several_ranks
 from trainer.fingerprint import Fingerprint
-from trainer.safe_load import METADATA, SafePlanner, SafeReader, load_plain, read_dcp_metadata
 
+__all__ = [
+    "LOAD_ERRORS",
+    "CheckpointConflict",
+    "CheckpointError",
+    "Checkpointer",
+    "Restored",
+    "UnsafeCheckpointError",
+    "complete_checkpoints",
+    "load_checkpoint",
+    "resume",
+    "set_aside",
+    "step_dir",
+]
 log = logging.getLogger("trainer.checkpoint")
-LATEST = "latest"
-# what a damaged checkpoint raises: DCP's CheckpointException derives from BaseException
-LOAD_ERRORS = (Exception, CheckpointException)
 # DCP warns that it assumes a single process when no process group exists: that is meant here
 # (also from the thread of an asynchronous save, so a filter rather than a catch_warnings block)
 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*single process")
 PREFIX = "step_"
-
-
-@dataclass
-class Restored:
-    path: Path
-    extra: dict[str, Any]  # step, loader state, rng, run and wandb ids, ...
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -229,185 +237,3 @@ def _is_disk_full(err: BaseException | None) -> bool:
             return True
         err, seen = err.__cause__ or err.__context__, seen + 1
     return False
-
-
-def load_checkpoint(
-    path: Path,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    rank: int,
-    fingerprint: Fingerprint | None = None,
-    verify: bool = True,
-) -> dict[str, Any]:
-    """Load model and optimizer in place (DCP reshards them to this run's layout); returns the
-    extra state saved by this rank, or by rank 0 when the checkpoint came from fewer ranks
-    (the loader position is global, so it holds for any number of ranks).
-
-    Every rank takes the same decisions: the record, the checksums and the small per-rank file
-    are checked and agreed on before DCP's collective load, whose errors reach every rank."""
-    problem, unsafe = "", False
-    extra: dict[str, Any] = {}
-    try:
-        _check_files(path, verify)
-        extra = _read_extra(path, rank)
-    except UnsafeCheckpointError as err:
-        problem, unsafe = str(err), True
-    except Exception as err:  # I/O, format: this rank's view; agreed on below
-        problem = _brief(err)
-    verdict = max_over_ranks(2 if unsafe else 1 if problem else 0)  # the one agreement
-    if verdict == 2:
-        raise UnsafeCheckpointError(problem or f"{path} was refused on another rank")
-    if verdict == 1:
-        raise CheckpointError(f"{path} is incomplete or damaged ({problem or 'on another rank'})")
-    if fingerprint is not None and (differences := fingerprint.differences(extra)):
-        raise CheckpointConflict(
-            f"{path} was written with other settings ({'; '.join(differences)}). Resume with "
-            f"the run's original overrides, or start a new run: resume=none and another "
-            f"hydra.run.dir"
-        )
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafePlanner())
-    set_state_dict(
-        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
-    )
-    return extra
-
-
-def _check_files(path: Path, verify: bool) -> None:
-    if not (path / ".metadata").is_file():
-        raise CheckpointError(f"{path} is incomplete (no .metadata)")
-    record = CommitRecord.read(path)
-    if record is None:
-        log.warning("%s has no commit.json (an older checkpoint): files not verified", path)
-    elif verify and (problem := file_problem(path, record.files)):
-        raise CheckpointError(problem)
-    read_dcp_metadata(path / METADATA)  # refuses a crafted pickle with its own message
-
-
-def _read_extra(path: Path, rank: int) -> dict[str, Any]:
-    extra_path = path / f"trainer_rank{rank}.pt"
-    if not extra_path.is_file():
-        extra_path = path / "trainer_rank0.pt"
-        if not extra_path.is_file():
-            raise CheckpointError(f"{path} is incomplete (no trainer_rank0.pt)")
-    return load_plain(extra_path)
-
-
-def resume(
-    resume_from: str,
-    root: Path,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    rank: int,
-    fingerprint: Fingerprint | None = None,
-    verify: bool = True,
-) -> tuple[Restored | None, list[Path]]:
-    """(what was restored, the checkpoints that failed to load on the way).
-
-    `auto`: the newest checkpoint under `root` that loads (falling back past damaged ones, all
-    ranks together); `none`: start fresh, which a run directory holding checkpoints refuses;
-    anything else: that checkpoint directory, which must load. A failed load may have left
-    weights half-read: the caller re-initializes when it starts from scratch after one. A
-    refusal (settings, a crafted file), a collective timeout or Ctrl-C is raised, never taken
-    for damage."""
-    listing: list[Listed] = from_main(list_checkpoints(root))  # listings may differ per node
-    if resume_from == "none":
-        if listing:
-            raise CheckpointConflict(
-                f"resume=none, but {root} already holds checkpoints (newest {listing[0].path.name})"
-                f": a new run there would mix two runs. Pass another hydra.run.dir for a new "
-                f"run, or resume=auto to continue this one"
-            )
-        return None, []
-    if resume_from != "auto":
-        return _resume_from_path(
-            Path(resume_from).expanduser(),
-            root,
-            listing,
-            model,
-            optimizer,
-            rank,
-            fingerprint,
-            verify,
-        ), []
-    failed: list[Path] = []
-    for listed in listing:
-        try:
-            extra = load_checkpoint(listed.path, model, optimizer, rank, fingerprint, verify)
-        except CheckpointConflict:
-            raise
-        except LOAD_ERRORS as err:
-            _raise_if_not_damage(err)
-            log.warning(
-                "checkpoint %s is damaged (%s); trying the one before it", listed.path, _brief(err)
-            )
-            failed.append(listed.path)
-            continue
-        return Restored(listed.path, extra), failed
-    return None, failed
-
-
-def set_aside(failed: list[Path], run_dir: Path, is_main: bool) -> Path:
-    """Move checkpoints that did not load (and the metrics they belong to) out of the run's
-    way, into `<run dir>/unloadable-<n>/`: a fresh start then neither mixes with them nor
-    deletes them. Returns that directory."""
-    n = 1
-    while (run_dir / f"unloadable-{n}").exists():
-        n += 1
-    target = from_main(run_dir / f"unloadable-{n}")
-    if is_main:
-        target.mkdir(parents=True)
-        for path in failed:
-            if path.exists():
-                path.rename(target / path.name)
-        for name in ("metrics.jsonl", "loss.png"):
-            if (run_dir / name).exists():
-                (run_dir / name).rename(target / name)
-        (run_dir / "checkpoints" / LATEST).unlink(missing_ok=True)
-    barrier()
-    return target
-
-
-def _raise_if_not_damage(err: BaseException) -> None:
-    """A timeout or Ctrl-C during a load (DCP wraps each rank's exception) is not damage."""
-    for cause in [err, *getattr(err, "failures", {}).values()]:
-        if isinstance(cause, KeyboardInterrupt):
-            raise KeyboardInterrupt from None
-        if isinstance(cause, RuntimeError) and is_collective_timeout(cause):
-            raise cause
-
-
-def _resume_from_path(
-    path: Path,
-    root: Path,
-    listing: list[Listed],
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    rank: int,
-    fingerprint: Fingerprint | None,
-    verify: bool,
-) -> Restored:
-    if not from_main(path.is_dir()):
-        raise CheckpointConflict(
-            f"resume={path} does not exist (pass a checkpoint directory, "
-            f"checkpoints/step_<N>, or resume=auto)"
-        )
-    if listing and path.resolve().parent != root.resolve():
-        raise CheckpointConflict(
-            f"resume={path} is another run's checkpoint, but {root} already holds this run's "
-            f"checkpoints (newest {listing[0].path.name}): pass another hydra.run.dir"
-        )
-    try:
-        return Restored(path, load_checkpoint(path, model, optimizer, rank, fingerprint, verify))
-    except CheckpointConflict:
-        raise
-    except LOAD_ERRORS as err:
-        _raise_if_not_damage(err)
-        raise CheckpointError(f"resume={path} cannot be loaded: {_brief(err)}") from err
-
-
-def _brief(err: BaseException) -> str:
-    """One line: DCP's exceptions carry every rank's whole traceback in their text."""
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    return f"{type(err).__name__}: {lines[-1] if lines else ''}"

@@ -27,6 +27,7 @@ from trainer.collective import all_true, from_main, rank_and_size, to_main
 
 log = logging.getLogger("trainer.checkpoint")
 RECORD = "commit.json"
+LATEST = "latest"  # checkpoints/latest: the name of the newest complete checkpoint
 PROTECTED = ".protected"
 NAME = re.compile(r"step_(\d+)")
 
