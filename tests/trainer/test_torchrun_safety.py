@@ -28,12 +28,13 @@ def common(dataset: Path, run_dir: Path, *extra: str) -> list[str]:
 
 
 def start_torchrun(nproc: int, overrides: list[str], cwd: Path) -> subprocess.Popen:
+    """torchrun in the background, its output (and its workers') in cwd/torchrun.log: a pipe
+    that nobody reads while it runs would fill up and block the workers' logging."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     command += [f"--nproc_per_node={nproc}", "-m", "trainer", *overrides]
     env = os.environ | OFFLINE | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(
-        command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    with open(cwd / "torchrun.log", "w") as out:
+        return subprocess.Popen(command, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT)
 
 
 def workers_of(agent: int) -> dict[int, int]:
