@@ -114,13 +114,17 @@ class LoaderConfig:
     num_workers: int = 1  # background processes that assemble batches (0 = in the trainer)
     prefetch: int = 4  # batches each worker keeps ready
     verify: str = "lazy"  # size: sizes only | lazy: checksum a shard when first read | full
-    val_batches: int = 8  # batches (of the global batch size) in one evaluation pass
+    val_batches: int = 8  # batches (of the global batch size) in one evaluation pass, sampled
+    # over the whole validation split (all of it when it holds fewer)
+    train_eval_batches: int = 2  # batches of a fixed training sample also evaluated (0 = off)
 
     def __post_init__(self) -> None:
         if self.seq_len < 1:
             raise DataError(f"data.seq_len={self.seq_len} must be >= 1")
         if self.verify not in VERIFY_MODES:
             raise DataError(f"data.verify={self.verify} is not one of {VERIFY_MODES}")
+        if self.train_eval_batches < 0:
+            raise DataError(f"data.train_eval_batches={self.train_eval_batches} must be >= 0")
         if self.num_workers < 0 or self.prefetch < 1 or self.val_batches < 0:
             raise DataError(
                 f"data.num_workers={self.num_workers} must be >= 0, data.prefetch="

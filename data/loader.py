@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from data.config import LoaderConfig
 from data.errors import DataError
+from data.eval_sample import EvalSample
 from data.manifest import Manifest
 from data.permutation import IndexPermutation
 from data.reader import SplitReader
@@ -146,12 +147,19 @@ class TokenLoader:
         self.position = 0  # global sample index of the next batch
         self._tokenizer: Tokenizer | None = None
         self.val = SplitReader(self.manifest, "val", cfg.verify)
+        self.val_sample = EvalSample.build(
+            self.val, cfg.seq_len, cfg.val_batches, global_batch, seed
+        )
+        self.train_sample = EvalSample.build(
+            self.train, cfg.seq_len, cfg.train_eval_batches, global_batch, seed
+        )
+        self.val_batches = self.val_sample.batches
         available = self.val.num_windows(cfg.seq_len) // global_batch
-        self.val_batches = min(cfg.val_batches, available)
         if 0 < available < cfg.val_batches:
             log.warning(
                 "data.val_batches=%d, but the validation split of %s holds only %d batches of %d "
-                "windows: evaluating those %d",
+                "windows: evaluating all of them (%d); prepare with a larger val_fraction for a "
+                "larger validation set",
                 cfg.val_batches,
                 cfg.path,
                 available,
@@ -224,11 +232,17 @@ class TokenLoader:
         self.position = int(state["position"])
 
     def validation(self) -> Iterator[Batch]:
-        """The held-out split in order: the same batches every time (this rank's slices)."""
-        for b in range(self.val_batches):
-            first = b * self.global_batch + self.dp_rank * self.local_batch
-            windows = np.arange(first, first + self.local_batch)
-            yield stack_windows(self.val, windows, self.cfg.seq_len)
+        """This rank's slices of the validation sample: the same windows every time, spread over
+        the whole held-out split (data.eval_sample)."""
+        return self._sample_batches(self.val_sample)
+
+    def train_eval(self) -> Iterator[Batch]:
+        """This rank's slices of the fixed sample of training windows (`train_eval_loss`)."""
+        return self._sample_batches(self.train_sample)
+
+    def _sample_batches(self, sample: EvalSample) -> Iterator[Batch]:
+        for windows in sample.rank_windows(self.dp_rank, self.dp_size):
+            yield stack_windows(sample.reader, windows, self.cfg.seq_len)
 
 
 def _last_line(text: str) -> str:

@@ -35,6 +35,9 @@ class SplitReader:
         sizes = np.array([r.tokens for r in self.records], dtype=np.int64)
         self.starts = np.concatenate([[0], np.cumsum(sizes)])  # (shards + 1,) stream offsets
         self.tokens = int(self.starts[-1])
+        docs = np.array([r.documents for r in self.records], dtype=np.int64)
+        self.doc_starts = np.concatenate([[0], np.cumsum(docs)])  # (shards + 1,) documents before
+        self.documents = int(self.doc_starts[-1])
         for rec in self.records:
             self._check_sizes(rec)
         self._verified: set[int] = set()
@@ -107,6 +110,13 @@ class SplitReader:
         if len(self._maps) > MAX_OPEN_SHARDS:
             self._maps.popitem(last=False)  # windows are copies, so no view keeps it open
         return self._maps[k]
+
+    def document_at(self, position: int) -> int:
+        """The index (within the split) of the document holding stream token `position`."""
+        k = int(np.searchsorted(self.starts, position, side="right")) - 1
+        _, offsets = self._shard(k)
+        local = int(np.searchsorted(offsets, position - int(self.starts[k]), side="right")) - 1
+        return int(self.doc_starts[k]) + local  # -1 locally: it began in an earlier shard
 
     def num_windows(self, seq_len: int) -> int:
         return max(0, (self.tokens - 1) // seq_len)

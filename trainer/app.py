@@ -34,6 +34,7 @@ from trainer.checkpoint import Checkpointer, resume, set_aside
 from trainer.collective import from_main
 from trainer.config import RootConfig
 from trainer.distributed import is_collective_timeout
+from trainer.evaluate import describe_evaluation
 from trainer.fingerprint import Fingerprint
 from trainer.loop import Training
 from trainer.metrics import MetricsFile
@@ -116,6 +117,7 @@ def build_training(cfg: RootConfig, run_dir: Path, ranks: Ranks) -> Training:
         model_cfg=model_cfg,
         dims=dims,
     )
+    training.eval_coverage = describe_evaluation(loader)
     wandb_id = _resume_into(training, cfg.resume)
     training.wandb = WandbRun(
         cfg.logging,

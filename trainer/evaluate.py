@@ -2,33 +2,37 @@
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from data.loader import TokenLoader
+from data.loader import Batch, TokenLoader
 from data.tokenizer import Tokenizer
 from model.generate import generate
 from model.transformer import Transformer
 from trainer.collective import several_ranks
 
+log = logging.getLogger("trainer")
+
 
 @torch.no_grad()
 def validation_loss(
     model: Transformer,
-    loader: TokenLoader,
+    batches: Iterable[Batch],
     device: torch.device,
     autocast: Callable[[], AbstractContextManager],
     doc_mask: bool,
     stop: Callable[[], bool],
 ) -> float | None:
-    """Mean loss over the validation batches (all ranks); None when stopped part-way."""
+    """Mean loss over evaluation batches (all ranks; equal-sized batches, so the mean over
+    their windows); None when stopped part-way."""
     total = torch.zeros(2, dtype=torch.float64, device=device)  # (sum of losses, batches)
-    for batch in loader.validation():
+    for batch in batches:
         if stop():
             return None
         batch = batch.to(device, non_blocking=True)
@@ -38,6 +42,35 @@ def validation_loss(
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(total)
     return float(total[0] / total[1]) if total[1] > 0 else float("nan")
+
+
+MIN_VAL_DOCUMENTS = 20  # fewer: the validation loss measures a handful of texts
+
+
+def describe_evaluation(loader: TokenLoader) -> dict[str, int]:
+    """Log what every evaluation measures, warn about a validation split too small to trust;
+    returns the keys that evaluation rows of metrics.jsonl carry."""
+    if not loader.val_batches:
+        return {}
+    val = loader.val_sample.describe()
+    log.info(
+        "validation: %d windows (%s tokens) spread over the whole split, touching %d of its %d "
+        "documents (%.1f%% of its %d windows); training sample: %d windows",
+        val["windows"],
+        f"{val['tokens']:,}",
+        val["documents"],
+        val["split_documents"],
+        100 * val["windows"] / max(val["split_windows"], 1),
+        val["split_windows"],
+        len(loader.train_sample.windows),
+    )
+    if val["split_documents"] < MIN_VAL_DOCUMENTS:
+        log.warning(
+            "the validation split holds only %d documents: its loss measures those few texts. "
+            "Prepare the data with a larger val_fraction (or more data) for a number to trust",
+            val["split_documents"],
+        )
+    return {f"val_{k}": val[k] for k in ("windows", "tokens", "documents")}
 
 
 def perplexity(loss: float) -> float:

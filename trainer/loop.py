@@ -12,7 +12,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from data.loader import TokenLoader
+from data.loader import Batch, TokenLoader
 from model.config import ModelConfig
 from model.transformer import Transformer
 from optim.schedules import lr_multiplier, muon_momentum
@@ -73,6 +73,7 @@ class Training:
     pre_streak: Path | None = None  # the newest checkpoint before the current bad streak
     phase: str = "start-up"  # what the loop is doing (named when a collective times out)
     restored_step: int = -1  # the step of the checkpoint this run resumed from
+    eval_coverage: dict[str, int] = field(default_factory=dict)  # val_windows, val_tokens, ...
 
     @property
     def state_model(self) -> torch.nn.Module:
@@ -324,15 +325,9 @@ class Training:
         return True
 
     def _validate(self) -> bool:
-        """One validation row and log line; False when a stop signal interrupted it."""
-        val = validation_loss(
-            self.model,
-            self.loader,
-            self.device,
-            self.autocast,
-            self.cfg.trainer.doc_mask,
-            self.stop.requested,
-        )
+        """One evaluation row (validation loss, and the loss on the fixed training sample) and
+        its log line; False when a stop signal interrupted it."""
+        val = self._sample_loss(self.loader.validation())
         if val is None:
             return False
         row = {
@@ -341,9 +336,27 @@ class Training:
             "val_loss": val,
             "val_ppl": perplexity(val),
         }
+        row |= self.eval_coverage
+        line = f"step {self.step}  validation loss {val:.4f}  perplexity {row['val_ppl']:.1f}"
+        if self.loader.train_sample.batches:
+            train = self._sample_loss(self.loader.train_eval())
+            if train is None:
+                return False
+            row["train_eval_loss"] = train
+            line += f"  (training sample {train:.4f})"
         self._emit(row)
-        log.info("step %d  validation loss %.4f  perplexity %.1f", self.step, val, row["val_ppl"])
+        log.info("%s", line)
         return True
+
+    def _sample_loss(self, batches: Iterator[Batch]) -> float | None:
+        return validation_loss(
+            self.model,
+            batches,
+            self.device,
+            self.autocast,
+            self.cfg.trainer.doc_mask,
+            self.stop.requested,
+        )
 
     def _maybe_inject_fault(self) -> None:
         """trainer.fault_step: SIGKILL this process once at that step (tests of exact resume and

@@ -166,3 +166,17 @@ def test_async_checkpoints_commit_and_resume_exactly(dataset, tmp_path):
         [r["loss"] for r in metric_rows(tmp_path / d) if "loss" in r] for d in ("sync", "async")
     ]
     assert len(losses[0]) == 6 and losses[0] == losses[1]
+
+
+def test_evaluation_rows_say_what_was_evaluated_and_add_a_training_sample(
+    dataset, tmp_path, caplog
+):
+    caplog.set_level("INFO")
+    assert train(small_config(dataset, max_steps=2), tmp_path, ONE) == 0
+    rows = [r for r in metric_rows(tmp_path) if "val_loss" in r]
+    assert [r["step"] for r in rows] == [0, 2]
+    for row in rows:
+        assert row["val_windows"] == 4 and row["val_tokens"] == 4 * 32
+        assert 1 <= row["val_documents"] <= 6 and row["train_eval_loss"] > 0
+    assert "validation: 4 windows (128 tokens) spread over the whole split" in caplog.text
+    assert "the validation split holds only 6 documents" in caplog.text  # with the fix named
