@@ -4,7 +4,7 @@ a small learning-rate sweep for each, through the real command (`python -m train
 Reports each run's final validation loss, and for the best Muon run how many tokens it needed
 to reach the best AdamW run's final validation loss (interpolated between evaluations).
 
-    python bench/optimizer_sweep.py [--steps 200] [--eval-every 20]
+    python bench/optimizer_sweep.py [--steps 150] [--eval-every 25]
 Writes bench/results/optimizer_sweep_cpu.json and optimizer_sweep_cpu.png.
 """
 
@@ -76,8 +76,8 @@ def plot(results: list[dict], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--eval-every", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--eval-every", type=int, default=25)
     args = parser.parse_args()
     results = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -44,7 +44,7 @@ def validation_loss(
     return float(total[0] / total[1]) if total[1] > 0 else float("nan")
 
 
-MIN_VAL_DOCUMENTS = 20  # fewer: the validation loss measures a handful of texts
+MIN_VAL_DOCUMENTS = 10  # fewer: the validation loss measures a handful of texts
 
 
 def describe_evaluation(loader: TokenLoader) -> dict[str, int]:
