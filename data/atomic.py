@@ -5,6 +5,7 @@ A reader therefore sees either the old file or the complete new one, never a par
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from pathlib import Path
@@ -33,3 +34,17 @@ def remove_temporaries(directory: Path) -> None:
     """Delete temporary siblings left by an interrupted writer."""
     for stale in directory.glob(".*.tmp-*"):
         stale.unlink(missing_ok=True)
+
+
+def is_disk_full(err: BaseException | None) -> bool:
+    """ENOSPC (or a full quota) anywhere in an exception's chain, or torch's zip writer's
+    short-write error ("unexpected pos"), which is what a full disk looks like from torch.save."""
+    seen = 0
+    while err is not None and seen < 20:
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        text = str(err)
+        if "No space left" in text or "unexpected pos" in text or "Disk quota" in text:
+            return True
+        err, seen = err.__cause__ or err.__context__, seen + 1
+    return False

@@ -12,7 +12,6 @@ finished dataset it verifies the shards and rewrites any that are missing or dam
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import hashlib
 import itertools
@@ -30,7 +29,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from data.atomic import atomic_write_json, remove_temporaries
+from data.atomic import atomic_write_json, is_disk_full, remove_temporaries
 from data.bpe import train_bpe
 from data.config import PrepareConfig
 from data.encode_pool import EncodePool
@@ -390,7 +389,7 @@ def run(cfg: PrepareConfig) -> int:
         log.error("%s", err)
         return 1
     except OSError as err:
-        if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+        if not is_disk_full(err):
             raise
         log.error(
             "no space left on the device of %s: the finished shards are kept; free space and run "

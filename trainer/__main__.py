@@ -12,7 +12,6 @@ second trainer on it stops before writing anything (trainer.run_dir).
 
 from __future__ import annotations
 
-import errno
 import sys
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from data.atomic import is_disk_full
 from data.errors import DataError
 from model.errors import ConfigError
 from optim.errors import OptimConfigError
@@ -81,7 +81,7 @@ def _train(cfg, run_dir: Path, ranks: Ranks) -> int:
     except KeyboardInterrupt:
         return _interrupted()
     except OSError as err:
-        if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+        if not is_disk_full(err):
             raise
         log.error(
             "no space left on the device of %s: %s; free space and run the same command "

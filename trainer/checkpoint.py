@@ -18,7 +18,6 @@ make a checkpoint "damaged", and `resume=auto` then falls back to the one before
 
 from __future__ import annotations
 
-import errno
 import logging
 import shutil
 import warnings
@@ -35,7 +34,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from data.atomic import atomic_write_bytes
+from data.atomic import atomic_write_bytes, is_disk_full
 from trainer.checkpoint_errors import CheckpointConflict, CheckpointError, UnsafeCheckpointError
 
 # the reading half, re-exported: `from trainer.checkpoint import resume, load_checkpoint, ...`
@@ -214,7 +213,7 @@ def _disk_full_is_one_line(owner: Checkpointer, final: Path, tmp: Path) -> Itera
     try:
         yield
     except BaseException as err:  # DCP's CheckpointException is a BaseException
-        if not _is_disk_full(err):
+        if not is_disk_full(err):
             raise
         if owner.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -224,16 +223,3 @@ def _disk_full_is_one_line(owner: Checkpointer, final: Path, tmp: Path) -> Itera
             f"no space left on {owner.root} while writing {final.name}; {what}. "
             f"Free space and run the same command again: it resumes from there"
         ) from None
-
-
-def _is_disk_full(err: BaseException | None) -> bool:
-    """ENOSPC anywhere in the chain, or torch's zip writer's short-write error."""
-    seen = 0
-    while err is not None and seen < 20:
-        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        text = str(err)
-        if "No space left" in text or "unexpected pos" in text or "Disk quota" in text:
-            return True
-        err, seen = err.__cause__ or err.__context__, seen + 1
-    return False

@@ -54,9 +54,9 @@ def load_checkpoint(
     are checked and agreed on before DCP's collective load, whose errors reach every rank."""
     problem, unsafe = "", False
     extra: dict[str, Any] = {}
+    metadata = None
     try:
-        _check_files(path, verify)
-        extra = _read_extra(path, rank)
+        extra, metadata = read_checked(path, rank, verify)
     except UnsafeCheckpointError as err:
         problem, unsafe = str(err), True
     except Exception as err:  # I/O, format: this rank's view; agreed on below
@@ -74,31 +74,36 @@ def load_checkpoint(
         )
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafePlanner())
+    read_states(state, path, metadata)
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
     )
     return extra
 
 
-def _check_files(path: Path, verify: bool) -> None:
-    if not (path / ".metadata").is_file():
+def read_checked(path: Path, rank: int, verify: bool = True) -> tuple[dict[str, Any], Any]:
+    """(this rank's trainer state, DCP's metadata) of the checkpoint at `path`, after checking
+    its record and this rank's share of the checksums; refuses crafted files. No collective:
+    callers with several ranks agree on the outcome."""
+    if not (path / METADATA).is_file():
         raise CheckpointError(f"{path} is incomplete (no .metadata)")
     record = CommitRecord.read(path)
     if record is None:
         log.warning("%s has no commit.json (an older checkpoint): files not verified", path)
     elif verify and (problem := file_problem(path, record.files)):
         raise CheckpointError(problem)
-    read_dcp_metadata(path / METADATA)  # refuses a crafted pickle with its own message
-
-
-def _read_extra(path: Path, rank: int) -> dict[str, Any]:
+    metadata = read_dcp_metadata(path / METADATA)  # refuses a crafted pickle by name
     extra_path = path / f"trainer_rank{rank}.pt"
     if not extra_path.is_file():
         extra_path = path / "trainer_rank0.pt"
         if not extra_path.is_file():
             raise CheckpointError(f"{path} is incomplete (no trainer_rank0.pt)")
-    return load_plain(extra_path)
+    return load_plain(extra_path), metadata
+
+
+def read_states(state: dict[str, Any], path: Path, metadata: Any = None) -> None:
+    """DCP's load of `state` (resharded to its layout) through the safe reader and planner."""
+    dcp.load(state, storage_reader=SafeReader(str(path), metadata), planner=SafePlanner())
 
 
 def resume(

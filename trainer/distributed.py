@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from model.errors import ConfigError
+from trainer.checkpoint_errors import CheckpointError
 from trainer.runtime import Ranks
 
 REQUIRED_ENV = ("MASTER_ADDR", "MASTER_PORT")
@@ -82,8 +83,6 @@ TIMEOUT_MARKS = ("timed out waiting", "operation timeout", "timed out after", "w
 def is_collective_timeout(err: BaseException) -> bool:
     """gloo's "Timed out waiting ... for recv" and NCCL's watchdog timeouts (not our own
     errors, whose messages may name a path that happens to say "timeout")."""
-    from trainer.checkpoint_errors import CheckpointError
-
     if not isinstance(err, RuntimeError) or isinstance(err, CheckpointError | ConfigError):
         return False
     text = str(err).lower()

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import hydra
 import torch
-import torch.distributed.checkpoint as dcp
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
@@ -29,15 +28,8 @@ from model.errors import ConfigError
 from model.hf import save_hf
 from model.transformer import build_model
 from trainer.checkpoint import LOAD_ERRORS, CheckpointError, complete_checkpoints
-from trainer.checkpoint_record import CommitRecord, file_problem
+from trainer.checkpoint_load import read_checked, read_states
 from trainer.config import CONF_DIR
-from trainer.safe_load import (
-    METADATA,
-    SafePlanner,
-    SafeReader,
-    load_plain,
-    read_dcp_metadata,
-)
 
 log = logging.getLogger("trainer.export")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -84,16 +76,12 @@ def load_for_export(path: Path) -> tuple[Path, dict, torch.nn.Module]:
 
 
 def _load(ckpt: Path) -> tuple[dict, torch.nn.Module]:
-    record = CommitRecord.read(ckpt)
-    if record is not None and (problem := file_problem(ckpt, record.files)):
-        raise CheckpointError(problem)
-    read_dcp_metadata(ckpt / METADATA)
-    extra = load_plain(ckpt / "trainer_rank0.pt")
+    extra, metadata = read_checked(ckpt, rank=0)
     model = build_model(config_from_dict(ModelConfig, extra["model_config"]), device="cpu")
     state = {"model": model.state_dict()}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        dcp.load(state, storage_reader=SafeReader(str(ckpt)), planner=SafePlanner())
+        read_states(state, ckpt, metadata)
     model.load_state_dict(state["model"])
     return extra, model
 

@@ -97,12 +97,20 @@ def read_dcp_metadata(path: Path) -> Any:
 
 
 class SafeReader(FileSystemReader):
-    """DCP's file-system reader with a whitelisted unpickler for `.metadata`."""
+    """DCP's file-system reader with a whitelisted unpickler for `.metadata`; `metadata`, when
+    given, is that file already read (it is not unpickled a second time)."""
+
+    def __init__(self, path: str, metadata: Any = None):
+        super().__init__(path)
+        self._metadata = metadata
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         rank = kwargs.get("rank")
-        name = METADATA if rank is None else f"__{rank}{METADATA}"
-        metadata = read_dcp_metadata(Path(self.path) / name)
+        if self._metadata is not None and rank is None:
+            metadata = self._metadata
+        else:
+            name = METADATA if rank is None else f"__{rank}{METADATA}"
+            metadata = read_dcp_metadata(Path(self.path) / name)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id

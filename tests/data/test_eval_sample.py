@@ -120,7 +120,7 @@ def test_resume_and_another_number_of_ranks_evaluate_the_same_windows(mixed):
 def test_the_spread_sample_is_uniform_and_stratified():
     draws = np.concatenate([spread_sample(1000, 50, seed, salt=1) for seed in range(400)])
     counts = np.bincount(draws, minlength=1000)
-    assert abs(counts.mean() - 20) < 1e-9 and counts.std() < 6  # each window ~ equally likely
+    assert counts.min() > 0 and counts.std() < 6  # every window drawn, each about as often
     one = spread_sample(1000, 50, 0, 1)
     assert np.all(np.diff(one) > 0) and np.all(one // 20 == np.arange(50))  # one per stratum
     assert list(spread_sample(7, 10, 0, 1)) == list(range(7))
