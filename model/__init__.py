@@ -1,10 +1,10 @@
 """Single-device model math: configs, layers, the Transformer LM, generation and accounting.
 
-Importing the package registers every implementation (norms, positions, attention kinds, FFNs)
-and loads the MoE layer (model.moe), so the config can validate registry keys.
+Importing the package registers every implementation (norms, residual streams, positions, token
+mixers, FFNs) and loads the MoE layer (model.moe), so the config can validate registry keys.
 """
 
-from model import attention, ffn, mla, moe, norms, positions, rope  # noqa: F401  (fill the registries)
+from model import attention, ffn, mla, moe, norms, positions, residual, rope  # noqa: F401  (fill the registries)
 from model.config import (
     AttentionConfig,
     ConfigError,

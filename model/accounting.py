@@ -11,9 +11,10 @@ Conventions
   (query, key) pair in the forward (QK^T and AV), times 3 for forward + backward. With causal
   masking a query at index i sees i + 1 keys (or at most the sliding window), so the average
   context is (T + 1) / 2 for full causal attention, not T.
-- KV cache per token = sum over layers of what the attention stores: 2 x K x D for GQA/MHA/MQA,
-  R + Dr for MLA; the MHA equivalent (every query head with its own key and value) is
-  H x (Dqk + Dv) per layer.
+  Each token mixer reports its own part (`mixing_flops_per_token`, model/mixer.py).
+- Generation state = sum over layers of what each mixer keeps (`state_size`): per token 2 x K x D
+  for GQA/MHA/MQA, R + Dr for MLA, plus any fixed-size recurrent state; the MHA equivalent (every
+  query head with its own key and value) is H x (Dqk + Dv) per attention layer.
 """
 
 from __future__ import annotations
@@ -22,7 +23,10 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from model.mixer import average_context
 from model.transformer import Transformer
+
+__all__ = ["average_context"]  # (re-exported: it lives with the mixer protocol)
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 
@@ -63,13 +67,6 @@ def matmul_params_per_token(module: nn.Module) -> int:
     return sum(matmul_params_per_token(child) for child in module.children())
 
 
-def average_context(seq_len: int, window: int = 0) -> float:
-    """Mean number of keys a query attends to under causal (and optionally sliding-window) masking."""
-    if not window or window >= seq_len:
-        return (seq_len + 1) / 2
-    return (window * (window + 1) / 2 + (seq_len - window) * window) / seq_len
-
-
 @dataclass(frozen=True)
 class FlopsPerToken:
     matmul: float  # 6 x matmul weights (forward 2, backward 4)
@@ -85,38 +82,36 @@ class FlopsPerToken:
         return self.total / 3
 
 
-def score_width(model: Transformer) -> int:
-    """Sum over layers of H x (Dqk + Dv): the multiply-adds per (query, key) pair in the forward,
-    and also the elements per token an MHA cache (a key and a value per query head) would store."""
-    total = 0
-    for block in model.layers.values():
-        heads, qk_dim, v_dim = block.attn.score_dims()
-        total += heads * (qk_dim + v_dim)
-    return total
-
-
 def training_flops_per_token(model: Transformer, seq_len: int) -> FlopsPerToken:
     matmul = sum(matmul_params_per_token(block) for block in model.layers.values())
     matmul += model.head_weight.numel()  # the head is a matmul even when tied
-    ctx = average_context(seq_len, model.cfg.attention.sliding_window)
-    attention = score_width(model) * ctx
-    return FlopsPerToken(matmul=6.0 * matmul, attention=6.0 * attention, seq_len=seq_len)
+    mixing = sum(block.attn.mixing_flops_per_token(seq_len) for block in model.layers.values())
+    return FlopsPerToken(matmul=6.0 * matmul, attention=3.0 * mixing, seq_len=seq_len)
 
 
 @dataclass(frozen=True)
 class KVCacheSize:
-    bytes_per_token: int
-    mha_bytes_per_token: int  # the same model with one key and value per query head
+    bytes_per_token: int  # per-token caches (KV, latent)
+    mha_bytes_per_token: int  # the same attention layers with one key and value per query head
+    fixed_bytes: int = 0  # per sequence whatever its length (recurrent states)
 
     @property
     def reduction(self) -> float:
-        return self.mha_bytes_per_token / self.bytes_per_token
+        return self.mha_bytes_per_token / self.bytes_per_token if self.bytes_per_token else 0.0
+
+    def per_sequence(self, tokens: int) -> int:
+        return self.bytes_per_token * tokens + self.fixed_bytes
 
 
 def kv_cache_size(model: Transformer, dtype: str = "bf16") -> KVCacheSize:
+    """Generation-state bytes per token (and fixed per sequence), summed over the layers."""
     width = DTYPE_BYTES[dtype]
-    ours = sum(block.attn.kv_cache_elements_per_token() for block in model.layers.values())
-    return KVCacheSize(bytes_per_token=ours * width, mha_bytes_per_token=score_width(model) * width)
+    sizes = [block.attn.state_size() for block in model.layers.values()]
+    return KVCacheSize(
+        bytes_per_token=sum(s.per_token for s in sizes) * width,
+        mha_bytes_per_token=sum(s.mha_per_token for s in sizes) * width,
+        fixed_bytes=sum(s.fixed for s in sizes) * width,
+    )
 
 
 @dataclass(frozen=True)

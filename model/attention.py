@@ -10,32 +10,66 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from model.config import ModelConfig
+from model.config import AttentionConfig, ConfigError, ModelConfig, check_rotary_dim
 from model.init import InitStds, init_linear
 from model.kv_cache import KVCache
 from model.masks import AttentionContext
+from model.mixer import LayerDims, QKClipHooks, StateSize, TokenMixer, average_context
 from model.norms import RMSNorm
 from model.qk_logits import record
-from model.registry import ATTENTIONS, ROPE_PAIRINGS
+from model.registry import ATTENTIONS, MIXERS, ROPE_PAIRINGS
 from model.rope import softmax_multiplier
 
 
+@MIXERS.register("gqa")
 @ATTENTIONS.register("gqa")
-class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+class Attention(TokenMixer, QKClipHooks):
+    kind = "gqa"
+
+    @classmethod
+    def check(cls, cfg: ModelConfig) -> None:
+        att = cfg.attention
+        if att.head_dim == 0 and cfg.d_model % att.n_heads:
+            raise ConfigError(
+                f"model.d_model={cfg.d_model} is not divisible by model.attention.n_heads={att.n_heads}; "
+                "set model.attention.head_dim explicitly"
+            )
+        if cfg.position != "rope":
+            return
+        exact = cfg.head_dim * cfg.rope.fraction
+        if not (exact == int(exact) and int(exact) % 2 == 0 and exact > 0):
+            raise ConfigError(
+                f"RoPE rotates pairs of dims: model.attention.head_dim={cfg.head_dim} x "
+                f"model.rope.fraction={cfg.rope.fraction} = {exact:g} must be a positive even integer"
+            )
+        check_rotary_dim(cfg.rope, int(exact), "model.attention.head_dim x model.rope.fraction")
+
+    @classmethod
+    def rotary_dim_for(cls, cfg: ModelConfig) -> int:
+        return int(cfg.head_dim * cfg.rope.fraction) if cfg.position == "rope" else 0
+
+    @classmethod
+    def build(cls, cfg: ModelConfig, layer_id: int = 0) -> Attention:
+        return cls(cfg.attention, LayerDims.of(cfg, layer_id))
+
+    def __init__(self, a: AttentionConfig, dims: LayerDims) -> None:
         super().__init__()
-        a = cfg.attention
-        self.n_heads, self.n_kv_heads, self.head_dim = a.n_heads, cfg.n_kv_heads, cfg.head_dim
-        C, H, K, D = cfg.d_model, self.n_heads, self.n_kv_heads, self.head_dim
+        self.n_heads, self.n_kv_heads = a.n_heads, a.n_kv_heads or a.n_heads
+        self.head_dim = a.head_dim or dims.d_model // a.n_heads
+        self.window = a.sliding_window
+        C, H, K, D = dims.d_model, self.n_heads, self.n_kv_heads, self.head_dim
         self.q_proj = nn.Linear(C, H * D, bias=a.bias)
         self.k_proj = nn.Linear(C, K * D, bias=a.bias)
         self.v_proj = nn.Linear(C, K * D, bias=a.bias)
         self.o_proj = nn.Linear(H * D, C, bias=a.bias)
         self.gate_proj = nn.Linear(C, H * D, bias=a.bias) if a.output_gate else None
-        self.q_norm = RMSNorm(D, cfg.norm_eps) if a.qk_norm else None
-        self.k_norm = RMSNorm(D, cfg.norm_eps) if a.qk_norm else None
-        self.apply_rope = ROPE_PAIRINGS.get(cfg.rope.pairing)
-        self.scale = (a.softmax_scale or D**-0.5) * softmax_multiplier(cfg.rope)
+        self.q_norm = RMSNorm(D, dims.norm_eps) if a.qk_norm else None
+        self.k_norm = RMSNorm(D, dims.norm_eps) if a.qk_norm else None
+        rope = dims.rope
+        self.rotary_dim = int(D * rope.fraction) if rope is not None else 0
+        self.apply_rope = ROPE_PAIRINGS.get(rope.pairing) if rope is not None else None
+        multiplier = softmax_multiplier(rope) if rope is not None else 1.0
+        self.scale = (a.softmax_scale or D**-0.5) * multiplier
 
     def forward(self, x: Tensor, ctx: AttentionContext, cache: KVCache | None = None) -> Tensor:
         B, T, _ = x.shape
@@ -44,8 +78,9 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if ctx.rope is not None:
-            q, k = self.apply_rope(q, ctx.rope), self.apply_rope(k, ctx.rope)
+        rot = ctx.rotations(self.rotary_dim)
+        if rot is not None:
+            q, k = self.apply_rope(q, rot), self.apply_rope(k, rot)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|K, T, D)
         if cache is not None:
             k, v = cache.update(k, v, ctx.start)  # (B, K, S, D)
@@ -54,9 +89,6 @@ class Attention(nn.Module):
         if self.gate_proj is not None:
             y = y * torch.sigmoid(self.gate_proj(x))
         return self.o_proj(y)
-
-    record_max_logits = False  # QK-clip: keep the per-head max logit of training forwards
-    max_logits: Tensor | None = None  # (H,) running max since the optimizer last read it
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext) -> Tensor:
         """SDPA over q (B, H, T, D) and k, v (B, K, S, D)."""
@@ -86,6 +118,14 @@ class Attention(nn.Module):
         for norm in (self.q_norm, self.k_norm):
             if norm is not None:
                 norm.init_weights()
+
+    def qk_clip_blocker(self) -> str | None:
+        if self.q_norm is not None:
+            return (
+                "uses QK-norm (model.attention.qk_norm=true): it normalizes q and k after the "
+                "projections, so QK-clip's weight scaling has no effect"
+            )
+        return None
 
     def qk_clip_row_scales(self, gamma: Tensor) -> list[tuple[Tensor, Tensor]]:
         """QK-clip: (parameter, per-row factor) pairs that scale head h's logits by gamma[h].
@@ -121,15 +161,26 @@ class Attention(nn.Module):
             blocks["gate_proj.weight"] = (0, H, (D,))
         return blocks
 
-    def score_dims(self) -> tuple[int, int, int]:
-        """(query heads, query-key dims per head, value dims per head): what attention FLOPs scale with."""
-        return self.n_heads, self.head_dim, self.head_dim
+    def score_width(self) -> int:
+        """H x (Dqk + Dv): multiply-adds per (query, key) pair, and an MHA cache's elements per token."""
+        return self.n_heads * 2 * self.head_dim
 
-    def kv_cache_elements_per_token(self) -> int:
-        """2 x K x D: keys and values of the kv heads only."""
-        return 2 * self.n_kv_heads * self.head_dim
+    def mixing_flops_per_token(self, seq_len: int) -> float:
+        """QK^T and AV: 2 x H (Dqk + Dv) per (query, key) pair over the causal average context."""
+        return 2.0 * self.score_width() * average_context(seq_len, self.window)
 
-    def make_cache(
+    def state_size(self) -> StateSize:
+        """2 x K x D per token: keys and values of the kv heads only."""
+        return StateSize(
+            per_token=2 * self.n_kv_heads * self.head_dim, mha_per_token=self.score_width()
+        )
+
+    def describe(self) -> str:
+        H, K = self.n_heads, self.n_kv_heads
+        name = "MHA" if K == H else "MQA" if K == 1 else "GQA"
+        return f"{name}: {H}q / {K}kv x {self.head_dim}"
+
+    def new_state(
         self, batch: int, capacity: int, dtype: torch.dtype, device: torch.device
     ) -> KVCache:
         shape = (batch, self.n_kv_heads, capacity, self.head_dim)

@@ -1,45 +1,57 @@
-"""One transformer block: attention and FFN sublayers joined by the configured residual style.
+"""One transformer block: a token-mixer sublayer and an FFN sublayer, each joined to the residual
+stream by its own connection (model/residual.py).
 
-Shapes: x (B, T, C) -> (B, T, C). The FFN is the dense one (registry FFNS), or an MoE layer from
-block model.moe.first_k_dense on when model.moe.n_routed_experts > 0.
+Shapes: the stream state (for the classic residual styles x (B, T, C)) -> the same. The mixer is
+the layer's kind from the resolved layout (`ModelConfig.layer_specs`, registry MIXERS); the FFN
+is the dense one (registry FFNS), or an MoE layer on the layers the layout marks "moe".
 """
 
 from __future__ import annotations
 
-from torch import Tensor, nn
+from torch import nn
 
-from model.config import ModelConfig
+from model.config import LayerSpec, ModelConfig
 from model.init import block_init_stds
+from model.kv_cache import LayerState
 from model.masks import AttentionContext
 from model.moe.layer import MoE
 from model.norms import build_norm
-from model.registry import ATTENTIONS, FFNS, RESIDUALS
+from model.registry import FFNS, MIXERS, RESIDUALS
+from model.residual import State
 
 
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
         self.layer_id = layer_id
+        self.spec: LayerSpec = cfg.layer_specs()[layer_id]
+        stream = RESIDUALS.get(cfg.residual)
         self.attn_norm = build_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
-        self.attn = ATTENTIONS.get(cfg.attention.kind)(cfg)
+        self.attn = MIXERS.get(self.spec.mixer).build(cfg, layer_id)
+        self.attn_residual = stream.connection(cfg, layer_id, "attn")
         self.ffn_norm = build_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
-        self.ffn = build_ffn(cfg, layer_id)
-        self.residual = RESIDUALS.get(cfg.residual)(cfg.n_layers)  # a plain strategy, no parameters
+        self.ffn = build_ffn(cfg, self.spec)
+        self.ffn_residual = stream.connection(cfg, layer_id, "ffn")
+        self.init_gain = stream.init_gain(cfg)
 
-    def forward(self, x: Tensor, ctx: AttentionContext, cache: nn.Module | None = None) -> Tensor:
-        x = self.residual(x, lambda h: self.attn(h, ctx, cache), self.attn_norm)
-        return self.residual(x, self.ffn, self.ffn_norm)
+    def forward(
+        self, state: State, ctx: AttentionContext, cache: LayerState | None = None
+    ) -> State:
+        state = self.attn_residual(state, lambda h: self.attn(h, ctx, cache), self.attn_norm)
+        return self.ffn_residual(state, self.ffn, self.ffn_norm)
 
     def init_weights(self, cfg: ModelConfig) -> None:
-        stds = block_init_stds(cfg.init, cfg.n_layers, self.layer_id, self.residual.init_gain)
+        stds = block_init_stds(cfg.init, cfg.n_layers, self.layer_id, self.init_gain)
         self.attn.init_weights(stds)
         self.ffn.init_weights(stds)
         self.attn_norm.init_weights()
         self.ffn_norm.init_weights()
+        self.attn_residual.init_weights()
+        self.ffn_residual.init_weights()
 
 
-def build_ffn(cfg: ModelConfig, layer_id: int) -> nn.Module:
-    """Block `layer_id`'s FFN: MoE after the first_k_dense layers of an MoE model, else dense."""
-    if cfg.is_moe_layer(layer_id):
-        return MoE(cfg, layer_id)
+def build_ffn(cfg: ModelConfig, spec: LayerSpec) -> nn.Module:
+    """The layer's FFN: MoE where the layout says so (after moe.first_k_dense), else dense."""
+    if spec.ffn == "moe":
+        return MoE(cfg, spec.index)
     return FFNS.get(cfg.ffn.kind)(cfg.d_model, cfg.ffn_hidden, cfg.ffn.bias)

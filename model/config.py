@@ -17,6 +17,7 @@ from model.errors import ConfigError
 from model.registry import (
     ATTENTIONS,
     FFNS,
+    MIXERS,
     NORMS,
     POSITIONS,
     RESIDUALS,
@@ -40,6 +41,24 @@ def _check_choice(key: str, value: str, registry: Registry) -> None:
         value in registry,
         f"{key}={value!r} is not a known {registry.what}; choose one of: {', '.join(registry.names())}",
     )
+
+
+def check_rotary_dim(rope: RopeConfig, rotary_dim: int, source: str) -> None:
+    """NTK scalings raise the base to R/(R-2): they need more than 2 rotary dims per head."""
+    _require(
+        rope.scaling not in ("ntk", "dynamic_ntk") or rotary_dim > 2,
+        f"model.rope.scaling={rope.scaling!r} needs more than 2 rotary dims per head "
+        f"(the base exponent is R/(R-2)); {source} = {rotary_dim}",
+    )
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One resolved layer of the stack."""
+
+    index: int
+    mixer: str  # MIXERS key (gqa, mla, ...)
+    ffn: str  # dense | moe
 
 
 @dataclass(kw_only=True)
@@ -297,6 +316,11 @@ class ModelConfig:
         4096  # tokens per chunk of the fused head + cross-entropy; 0 = unchunked
     )
     moe: MoEConfig = field(default_factory=MoEConfig)  # n_routed_experts = 0: dense FFNs only
+    # the token mixer (model.mixer MIXERS key) of each layer, one per layer; [] = layer_pattern
+    layer_types: list[str] = field(default_factory=list)
+    # a short list of mixer kinds repeated over the layers (e.g. [gdn, gdn, gdn, gqa]); [] = every
+    # layer is attention.kind
+    layer_pattern: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         for name in ("d_model", "n_layers", "max_seq_len"):
@@ -310,43 +334,30 @@ class ModelConfig:
         _check_choice("model.norm", self.norm, NORMS)
         _check_choice("model.residual", self.residual, RESIDUALS)
         _check_choice("model.position", self.position, POSITIONS)
-        self._check_heads()
-        self._check_positions()
+        self._check_layout()
         self._check_moe()
 
-    def _check_heads(self) -> None:
-        att = self.attention
-        if att.kind == "gqa" and att.head_dim == 0:
-            _require(
-                self.d_model % att.n_heads == 0,
-                f"model.d_model={self.d_model} is not divisible by model.attention.n_heads={att.n_heads}; "
-                "set model.attention.head_dim explicitly",
-            )
-
-    def _check_positions(self) -> None:
-        if self.attention.kind == "mla":
-            _require(
-                self.position == "rope",
-                f"model.position={self.position!r}: MLA uses decoupled RoPE; set model.position=rope",
-            )
-            _require(
-                self.rope.fraction == 1.0,
-                "model.rope.fraction must be 1.0 with MLA (its rope part is attention.mla.qk_rope_head_dim)",
-            )
-            return
-        if self.position == "rope":
-            exact = self.head_dim * self.rope.fraction
-            _require(
-                exact == int(exact) and int(exact) % 2 == 0 and exact > 0,
-                f"RoPE rotates pairs of dims: model.attention.head_dim={self.head_dim} x "
-                f"model.rope.fraction={self.rope.fraction} = {exact:g} must be a positive even integer",
-            )
-        if self.position == "rope" and self.rope.scaling in ("ntk", "dynamic_ntk"):
-            _require(
-                self.rotary_dim > 2,
-                f"model.rope.scaling={self.rope.scaling!r} needs more than 2 rotary dims per head "
-                f"(the base exponent is R/(R-2)); model.attention.head_dim x model.rope.fraction = {self.rotary_dim}",
-            )
+    def _check_layout(self) -> None:
+        """The per-layer mixer kinds are known, and each kind's own rules hold (its `check`)."""
+        for key in ("layer_types", "layer_pattern"):
+            for kind in getattr(self, key):
+                _check_choice(f"model.{key}", kind, MIXERS)
+        _require(
+            not (self.layer_types and self.layer_pattern),
+            "model.layer_types and model.layer_pattern are both set; give one of them",
+        )
+        _require(
+            not self.layer_types or len(self.layer_types) == self.n_layers,
+            f"model.layer_types has {len(self.layer_types)} entries for model.n_layers="
+            f"{self.n_layers}; give one per layer (or a short model.layer_pattern to repeat)",
+        )
+        _require(
+            len(self.layer_pattern) <= self.n_layers,
+            f"model.layer_pattern has {len(self.layer_pattern)} entries, more than model.n_layers="
+            f"{self.n_layers}",
+        )
+        for kind in dict.fromkeys(self.mixer_kinds()):
+            MIXERS.get(kind).check(self)
 
     def _check_moe(self) -> None:
         moe = self.moe
@@ -370,6 +381,21 @@ class ModelConfig:
         """Whether block `layer_id` has an MoE FFN (after the first_k_dense dense layers)."""
         return self.moe.enabled and layer_id >= self.moe.first_k_dense
 
+    def mixer_kinds(self) -> list[str]:
+        """The token mixer of every layer: layer_types, else layer_pattern repeated, else
+        attention.kind everywhere."""
+        if self.layer_types:
+            return list(self.layer_types)
+        pattern = self.layer_pattern or [self.attention.kind]
+        return [pattern[i % len(pattern)] for i in range(self.n_layers)]
+
+    def layer_specs(self) -> list[LayerSpec]:
+        """The resolved stack: which mixer and which FFN each layer has (`model.inspect` prints it)."""
+        return [
+            LayerSpec(i, kind, "moe" if self.is_moe_layer(i) else "dense")
+            for i, kind in enumerate(self.mixer_kinds())
+        ]
+
     # ---- derived sizes -------------------------------------------------------------------------
 
     @property
@@ -383,10 +409,8 @@ class ModelConfig:
 
     @property
     def rotary_dim(self) -> int:
-        """Dims per head that RoPE rotates (the MLA rope part for mla)."""
-        if self.attention.kind == "mla":
-            return self.attention.mla.qk_rope_head_dim
-        return int(self.head_dim * self.rope.fraction)
+        """Dims per head that RoPE rotates in layers of the default kind (attention.kind)."""
+        return MIXERS.get(self.attention.kind).rotary_dim_for(self)
 
     @property
     def ffn_hidden(self) -> int:

@@ -108,6 +108,9 @@ def _unsupported_option(cfg: ModelConfig) -> str | None:
     att, rope = cfg.attention, cfg.rope
     if att.kind != "gqa":
         return f"attention.kind={att.kind!r} (MLA export comes with DeepSeek-V3 MoE support)"
+    other = next((kind for kind in cfg.mixer_kinds() if kind != "gqa"), None)
+    if other is not None:
+        return f"layer_types/layer_pattern with {other!r} layers (Llama/Qwen3 layers are all GQA)"
     checks = [
         (cfg.position != "rope", lambda: f"position={cfg.position!r} (Llama/Qwen3 use RoPE)"),
         (cfg.residual != "pre", lambda: f"residual={cfg.residual!r} (Llama/Qwen3 are pre-norm)"),

@@ -84,19 +84,11 @@ def describe(cfg: ModelConfig, seq_len: int, args: InspectArgs) -> dict[str, Any
     flops = training_flops_per_token(model, seq_len)
     kv = kv_cache_size(model, args.dtype)
     memory = training_memory(params.total, args.param_dtype, args.dp_shard)
-    att = cfg.attention
-    heads = (
-        f"{att.n_heads}q / {cfg.n_kv_heads}kv x {cfg.head_dim}"
-        if att.kind == "gqa"
-        else (
-            f"{att.n_heads} x ({att.mla.qk_nope_head_dim}+{att.mla.qk_rope_head_dim} qk, {att.mla.v_head_dim} v), "
-            f"latent {att.mla.kv_lora_rank}"
-        )
-    )
     return {
         "layers": cfg.n_layers,
+        "layout": _layout_description(cfg),
         "d_model": cfg.d_model,
-        "attention": f"{_attention_name(cfg)}: {heads}",
+        "attention": _mixer_description(model),
         "ffn": _ffn_description(cfg),
         "moe": _moe_description(cfg),
         "vocab_size": cfg.vocab_size,
@@ -115,7 +107,7 @@ def describe(cfg: ModelConfig, seq_len: int, args: InspectArgs) -> dict[str, Any
         "train_flops_attention": flops.attention,
         "six_n": 6 * params.active,
         "kv_bytes_per_token": kv.bytes_per_token,
-        "kv_bytes_per_sequence": kv.bytes_per_token * seq_len,
+        "kv_bytes_per_sequence": kv.per_sequence(seq_len),
         "kv_mha_bytes_per_token": kv.mha_bytes_per_token,
         "kv_reduction_vs_mha": kv.reduction,
         "train_state_bytes": memory.total,
@@ -151,11 +143,30 @@ def _moe_description(cfg: ModelConfig) -> str:
     return text
 
 
-def _attention_name(cfg: ModelConfig) -> str:
-    if cfg.attention.kind == "mla":
-        return "MLA"
-    kv = cfg.n_kv_heads
-    return "MHA" if kv == cfg.attention.n_heads else "MQA" if kv == 1 else "GQA"
+def _runs(items: list[Any]) -> list[tuple[int, int, Any]]:
+    """(first, last, item) for each run of equal consecutive items."""
+    runs: list[tuple[int, int, Any]] = []
+    for i, item in enumerate(items):
+        if runs and runs[-1][2] == item:
+            runs[-1] = (runs[-1][0], i, item)
+        else:
+            runs.append((i, i, item))
+    return runs
+
+
+def _layout_description(cfg: ModelConfig) -> str:
+    """The resolved stack, e.g. 'layers 0-2: gqa + dense; layers 3-5: gqa + moe'."""
+    specs = [(s.mixer, s.ffn) for s in cfg.layer_specs()]
+    return "; ".join(f"{_layers(a, b)}: {m} + {f}" for a, b, (m, f) in _runs(specs))
+
+
+def _mixer_description(model: Any) -> str:
+    """Each mixer's own description, once per run of layers that share it."""
+    lines = [block.attn.describe() for block in model.layers.values()]
+    runs = _runs(lines)
+    if len(runs) == 1:
+        return lines[0]
+    return "; ".join(f"{_layers(a, b)}: {line}" for a, b, line in runs)
 
 
 def _count(n: float) -> str:
@@ -174,6 +185,7 @@ def _bytes(n: float) -> str:
 
 ROWS: list[tuple[str, str, Any]] = [
     ("Shape", "layers", str),
+    ("Shape", "layout", str),
     ("Shape", "d_model", str),
     ("Shape", "attention", str),
     ("Shape", "ffn", str),

@@ -1,4 +1,8 @@
-"""KV caches for generation: preallocated per layer, filled in place by prefill and decode.
+"""Generation state: one state object per layer, preallocated, filled in place by prefill and decode.
+
+Each token mixer makes its own (`TokenMixer.new_state`, model/mixer.py); `Cache` holds one per
+layer and the number of tokens seen. Kinds so far, all per-token caches (a recurrent mixer's
+state would be fixed-size: its recurrent state plus a conv window):
 
 Shapes: B batch, Tmax cache capacity, K kv heads, D head dims, R MLA latent width, Dr rope dims.
   KVCache      k (B, K, Tmax, D), v (B, K, Tmax, Dv)        GQA stores only its K kv heads
@@ -11,7 +15,14 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 
-class KVCache(nn.Module):
+class LayerState(nn.Module):
+    """One layer's generation state: buffers (not parameters), updated by the layer's forward."""
+
+    def nbytes(self) -> int:
+        return sum(buf.numel() * buf.element_size() for buf in self.buffers())
+
+
+class KVCache(LayerState):
     def __init__(self, k: Tensor, v: Tensor) -> None:
         super().__init__()
         self.register_buffer("k", k, persistent=False)
@@ -25,7 +36,7 @@ class KVCache(nn.Module):
         return self.k[:, :, :end], self.v[:, :, :end]
 
 
-class LatentCache(nn.Module):
+class LatentCache(LayerState):
     def __init__(self, c: Tensor, k_rope: Tensor) -> None:
         super().__init__()
         self.register_buffer("c", c, persistent=False)
@@ -40,9 +51,9 @@ class LatentCache(nn.Module):
 
 
 class Cache(nn.Module):
-    """The whole model's cache: one entry per layer plus how many tokens are stored."""
+    """The whole model's generation state: one `LayerState` per layer plus how many tokens are stored."""
 
-    def __init__(self, layers: list[nn.Module], capacity: int) -> None:
+    def __init__(self, layers: list[LayerState], capacity: int) -> None:
         super().__init__()
         self.layers = nn.ModuleList(layers)
         self.capacity = capacity

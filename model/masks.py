@@ -1,4 +1,5 @@
-"""What every attention layer of one forward pass shares: positions, RoPE angles and the mask.
+"""What every layer of one forward pass shares (`AttentionContext`): the token ids, positions,
+document starts, RoPE rotations and the attention mask.
 
 Shapes: B batch, T new tokens, S = start + T keys (start tokens already in the KV cache), H heads.
 The mask is None when plain causal attention suffices (SDPA's `is_causal` fast path), else either
@@ -17,10 +18,22 @@ from torch import Tensor
 @dataclass
 class AttentionContext:
     positions: Tensor  # (B, T) position of each new token (within its document if doc_ids given)
-    rope: Tensor | None  # (B, T, R/2) complex64 rotations, or None without RoPE
+    # rotary dims R -> (B, T, R/2) complex64 rotations, one entry per R the layers use (a mixer
+    # reads ctx.rope[mixer.rotary_dim]); empty (or None) without RoPE
+    rope: dict[int, Tensor] | None
     mask: Tensor | None  # see the module docstring
     is_causal: bool  # pass SDPA's is_causal (only when mask is None and there is no cache offset)
     start: int  # tokens already cached before this call
+    tokens: Tensor | None = None  # (B, T) the new token ids (memory layers hash them)
+    # (B, T) bool, True where a packed document begins (recurrent layers reset their state
+    # there); None: each row is one document continuing the cache
+    doc_starts: Tensor | None = None
+
+    def rotations(self, rotary_dim: int) -> Tensor | None:
+        """(B, T, R/2) rotations for R = rotary_dim, or None (no RoPE, or rotary_dim 0)."""
+        if not rotary_dim or not self.rope:
+            return None
+        return self.rope[rotary_dim]
 
 
 def document_starts(doc_ids: Tensor) -> Tensor:

@@ -21,43 +21,75 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from model.config import ModelConfig
+from model.config import AttentionConfig, ConfigError, ModelConfig, check_rotary_dim
 from model.init import InitStds, init_linear, trunc_normal_
 from model.kv_cache import LatentCache
 from model.masks import AttentionContext
+from model.mixer import LayerDims, QKClipHooks, StateSize, TokenMixer, average_context
 from model.norms import RMSNorm
 from model.qk_logits import record
-from model.registry import ATTENTIONS, ROPE_PAIRINGS
+from model.registry import ATTENTIONS, MIXERS, ROPE_PAIRINGS
 from model.rope import softmax_multiplier
 
 
+@MIXERS.register("mla")
 @ATTENTIONS.register("mla")
-class MultiHeadLatentAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+class MultiHeadLatentAttention(TokenMixer, QKClipHooks):
+    kind = "mla"
+
+    @classmethod
+    def check(cls, cfg: ModelConfig) -> None:
+        for flag in ("qk_norm", "output_gate"):
+            if getattr(cfg.attention, flag):
+                raise ConfigError(
+                    f"model.attention.{flag}=true is not supported with attention.kind='mla'"
+                )
+        if cfg.position != "rope":
+            raise ConfigError(
+                f"model.position={cfg.position!r}: MLA uses decoupled RoPE; set model.position=rope"
+            )
+        if cfg.rope.fraction != 1.0:
+            raise ConfigError(
+                "model.rope.fraction must be 1.0 with MLA (its rope part is attention.mla.qk_rope_head_dim)"
+            )
+        check_rotary_dim(
+            cfg.rope, cfg.attention.mla.qk_rope_head_dim, "model.attention.mla.qk_rope_head_dim"
+        )
+
+    @classmethod
+    def rotary_dim_for(cls, cfg: ModelConfig) -> int:
+        return cfg.attention.mla.qk_rope_head_dim
+
+    @classmethod
+    def build(cls, cfg: ModelConfig, layer_id: int = 0) -> MultiHeadLatentAttention:
+        return cls(cfg.attention, LayerDims.of(cfg, layer_id))
+
+    def __init__(self, a: AttentionConfig, dims: LayerDims) -> None:
         super().__init__()
-        m, bias = cfg.attention.mla, cfg.attention.bias
-        self.n_heads, self.kv_rank = cfg.attention.n_heads, m.kv_lora_rank
+        if dims.rope is None:
+            raise ConfigError("MLA uses decoupled RoPE; set model.position=rope")
+        m, bias, eps = a.mla, a.bias, dims.norm_eps
+        self.n_heads, self.kv_rank = a.n_heads, m.kv_lora_rank
         self.nope_dim, self.rope_dim, self.v_dim = (
             m.qk_nope_head_dim,
             m.qk_rope_head_dim,
             m.v_head_dim,
         )
-        C, H, qk_dim = cfg.d_model, self.n_heads, self.nope_dim + self.rope_dim
+        C, H, qk_dim = dims.d_model, self.n_heads, self.nope_dim + self.rope_dim
+        self.rotary_dim = self.rope_dim
+        self.window = a.sliding_window
         # queries: full rank (q_proj) or through a normalized bottleneck (q_a_proj -> q_b_proj)
         low_rank_q = m.q_lora_rank > 0
         self.q_proj = None if low_rank_q else nn.Linear(C, H * qk_dim, bias=False)
         self.q_a_proj = nn.Linear(C, m.q_lora_rank, bias=bias) if low_rank_q else None
-        self.q_a_norm = RMSNorm(m.q_lora_rank, cfg.norm_eps) if low_rank_q else None
+        self.q_a_norm = RMSNorm(m.q_lora_rank, eps) if low_rank_q else None
         self.q_b_proj = nn.Linear(m.q_lora_rank, H * qk_dim, bias=False) if low_rank_q else None
         self.kv_a_proj = nn.Linear(C, self.kv_rank + self.rope_dim, bias=bias)
-        self.kv_a_norm = RMSNorm(self.kv_rank, cfg.norm_eps)
+        self.kv_a_norm = RMSNorm(self.kv_rank, eps)
         self.kv_b_proj = nn.Linear(self.kv_rank, H * (self.nope_dim + self.v_dim), bias=False)
         self.o_proj = nn.Linear(H * self.v_dim, C, bias=bias)
-        self.apply_rope = ROPE_PAIRINGS.get(cfg.rope.pairing)
-        self.scale = (cfg.attention.softmax_scale or qk_dim**-0.5) * softmax_multiplier(cfg.rope)
-
-    record_max_logits = False  # QK-clip: keep the per-head max logit of training forwards
-    max_logits: Tensor | None = None  # (H,) running max since the optimizer last read it
+        self.apply_rope = ROPE_PAIRINGS.get(dims.rope.pairing)
+        self.scale = (a.softmax_scale or qk_dim**-0.5) * softmax_multiplier(dims.rope)
 
     def qk_clip_row_scales(self, gamma: Tensor) -> list[tuple[Tensor, Tensor]]:
         """QK-clip rows for gamma (H,): q_nope and k_nope rows by sqrt(gamma), the per-head
@@ -83,8 +115,9 @@ class MultiHeadLatentAttention(nn.Module):
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
         c, k_rope = self.kv_a_proj(x).split([self.kv_rank, self.rope_dim], dim=-1)
         c = self.kv_a_norm(c)  # (B, T, R)
-        q_rope = self.apply_rope(q_rope, ctx.rope)  # (B, T, H, Dr)
-        k_rope = self.apply_rope(k_rope[:, :, None, :], ctx.rope)[:, :, 0]  # (B, T, Dr)
+        rot = ctx.rotations(self.rotary_dim)
+        q_rope = self.apply_rope(q_rope, rot)  # (B, T, H, Dr)
+        k_rope = self.apply_rope(k_rope[:, :, None, :], rot)[:, :, 0]  # (B, T, Dr)
         if cache is not None:
             c, k_rope = cache.update(c, k_rope, ctx.start)  # (B, S, R), (B, S, Dr)
         attend = self._expanded if T > 1 else self._absorbed
@@ -156,14 +189,24 @@ class MultiHeadLatentAttention(nn.Module):
             "o_proj.weight": (1, H, (self.v_dim,)),
         }
 
-    def score_dims(self) -> tuple[int, int, int]:
-        return self.n_heads, self.nope_dim + self.rope_dim, self.v_dim
+    def score_width(self) -> int:
+        """H x (Dqk + Dv): multiply-adds per (query, key) pair, and an MHA cache's elements per token."""
+        return self.n_heads * (self.nope_dim + self.rope_dim + self.v_dim)
 
-    def kv_cache_elements_per_token(self) -> int:
-        """The latent plus the shared rope key: R + Dr (not 2 x H x D)."""
-        return self.kv_rank + self.rope_dim
+    def mixing_flops_per_token(self, seq_len: int) -> float:
+        return 2.0 * self.score_width() * average_context(seq_len, self.window)
 
-    def make_cache(
+    def state_size(self) -> StateSize:
+        """The latent plus the shared rope key per token: R + Dr (not 2 x H x D)."""
+        return StateSize(per_token=self.kv_rank + self.rope_dim, mha_per_token=self.score_width())
+
+    def describe(self) -> str:
+        return (
+            f"MLA: {self.n_heads} x ({self.nope_dim}+{self.rope_dim} qk, {self.v_dim} v), "
+            f"latent {self.kv_rank}"
+        )
+
+    def new_state(
         self, batch: int, capacity: int, dtype: torch.dtype, device: torch.device
     ) -> LatentCache:
         latent = torch.zeros(batch, capacity, self.kv_rank, dtype=dtype, device=device)

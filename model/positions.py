@@ -1,7 +1,7 @@
 """Position encodings (registry POSITIONS), one module per kind, all with the same three hooks:
 
   additive(positions)        (B, T, C) added to the token embeddings, or None   (sinusoidal, learned)
-  rotary(positions, length)  (B, T, R/2) complex rotations for q/k, or None       (rope)
+  rotary(positions, length, R)  (B, T, R/2) complex rotations of R dims, or None  (rope)
   alibi_slopes()             (H,) per-head slopes of the linear distance bias, or None   (alibi)
 
 positions (B, T) are each token's index (within its document when documents are packed); `length`
@@ -25,7 +25,7 @@ class PositionEncoding(nn.Module):
     def additive(self, positions: Tensor) -> Tensor | None:
         return None
 
-    def rotary(self, positions: Tensor, length: int) -> Tensor | None:
+    def rotary(self, positions: Tensor, length: int, rotary_dim: int) -> Tensor | None:
         return None
 
     def alibi_slopes(self, device: torch.device | None = None) -> Tensor | None:
@@ -45,28 +45,34 @@ class NoPosition(PositionEncoding):
 
 @POSITIONS.register("rope")
 class Rotary(PositionEncoding):
-    """RoPE angles. The fp32 frequency table is kept per device outside the module's buffers, so
-    meta-device builds need no re-init and `model.to(torch.bfloat16)` cannot round it."""
+    """RoPE angles, for each rotary width R the layers ask for (layers of different kinds may
+    rotate different numbers of dims). The fp32 frequency tables are kept per (device, R) outside
+    the module's buffers, so meta-device builds need no re-init and `model.to(torch.bfloat16)`
+    cannot round them."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg.rope
-        self.rotary_dim = cfg.rotary_dim
         self.original = cfg.rope_original_max_seq_len
-        _, self.factor = rope_frequencies(self.cfg, self.rotary_dim, self.original, self.original)
-        self._inv_freq: dict[torch.device, Tensor] = {}
+        self._tables: dict[tuple[torch.device, int], tuple[Tensor, float]] = {}
 
-    def rotary(self, positions: Tensor, length: int) -> Tensor:
-        return rope_rotations(positions, self.inv_freq(positions.device, length), self.factor)
+    def rotary(self, positions: Tensor, length: int, rotary_dim: int) -> Tensor:
+        inv_freq, factor = self.frequencies(positions.device, length, rotary_dim)
+        return rope_rotations(positions, inv_freq, factor)
 
-    def inv_freq(self, device: torch.device, length: int) -> Tensor:
-        """(R/2,) fp32 on `device`; dynamic NTK recomputes it for lengths beyond the original."""
+    def frequencies(
+        self, device: torch.device, length: int, rotary_dim: int
+    ) -> tuple[Tensor, float]:
+        """(inv_freq (R/2,) fp32 on `device`, cos/sin factor); dynamic NTK recomputes the table
+        for lengths beyond the original."""
         if self.cfg.scaling == "dynamic_ntk" and length > self.original:
-            return rope_frequencies(self.cfg, self.rotary_dim, self.original, length)[0].to(device)
-        if device not in self._inv_freq:
-            freqs = rope_frequencies(self.cfg, self.rotary_dim, self.original, self.original)[0]
-            self._inv_freq[device] = freqs.to(device)
-        return self._inv_freq[device]
+            inv_freq, factor = rope_frequencies(self.cfg, rotary_dim, self.original, length)
+            return inv_freq.to(device), factor
+        key = (device, rotary_dim)
+        if key not in self._tables:
+            inv_freq, factor = rope_frequencies(self.cfg, rotary_dim, self.original, self.original)
+            self._tables[key] = (inv_freq.to(device), factor)
+        return self._tables[key]
 
 
 def alibi_slopes(n_heads: int) -> Tensor:

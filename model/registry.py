@@ -47,5 +47,6 @@ RESIDUALS: Registry = Registry("residual style")
 POSITIONS: Registry = Registry("position encoding")
 ROPE_SCALINGS: Registry = Registry("rope scaling")
 ROPE_PAIRINGS: Registry = Registry("rope pairing")
-ATTENTIONS: Registry = Registry("attention kind")
+ATTENTIONS: Registry = Registry("attention kind")  # softmax attention: attention.kind
+MIXERS: Registry = Registry("token mixer")  # every layer kind of model.layer_types (model.mixer)
 FFNS: Registry = Registry("ffn kind")

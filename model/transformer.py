@@ -25,7 +25,7 @@ from model.config import ConfigError, ModelConfig
 from model.init import trunc_normal_
 from model.kv_cache import Cache
 from model.loss import chunked_cross_entropy
-from model.masks import AttentionContext, build_mask, positions_in_documents
+from model.masks import AttentionContext, build_mask, document_starts, positions_in_documents
 from model.norms import build_norm
 from model.positions import build_positions
 from model.registry import RESIDUALS
@@ -42,13 +42,16 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos = build_positions(cfg)
         self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
-        has_final_norm = RESIDUALS.get(cfg.residual).final_norm
+        stream = RESIDUALS.get(cfg.residual)
         self.norm = (
-            build_norm(cfg.norm, cfg.d_model, cfg.norm_eps) if has_final_norm else nn.Identity()
+            build_norm(cfg.norm, cfg.d_model, cfg.norm_eps) if stream.final_norm else nn.Identity()
         )
         self.head = (
             None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         )
+        self.stream = stream(cfg)  # expands the embedding into the carried state, collapses it
+        # the RoPE widths the layers rotate (layers of different kinds may differ)
+        self.rotary_dims = sorted({b.attn.rotary_dim for b in self.layers.values()} - {0})
         if self.embed.weight.device.type != "meta":
             self.init_weights()
 
@@ -71,6 +74,8 @@ class Transformer(nn.Module):
             plan.append(("norm", lambda m: m.init_weights()))
         if self.head is not None:
             plan.append(("head", lambda m: trunc_normal_(m.weight, std)))
+        if any(True for _ in self.stream.parameters()):  # last: the other parts keep their seeds
+            plan.append(("stream", lambda m: m.init_weights()))
         return plan
 
     @torch.no_grad()
@@ -128,17 +133,24 @@ class Transformer(nn.Module):
         additive = self.pos.additive(positions)
         if additive is not None:
             h = h + additive.to(h.dtype)
-        ctx = self._context(positions, start, T, doc_ids, h.dtype)
+        ctx = self._context(tokens, positions, start, doc_ids, h.dtype)
         caches = cache.layers if cache is not None else [None] * len(self.layers)
+        state = self.stream.expand(h)
         for block, layer_cache in zip(self.layers.values(), caches):
-            h = block(h, ctx, layer_cache)
+            state = block(state, ctx, layer_cache)
         if cache is not None:
             cache.length += T
-        return self.norm(h)
+        return self.norm(self.stream.collapse(state))
 
     def _context(
-        self, positions: Tensor, start: int, T: int, doc_ids: Tensor | None, dtype: torch.dtype
+        self,
+        tokens: Tensor,
+        positions: Tensor,
+        start: int,
+        doc_ids: Tensor | None,
+        dtype: torch.dtype,
     ) -> AttentionContext:
+        T = tokens.shape[1]
         mask, is_causal = build_mask(
             T,
             start,
@@ -148,9 +160,19 @@ class Transformer(nn.Module):
             device=positions.device,
             dtype=dtype,
         )
-        rope = self.pos.rotary(positions, start + T)
+        rope = {}
+        for dim in self.rotary_dims:
+            rotations = self.pos.rotary(positions, start + T, dim)
+            if rotations is not None:
+                rope[dim] = rotations
         return AttentionContext(
-            positions=positions, rope=rope, mask=mask, is_causal=is_causal, start=start
+            positions=positions,
+            rope=rope,
+            mask=mask,
+            is_causal=is_causal,
+            start=start,
+            tokens=tokens,
+            doc_starts=document_starts(doc_ids) if doc_ids is not None else None,
         )
 
     def _check_length(self, length: int) -> None:
@@ -161,11 +183,12 @@ class Transformer(nn.Module):
             )
 
     def new_cache(self, batch: int, capacity: int, dtype: torch.dtype | None = None) -> Cache:
-        """An empty KV cache for `batch` sequences of up to `capacity` tokens."""
+        """Empty generation state (each layer's own kind: KV cache, latent cache, ...) for
+        `batch` sequences of up to `capacity` tokens."""
         dtype = dtype or self.embed.weight.dtype
         device = self.embed.weight.device
         layers = [
-            block.attn.make_cache(batch, capacity, dtype, device) for block in self.layers.values()
+            block.attn.new_state(batch, capacity, dtype, device) for block in self.layers.values()
         ]
         return Cache(layers, capacity)
 

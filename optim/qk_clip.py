@@ -1,11 +1,13 @@
 """QK-clip (MuonClip): cap every attention head's max logit at tau by rescaling its weights.
 
-Attention modules expose two small hooks (model/attention.py, model/mla.py):
+Softmax-attention mixers implement the optional QK-clip protocol (`model.mixer.QKClipHooks`);
+other layer kinds (linear attention) do not, and are skipped:
 - `record_max_logits` (bool) and `max_logits` ((H,) running max of q.k x scale over the
   training forwards since it was last read);
 - `qk_clip_row_scales(gamma)`: (parameter, per-row factor) pairs that scale head h's logits by
   gamma[h] (MHA: sqrt(gamma) on W_q and W_k rows; GQA: gamma on W_q rows; MLA: sqrt(gamma) on
-  q_nope and k_nope rows, gamma on q_rope rows).
+  q_nope and k_nope rows, gamma on q_rope rows);
+- `qk_clip_blocker()`: why a layer cannot be clipped (e.g. QK-norm), or None.
 
 After each optimizer step the trainer all-reduces the (L, H) max logits with MAX over ranks and
 calls `apply_qk_clip`: heads above tau get gamma = tau / max_logit, the rest gamma = 1 (their
@@ -31,11 +33,9 @@ def enable_qk_clip(model: nn.Module) -> None:
     if not layers:
         raise OptimConfigError("QK-clip needs attention layers with qk_clip_row_scales")
     for name, module in layers:
-        if getattr(module, "q_norm", None) is not None:
-            raise OptimConfigError(
-                f"{name} uses QK-norm (model.attention.qk_norm=true): it normalizes q and k after "
-                "the projections, so QK-clip's weight scaling has no effect; use optim=muon"
-            )
+        blocker = module.qk_clip_blocker()
+        if blocker:
+            raise OptimConfigError(f"{name} {blocker}; use optim=muon")
         module.record_max_logits = True
     # the recording mutates the module inside checkpointed blocks; replaying it in the recompute
     # changes nothing (the same max), so let dynamo trace those blocks instead of falling back

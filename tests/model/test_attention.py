@@ -50,7 +50,7 @@ def make_context(cfg, T: int, doc_ids: Tensor | None, B: int) -> AttentionContex
         doc_ids=doc_ids,
         alibi_slopes=pos_module.alibi_slopes(),
     )
-    rope = pos_module.rotary(positions, T)
+    rope = {cfg.rotary_dim: pos_module.rotary(positions, T, cfg.rotary_dim)}
     return AttentionContext(positions=positions, rope=rope, mask=mask, is_causal=is_causal, start=0)
 
 
@@ -154,7 +154,7 @@ def test_attention_matches_reference(case):
     docs = kw.pop("docs", False)
     cfg = tiny_config(**kw)
     torch.manual_seed(0)
-    att = Attention(cfg)
+    att = Attention.build(cfg)
     randomize(att, seed=1)
     B, T = 2, 12
     x = torch.randn(B, T, cfg.d_model, generator=torch.Generator().manual_seed(2))
@@ -236,7 +236,7 @@ def test_mla_matches_reference(q_lora_rank, window, rope):
         rope=rope,
     )
     torch.manual_seed(0)
-    att = MultiHeadLatentAttention(cfg)
+    att = MultiHeadLatentAttention.build(cfg)
     randomize(att, seed=1)
     B, T = 2, 10
     x = torch.randn(B, T, cfg.d_model, generator=torch.Generator().manual_seed(2))

@@ -39,7 +39,7 @@ def test_rope_rotations_stay_fp32_inside_a_bf16_sharded_block(gloo_group, preset
     fully_shard(model, mp_policy=policy)
     seen = []
     model.layers["0"].attn.register_forward_pre_hook(
-        lambda _m, args: seen.append(args[1].rope.dtype)
+        lambda _m, args: seen.append(next(iter(args[1].rope.values())).dtype)
     )
     tokens = torch.randint(0, model.cfg.vocab_size, (2, 32))
     loss = model(tokens, tokens.roll(-1, dims=1))

@@ -140,7 +140,7 @@ def test_cache_bytes_per_token(case, per_token_elements, dtype):
     assert cache.nbytes() == batch * capacity * per_token_elements * bytes_per
     assert all(buf.dtype == dtype for buf in cache.buffers())
     # the accounting hook the inspect table uses agrees
-    hook = sum(block.attn.kv_cache_elements_per_token() for block in model.layers.values())
+    hook = sum(block.attn.state_size().per_token for block in model.layers.values())
     assert hook == per_token_elements
 
 

@@ -208,11 +208,14 @@ def test_dynamic_ntk_in_the_position_module():
     rot = Rotary(cfg)
     plain = ref_inv_freq(cfg.rope.theta, cfg.rotary_dim)
     torch.testing.assert_close(
-        rot.inv_freq(torch.device("cpu"), 16).double(), plain, rtol=1e-6, atol=0
+        rot.frequencies(torch.device("cpu"), 16, cfg.rotary_dim)[0].double(),
+        plain,
+        rtol=1e-6,
+        atol=0,
     )
     base = cfg.rope.theta * (2.0 * 40 / 16 - 1) ** (cfg.rotary_dim / (cfg.rotary_dim - 2))
     torch.testing.assert_close(
-        rot.inv_freq(torch.device("cpu"), 40).double(),
+        rot.frequencies(torch.device("cpu"), 40, cfg.rotary_dim)[0].double(),
         ref_inv_freq(base, cfg.rotary_dim),
         rtol=1e-6,
         atol=0,

@@ -1,0 +1,132 @@
+"""The token-mixer protocol: what every layer kind of `model.layer_types` offers the system.
+
+A token mixer is the sequence-mixing sublayer of a block (softmax attention of a kind; later
+Gated DeltaNet, KDA, ...). It registers its class under a key in `MIXERS` (model/registry.py), owns
+its config section and its validation, and implements `TokenMixer`. Nothing outside a mixer's own
+file asks which kind it is: the model, accounting, `model.inspect`, HF export and the optimizer
+(QK-clip, Muon's matrix blocks, parameter roles) call these methods.
+
+Shapes: B batch, T new tokens, C d_model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from model.config import ModelConfig, RopeConfig
+from model.init import InitStds
+from model.masks import AttentionContext
+
+if TYPE_CHECKING:
+    from model.kv_cache import LayerState
+
+
+@dataclass(frozen=True)
+class LayerDims:
+    """What a layer needs from the model beyond its own config section."""
+
+    d_model: int
+    norm_eps: float
+    rope: RopeConfig | None  # None when model.position is not rope
+    layer_id: int
+    n_layers: int
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, layer_id: int) -> LayerDims:
+        rope = cfg.rope if cfg.position == "rope" else None
+        return cls(cfg.d_model, cfg.norm_eps, rope, layer_id, cfg.n_layers)
+
+
+@dataclass(frozen=True)
+class StateSize:
+    """Elements of generation state one layer keeps: `per_token` for every token seen (a KV or
+    latent cache) plus `fixed` whatever the length (a recurrent state); `mha_per_token` is what a
+    multi-head attention cache of the same heads would keep per token (0 for non-attention)."""
+
+    per_token: int
+    fixed: int = 0
+    mha_per_token: int = 0
+
+    def elements(self, tokens: int) -> int:
+        return self.per_token * tokens + self.fixed
+
+
+def average_context(seq_len: int, window: int = 0) -> float:
+    """Mean number of keys a query attends to under causal (and optionally sliding-window) masking."""
+    if not window or window >= seq_len:
+        return (seq_len + 1) / 2
+    return (window * (window + 1) / 2 + (seq_len - window) * window) / seq_len
+
+
+class TokenMixer(nn.Module):
+    """Base class and written protocol of a token mixer (subclasses implement every method).
+
+    `rotary_dim` is the number of dims per head that RoPE rotates (0: no RoPE): the model builds
+    the rotations once per distinct value and the layer finds its own in `ctx.rope[rotary_dim]`.
+    Optional hooks, implemented only where they mean something: QK-clip (`QKClipHooks`) and
+    Muon's matrix blocks (`muon_matrix_blocks`, see optim/matrix_blocks.py)."""
+
+    kind: ClassVar[str] = ""
+    rotary_dim: int = 0
+
+    @classmethod
+    def check(cls, cfg: ModelConfig) -> None:
+        """Rules between this kind's section and the rest of the model config (ConfigError)."""
+
+    @classmethod
+    def rotary_dim_for(cls, cfg: ModelConfig) -> int:
+        """The `rotary_dim` this kind's layers will have under `cfg` (0: no RoPE)."""
+        return 0
+
+    @classmethod
+    def build(cls, cfg: ModelConfig, layer_id: int) -> TokenMixer:
+        """This kind's layer for block `layer_id`, from its own section (and `LayerDims`)."""
+        raise NotImplementedError
+
+    def forward(self, x: Tensor, ctx: AttentionContext, state: LayerState | None = None) -> Tensor:
+        """x (B, T, C) -> (B, T, C). `state`: this layer's generation state (prefill, decode)."""
+        raise NotImplementedError
+
+    def init_weights(self, stds: InitStds) -> None:
+        raise NotImplementedError
+
+    def mixing_flops_per_token(self, seq_len: int) -> float:
+        """Forward FLOPs per token outside the weight matmuls (attention scores and values, a
+        recurrence's state updates), averaged over a sequence of `seq_len` tokens."""
+        raise NotImplementedError
+
+    def state_size(self) -> StateSize:
+        raise NotImplementedError
+
+    def new_state(
+        self, batch: int, capacity: int, dtype: torch.dtype, device: torch.device
+    ) -> LayerState:
+        """Empty generation state for `batch` sequences of up to `capacity` tokens."""
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        """One line for `model.inspect`, e.g. 'GQA 4q / 2kv x 64'."""
+        raise NotImplementedError
+
+
+class QKClipHooks:
+    """Optional mixer protocol for QK-clip (optim/qk_clip.py): softmax attention only.
+
+    - `record_max_logits`: when True, training forwards keep `max_logits`, the (H,) running max
+      of q.k x scale since the optimizer last read it;
+    - `qk_clip_row_scales(gamma)`: (parameter, per-row factor) pairs that scale head h's logits by
+      gamma[h];
+    - `qk_clip_blocker()`: why QK-clip cannot work on this layer (None: it can)."""
+
+    record_max_logits = False
+    max_logits: Tensor | None = None
+
+    def qk_clip_row_scales(self, gamma: Tensor) -> list[tuple[Tensor, Tensor]]:
+        raise NotImplementedError
+
+    def qk_clip_blocker(self) -> str | None:
+        return None

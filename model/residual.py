@@ -1,0 +1,125 @@
+"""The residual stream: the state carried between blocks (registry RESIDUALS, `model.residual`).
+
+A stream kind is a model-level module with three duties:
+  expand(h)      the embedding output (B, T, C) -> the stream state carried into block 0
+  connection()   one module per sublayer (attention, FFN) that reads the sublayer's input from the
+                 state, runs it, and writes its output back: state -> state
+  collapse(s)    the state after the last block -> (B, T, C) for the final norm
+The state may be any tensor or tuple of tensors (several parallel streams, a history of sublayer
+outputs), so FSDP2's per-block wrapping, activation checkpointing, per-block compile and
+generation all pass it through unchanged. Connections may have parameters of their own (they live
+in the block, and are sharded with it); the stream's own parameters live in `Transformer.stream`.
+
+The classic styles carry one (B, T, C) tensor and have no parameters:
+  pre:      x + f(norm(x))
+  post:     norm(x + f(x))
+  deepnorm: norm(alpha * x + f(x)), with alpha = (2L)^(1/4) and the sublayer's value/FFN/output
+            projections initialized with gain beta = (8L)^(-1/4) (DeepNet, decoder-only form, L layers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+from torch import Tensor, nn
+
+from model.config import ModelConfig
+from model.registry import RESIDUALS
+
+Sublayer = Callable[[Tensor], Tensor]
+State = Any  # a Tensor, or a tuple of Tensors, as the stream kind defines
+
+
+def deepnorm_alpha(n_layers: int) -> float:
+    """DeepNet residual scale for a decoder-only model with n_layers blocks: (2L)^(1/4)."""
+    return (2 * n_layers) ** 0.25
+
+
+def deepnorm_beta(n_layers: int) -> float:
+    """DeepNet init gain for value, output and FFN projections: (8L)^(-1/4)."""
+    return (8 * n_layers) ** -0.25
+
+
+class Connection(nn.Module):
+    """One sublayer's residual connection: state -> state."""
+
+    def forward(self, state: State, sublayer: Sublayer, norm: nn.Module) -> State:
+        raise NotImplementedError
+
+    def init_weights(self) -> None:
+        """Parameter-free connections have nothing to initialize."""
+
+
+class ResidualStream(nn.Module):
+    """Base class of a stream kind (see the module docstring)."""
+
+    final_norm: ClassVar[bool] = True  # whether the model needs a norm after the last block
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_layers = cfg.n_layers
+
+    @classmethod
+    def init_gain(cls, cfg: ModelConfig) -> float | None:
+        """DeepNorm's beta for value/FFN/output projections; None: the configured depth scaling."""
+        return None
+
+    @classmethod
+    def connection(cls, cfg: ModelConfig, layer_id: int, sublayer: str) -> Connection:
+        """The connection of block `layer_id`'s sublayer ("attn" or "ffn")."""
+        raise NotImplementedError
+
+    def expand(self, h: Tensor) -> State:
+        return h
+
+    def collapse(self, state: State) -> Tensor:
+        return state
+
+    def init_weights(self) -> None:
+        """Parameter-free streams have nothing to initialize."""
+
+
+class _PreNorm(Connection):
+    def forward(self, x: Tensor, sublayer: Sublayer, norm: nn.Module) -> Tensor:
+        return x + sublayer(norm(x))
+
+
+class _PostNorm(Connection):
+    def __init__(self, alpha: float = 1.0) -> None:
+        super().__init__()
+        self.alpha = alpha
+
+    def forward(self, x: Tensor, sublayer: Sublayer, norm: nn.Module) -> Tensor:
+        if self.alpha == 1.0:
+            return norm(x + sublayer(x))
+        return norm(self.alpha * x + sublayer(x))
+
+
+@RESIDUALS.register("pre")
+class PreNorm(ResidualStream):
+    @classmethod
+    def connection(cls, cfg: ModelConfig, layer_id: int, sublayer: str) -> Connection:
+        return _PreNorm()
+
+
+@RESIDUALS.register("post")
+class PostNorm(ResidualStream):
+    final_norm = False  # the last block already ends with a norm
+
+    @classmethod
+    def connection(cls, cfg: ModelConfig, layer_id: int, sublayer: str) -> Connection:
+        return _PostNorm()
+
+
+@RESIDUALS.register("deepnorm")
+class DeepNorm(ResidualStream):
+    final_norm = False
+
+    @classmethod
+    def init_gain(cls, cfg: ModelConfig) -> float:
+        return deepnorm_beta(cfg.n_layers)
+
+    @classmethod
+    def connection(cls, cfg: ModelConfig, layer_id: int, sublayer: str) -> Connection:
+        return _PostNorm(deepnorm_alpha(cfg.n_layers))

@@ -1,0 +1,115 @@
+"""Per-layer layouts: a stack of different token mixers builds, trains, decodes and accounts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model import ConfigError, ModelConfig, build_model
+from model.accounting import average_context, kv_cache_size, training_flops_per_token
+from model.attention import Attention
+from model.config import AttentionConfig, MLAConfig
+from model.mla import MultiHeadLatentAttention
+from model.presets import load_preset
+
+MLA = MLAConfig(
+    q_lora_rank=0, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8
+)
+
+
+def mixed_config(**overrides) -> ModelConfig:
+    """GQA and MLA layers alternating; both rotate 8 dims per head, GQA with partial rotary."""
+    kw = dict(
+        vocab_size=64,
+        d_model=32,
+        n_layers=4,
+        max_seq_len=64,
+        attention=AttentionConfig(n_heads=4, n_kv_heads=2, mla=MLA),
+        layer_pattern=["gqa", "mla"],
+        ffn={"hidden": 48},
+    )
+    kw.update(overrides)
+    kw["ffn"] = __import__("model").FFNConfig(**kw["ffn"])
+    return ModelConfig(**kw)
+
+
+def test_pattern_and_explicit_list_resolve_to_the_same_stack():
+    by_pattern = mixed_config()
+    explicit = mixed_config(layer_pattern=[], layer_types=["gqa", "mla", "gqa", "mla"])
+    assert by_pattern.mixer_kinds() == explicit.mixer_kinds() == ["gqa", "mla", "gqa", "mla"]
+    model = build_model(by_pattern, seed=0)
+    kinds = [type(block.attn) for block in model.layers.values()]
+    assert kinds == [Attention, MultiHeadLatentAttention, Attention, MultiHeadLatentAttention]
+    # the default layout is attention.kind everywhere, MoE from first_k_dense on
+    moe = load_preset("tiny_moe")
+    specs = moe.layer_specs()
+    assert [s.ffn for s in specs] == [
+        "dense" if i < moe.moe.first_k_dense else "moe" for i in range(moe.n_layers)
+    ]
+    assert {s.mixer for s in specs} == {"gqa"}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            dict(layer_pattern=[], layer_types=["gqa", "mla"]),
+            "model.layer_types has 2 entries for model.n_layers=4",
+        ),
+        (
+            dict(layer_pattern=["gqa", "flash"]),
+            "model.layer_pattern='flash' is not a known token mixer",
+        ),
+        (
+            dict(layer_types=["gqa"] * 4, layer_pattern=["gqa"]),
+            "model.layer_types and model.layer_pattern are both set",
+        ),
+        (dict(position="alibi"), "MLA uses decoupled RoPE"),
+    ],
+)
+def test_bad_layouts_fail_naming_the_field(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        mixed_config(**overrides)
+
+
+def test_a_mixed_stack_trains():
+    torch.manual_seed(0)
+    model = build_model(mixed_config(), seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    tokens = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(1))
+    losses = []
+    for _ in range(30):
+        loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]  # memorizes the four rows
+
+
+def test_a_mixed_stack_prefills_and_decodes_like_a_full_forward():
+    model = build_model(mixed_config(), seed=0).eval()
+    tokens = torch.randint(0, 64, (2, 14), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        full = model(tokens)  # (B, T, V)
+        cache = model.new_cache(2, 14)
+        prefill = model(tokens[:, :9], cache=cache)
+        torch.testing.assert_close(prefill, full[:, :9], atol=2e-5, rtol=1e-5)
+        for t in range(9, 14):
+            step = model(tokens[:, t : t + 1], cache=cache)
+            torch.testing.assert_close(step[:, 0], full[:, t], atol=2e-5, rtol=1e-5)
+
+
+def test_a_mixed_stack_accounts_each_layer_by_its_kind():
+    cfg = mixed_config()
+    model = build_model(cfg, device="meta")
+    T = 32
+    ctx = average_context(T)
+    gqa_width = 4 * (8 + 8)  # H x (Dqk + Dv), head_dim 8
+    mla_width = 4 * (8 + 8 + 8)  # H x (Dn + Dr + Dv)
+    flops = training_flops_per_token(model, T)
+    assert flops.attention == pytest.approx(6 * 2 * (gqa_width + mla_width) * ctx, rel=1e-12)
+    kv = kv_cache_size(model, "fp32")
+    per_layer = 2 * 2 * 8 + (16 + 8)  # GQA 2 x K x D, MLA R + Dr
+    assert kv.bytes_per_token == 2 * per_layer * 4
+    assert kv.mha_bytes_per_token == 2 * (gqa_width + mla_width) * 4
