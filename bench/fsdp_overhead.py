@@ -27,14 +27,12 @@ from bench.machine import machine
 from bench.ranks import add_step_arguments, run_on_ranks
 from data.loader import Batch
 from model.presets import load_preset
-from optim.builder import build_optimizer
 from optim.config import OptimConfig
 from parallel.config import ParallelConfig
 from parallel.mesh import ParallelDims
-from trainer.build import build_parallel_model
+from trainer.build import build_training_engine
 from trainer.config import TrainerConfig
-from trainer.precision import autocast_factory
-from trainer.step import LossTracker, train_step
+from trainer.step import LossTracker, StepSettings, train_step
 
 
 def step_times(rank: int, world: int, args: argparse.Namespace) -> list[float]:
@@ -42,20 +40,21 @@ def step_times(rank: int, world: int, args: argparse.Namespace) -> list[float]:
     dims = ParallelDims.resolve(ParallelConfig(), world)
     tcfg = TrainerConfig(precision="bf16", batch_size=args.batch)
     device = torch.device("cpu")
-    model, _ = build_parallel_model(cfg, tcfg, ParallelConfig(), dims, device, seed=0)
-    optimizer = build_optimizer(OptimConfig(warmup_steps=0), model)
+    engine = build_training_engine(
+        cfg, tcfg, ParallelConfig(), OptimConfig(warmup_steps=0), dims, device, 0
+    )
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq_len + 1), generator=gen)
     local = args.batch // world
     part = tokens[rank * local : (rank + 1) * local]
     batch = Batch(part[:, :-1], part[:, 1:], torch.zeros_like(part[:, 1:]))
-    autocast, tracker = autocast_factory("bf16", device), LossTracker(0.0)
+    settings, tracker = StepSettings(grad_clip=1.0), LossTracker(0.0)
     times = []
     for _ in range(args.warmup + args.steps):
         if world > 1:
             dist.barrier()
         start = time.perf_counter()
-        train_step(model, optimizer, batch, 1, autocast, 1.0, False, tracker)
+        train_step(engine, batch, settings, tracker)
         times.append(time.perf_counter() - start)
     return times[args.warmup :]
 

@@ -24,15 +24,13 @@ from bench.machine import machine
 from bench.ranks import add_step_arguments, run_on_ranks
 from data.loader import Batch
 from model.presets import load_preset
-from optim.builder import build_optimizer
 from optim.config import OptimConfig
 from optim.qk_clip import enable_qk_clip
 from parallel.config import ParallelConfig
 from parallel.mesh import ParallelDims
-from trainer.build import build_parallel_model
+from trainer.build import build_training_engine
 from trainer.config import TrainerConfig
-from trainer.precision import autocast_factory
-from trainer.step import LossTracker, train_step
+from trainer.step import LossTracker, StepSettings, train_step
 
 # name -> (optim.name, optim.muon_split); "muon (heads)" orthogonalizes every attention head alone
 OPTIMIZERS = {
@@ -48,13 +46,13 @@ def measure(rank: int, world: int, name: str, args: argparse.Namespace) -> dict:
     dims = ParallelDims.resolve(ParallelConfig(), world)
     device = torch.device("cpu")
     tcfg = TrainerConfig(batch_size=args.batch)
-    model, _ = build_parallel_model(cfg, tcfg, ParallelConfig(), dims, device, seed=0)
     optim_name, split = OPTIMIZERS[name]
     tau = 100.0 if optim_name == "muonclip" else 0.0
     settings = OptimConfig(name=optim_name, warmup_steps=0, qk_clip_tau=tau, muon_split=split)
-    optimizer = build_optimizer(settings, model)
+    engine = build_training_engine(cfg, tcfg, ParallelConfig(), settings, dims, device, 0)
+    optimizer = engine.optimizer
     if tau:
-        enable_qk_clip(model)
+        enable_qk_clip(engine.model)
     optimizer_seconds: list[float] = []
     step = optimizer.step
 
@@ -69,12 +67,13 @@ def measure(rank: int, world: int, name: str, args: argparse.Namespace) -> dict:
     local = args.batch // world
     part = tokens[rank * local : (rank + 1) * local]
     batch = Batch(part[:, :-1], part[:, 1:], torch.zeros_like(part[:, 1:]))
-    autocast, tracker, totals = autocast_factory("bf16", device), LossTracker(0.0), []
+    step_settings = StepSettings(grad_clip=1.0, qk_clip_tau=tau)
+    tracker, totals = LossTracker(0.0), []
     for _ in range(args.warmup + args.steps):
         if world > 1:
             dist.barrier()
         start = time.perf_counter()
-        train_step(model, optimizer, batch, 1, autocast, 1.0, False, tracker, None, tau)
+        train_step(engine, batch, step_settings, tracker)
         totals.append(time.perf_counter() - start)
     total = statistics.median(totals[args.warmup :])
     opt = statistics.median(optimizer_seconds[args.warmup :])

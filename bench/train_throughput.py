@@ -33,18 +33,24 @@ from model.presets import load_preset
 from model.transformer import build_model
 from optim.builder import build_optimizer
 from optim.config import OptimConfig
+from parallel.config import ParallelConfig
+from parallel.mesh import ParallelDims
+from trainer.build import build_training_engine
+from trainer.config import TrainerConfig
 from trainer.mfu import measure_matmul_peak
-from trainer.precision import MasterWeights, autocast_factory
-from trainer.step import LossTracker, train_step
+from trainer.step import LossTracker, StepSettings, train_step
 
-# transformers_compiled: each decoder layer compiled; lmforge_*: the trainer's own step with
-# trainer.precision=bf16 (autocast) or bf16_master, and trainer.compile=true (*_compiled_model)
+# transformers_compiled: each decoder layer compiled; lmforge_*: the trainer's own engine and step
+# with trainer.precision=bf16 (autocast) or bf16_master; *_compiled: trainer.compile=true (each
+# block compiled, the composition path of every layout); *_compiled_whole_model: the whole model
+# compiled as one graph instead (the single-process path before the engine interface)
 VARIANTS = (
     "transformers",
     "transformers_compiled",
     "lmforge",
-    "lmforge_compiled_model",
-    "lmforge_bf16_master_compiled_model",
+    "lmforge_compiled",
+    "lmforge_compiled_whole_model",
+    "lmforge_bf16_master_compiled",
 )
 
 
@@ -72,19 +78,21 @@ def build(variant: str):
             return float(loss)
 
         return hf_step
-    # the trainer's own step (trainer.step.train_step), as `python -m trainer` runs it
-    model = build_model(cfg)
+    # the trainer's own engine and step (trainer.step.train_step), as `python -m trainer` runs it
     precision = "bf16_master" if "bf16_master" in variant else "bf16"
-    master = MasterWeights(model) if precision == "bf16_master" else None
-    optimizer = build_optimizer(OptimConfig(), master.master if master else model)
-    if variant.endswith("compiled_model"):
-        model.compile()
-    autocast = autocast_factory(precision, torch.device("cpu"))
-    tracker = LossTracker(0.0)
+    per_block = variant.endswith("_compiled")
+    tcfg = TrainerConfig(precision=precision, compile=per_block)
+    dims = ParallelDims.resolve(ParallelConfig(), 1)
+    engine = build_training_engine(
+        cfg, tcfg, ParallelConfig(), OptimConfig(), dims, torch.device("cpu"), 0
+    )
+    if variant.endswith("compiled_whole_model"):
+        engine.model.compile()
+    tracker, settings = LossTracker(0.0), StepSettings(grad_clip=1.0)
 
     def our_step(x, y):
         batch = Batch(x, y, torch.zeros_like(x, dtype=torch.int32))
-        return train_step(model, optimizer, batch, 1, autocast, 1.0, False, tracker, master).loss
+        return train_step(engine, batch, settings, tracker).loss
 
     return our_step
 

@@ -1,5 +1,8 @@
 """Learning-rate schedules as pure functions of the step (nothing to checkpoint but the step).
 
+`Schedule` is what the trainer's loop calls once per step: it sets every param group's lr (each
+group's own peak `base_lr` times the multiplier) and the Muon groups' momentum.
+
 All start with a linear warmup from 0 (step 0 gets lr/warmup, so no step is wasted at lr=0):
 - cosine: from lr down to lr * min_lr_ratio at `total_steps`;
 - wsd: warmup, constant lr, then over the last `decay_fraction` of the steps a decay to
@@ -10,6 +13,8 @@ All start with a linear warmup from 0 (step 0 gets lr/warmup, so no step is wast
 from __future__ import annotations
 
 import math
+
+import torch
 
 from optim.config import OptimConfig
 
@@ -50,3 +55,20 @@ def muon_momentum(cfg: OptimConfig, step: int) -> float:
         return cfg.muon_momentum
     frac = step / cfg.muon_momentum_warmup
     return cfg.muon_momentum_start + frac * (cfg.muon_momentum - cfg.muon_momentum_start)
+
+
+class Schedule:
+    """The learning-rate and Muon-momentum schedules of one run (`max_steps` long)."""
+
+    def __init__(self, cfg: OptimConfig, total_steps: int) -> None:
+        self.cfg, self.total_steps = cfg, total_steps
+
+    def apply(self, optimizer: torch.optim.Optimizer, step: int) -> float:
+        """Set the groups for the step about to be taken (0-based); returns the logged lr."""
+        multiplier = lr_multiplier(self.cfg, step, self.total_steps)
+        momentum = muon_momentum(self.cfg, step)
+        for group in optimizer.param_groups:  # groups may have their own peak lr
+            group["lr"] = group.get("base_lr", self.cfg.lr) * multiplier
+            if group.get("algorithm") == "muon":
+                group["momentum"] = momentum
+        return self.cfg.lr * multiplier

@@ -28,6 +28,8 @@ class ParallelConfig:
     # seconds a collective may wait for the other ranks before this rank gives up (a hung or
     # dead rank); raise it when ranks legitimately drift apart longer (long compiles or saves)
     timeout_s: float = 300.0
+    # the training engine (parallel.engine.ENGINES): fsdp2 = one process or FSDP2/HSDP (+ EP)
+    engine: str = "fsdp2"
 
     def __post_init__(self) -> None:
         _require(

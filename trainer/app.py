@@ -11,20 +11,25 @@ import logging
 import os
 import socket
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
 
+from data.loader import TokenLoader
 from model.accounting import param_counts, training_flops_per_token
 from model.config import ModelConfig
-from model.transformer import Transformer
-from optim.builder import apply_config, build_optimizer
+from model.errors import ConfigError
+from optim.builder import apply_config
 from optim.qk_clip import enable_qk_clip
+from optim.schedules import Schedule
+from parallel.engine import ENGINES, TrainingEngine
 from parallel.mesh import ParallelDims
+from parallel.precision import compute_dtype
 from trainer.build import (
     build_loader,
-    build_parallel_model,
+    build_training_engine,
     check_cross_fields,
     check_expert_parallel,
     dataset_manifest,
@@ -39,10 +44,9 @@ from trainer.fingerprint import Fingerprint
 from trainer.loop import Training
 from trainer.metrics import MetricsFile
 from trainer.mfu import device_peak
-from trainer.precision import MasterWeights, autocast_factory, compute_dtype
 from trainer.runtime import Ranks, describe_environment, pick_device, seed_everything, set_rng_state
 from trainer.signals import ParentWatch, StopFlag, under_torchrun
-from trainer.step import LossTracker
+from trainer.step import LossTracker, StepSettings
 from trainer.wandb_run import WandbRun
 
 log = logging.getLogger("trainer")
@@ -52,6 +56,7 @@ def build_training(cfg: RootConfig, run_dir: Path, ranks: Ranks) -> Training:
     tcfg = cfg.trainer
     # every check that needs no data first: a bad setting fails before any file is touched
     dims = ParallelDims.resolve(cfg.parallel, ranks.world_size)
+    check_engine(cfg.parallel.engine)
     check_expert_parallel(cfg.model, dims, cfg.parallel.activation_checkpoint)
     check_cross_fields(cfg.model, cfg.data, tcfg, ranks.world_size)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -61,142 +66,196 @@ def build_training(cfg: RootConfig, run_dir: Path, ranks: Ranks) -> Training:
     manifest = dataset_manifest(cfg.data, ranks.is_main)
     model_cfg = resolve_model_config(cfg.model, manifest)
     micro_batches = check_cross_fields(model_cfg, cfg.data, tcfg, ranks.world_size)
-    model, master, optimizer = build_state(cfg, model_cfg, dims, device)
+    engine = build_state(cfg, model_cfg, dims, device)
     loader = build_loader(
         cfg.data, manifest, tcfg.batch_size, ranks.rank, ranks.world_size, cfg.seed
     )
     loader.manifest.check_tokenizer(manifest.tokenizer)
     peak, peak_source = device_peak(device, compute_dtype(tcfg.precision), tcfg.peak_flops)
-    flops = training_flops_per_token(model, cfg.data.seq_len).total
-    counts = param_counts(model)
+    flops = training_flops_per_token(engine.model, cfg.data.seq_len).total
     log.info("%s; device %s; %s", describe_environment(), device, dims.describe())
+    _log_model_and_data(cfg, engine, model_cfg, flops, loader, micro_batches, ranks.world_size)
+    log.info("MFU peak: %.3g FLOP/s per device (%s)", peak, peak_source)
+    checkpointer = Checkpointer(
+        run_dir / "checkpoints",
+        ranks.rank,
+        cfg.checkpoint.keep,
+        cfg.checkpoint.async_save,
+        fingerprint=Fingerprint.of(model_cfg, cfg.optim),
+        timeout_s=cfg.parallel.timeout_s,
+    )
+    metrics = MetricsFile(run_dir / "metrics.jsonl", ranks.is_main)
+    tracker = LossTracker(tcfg.spike_factor)
+    coverage = describe_evaluation(loader)
+    restart = Restart(engine=engine)
+    restart = _resume(cfg, run_dir, ranks, checkpointer, restart, loader, tracker, metrics)
+    restart.engine = _fresh_if_needed(cfg, model_cfg, dims, device, restart)
+    wandb = WandbRun(
+        cfg.logging,
+        run_dir,
+        OmegaConf.to_container(OmegaConf.structured(cfg)),
+        restart.wandb_id,
+        ranks.is_main,
+    )
+    settings = StepSettings(
+        micro_batches=micro_batches,
+        grad_clip=tcfg.grad_clip,
+        doc_mask=tcfg.doc_mask,
+        qk_clip_tau=cfg.optim.qk_clip_tau,
+    )
+    return Training(
+        cfg=cfg,
+        run_dir=run_dir,
+        ranks=ranks,
+        device=device,
+        engine=restart.engine,
+        model_cfg=model_cfg,
+        schedule=Schedule(cfg.optim, tcfg.max_steps),
+        settings=settings,
+        loader=loader,
+        flops_per_token=flops,
+        peak_flops=peak,
+        metrics=metrics,
+        wandb=wandb,
+        stop=StopFlag(),
+        checkpointer=checkpointer,
+        step=restart.step,
+        tokens=restart.tokens,
+        bad_streak=restart.bad_streak,
+        skipped_total=restart.skipped_total,
+        tracker=tracker,
+        config_yaml=OmegaConf.to_yaml(OmegaConf.structured(cfg)),
+        restored_step=restart.restored_step,
+        eval_coverage=coverage,
+    )
+
+
+def check_engine(name: str) -> None:
+    if name not in ENGINES:
+        raise ConfigError(
+            f"parallel.engine={name!r} is not a training engine; choose one of: {', '.join(ENGINES)}"
+        )
+
+
+def _log_model_and_data(
+    cfg: RootConfig,
+    engine: TrainingEngine,
+    model_cfg: ModelConfig,
+    flops: float,
+    loader: TokenLoader,
+    micro_batches: int,
+    world_size: int,
+) -> None:
+    counts = param_counts(engine.model)
     log.info(
         "model: %s parameters, %.3g training FLOPs/token at seq_len %d; vocab %d (tokenizer %s)",
         f"{counts.total:,}",
         flops,
         cfg.data.seq_len,
         model_cfg.vocab_size,
-        manifest.tokenizer.short(),
+        loader.manifest.tokenizer.short(),
     )
-    log.info("MFU peak: %.3g FLOP/s per device (%s)", peak, peak_source)
     log.info(
         "data: %s, %d training windows of %d tokens; %d micro-batch(es) of %d per step",
-        manifest.root,
+        loader.manifest.root,
         loader.windows,
         cfg.data.seq_len,
         micro_batches,
-        tcfg.batch_size // ranks.world_size // micro_batches,
+        cfg.trainer.batch_size // world_size // micro_batches,
     )
-    config_yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))
-    training = Training(
-        cfg=cfg,
-        run_dir=run_dir,
-        ranks=ranks,
-        device=device,
-        model=model,
-        optimizer=optimizer,
-        loader=loader,
-        autocast=autocast_factory(tcfg.precision, device),
-        micro_batches=micro_batches,
-        flops_per_token=flops,
-        peak_flops=peak,
-        metrics=MetricsFile(run_dir / "metrics.jsonl", ranks.is_main),
-        wandb=None,  # type: ignore[arg-type]  (set below, once the resumed run id is known)
-        stop=StopFlag(),
-        tracker=LossTracker(tcfg.spike_factor),
-        config_yaml=config_yaml,
-        checkpointer=Checkpointer(
-            run_dir / "checkpoints",
-            ranks.rank,
-            cfg.checkpoint.keep,
-            cfg.checkpoint.async_save,
-            fingerprint=Fingerprint.of(model_cfg, cfg.optim),
-            timeout_s=cfg.parallel.timeout_s,
-        ),
-        master=master,
-        model_cfg=model_cfg,
-        dims=dims,
-    )
-    training.eval_coverage = describe_evaluation(loader)
-    wandb_id = _resume_into(training, cfg.resume)
-    training.wandb = WandbRun(
-        cfg.logging,
-        run_dir,
-        OmegaConf.to_container(OmegaConf.structured(cfg)),
-        wandb_id,
-        ranks.is_main,
-    )
-    return training
 
 
 def build_state(
     cfg: RootConfig, model_cfg: ModelConfig, dims: ParallelDims, device: torch.device
-) -> tuple[Transformer, MasterWeights | None, torch.optim.Optimizer]:
-    """The model (sharded when there are several ranks), its fp32 master copy if any, and the
-    optimizer, all as a fresh run starts them (seeded by `cfg.seed`)."""
+) -> TrainingEngine:
+    """The training engine (model sharded when there are several ranks, its fp32 master copy if
+    any, the optimizer), as a fresh run starts it (seeded by `cfg.seed`)."""
     seed_everything(cfg.seed)
-    model, master = build_parallel_model(
-        model_cfg, cfg.trainer, cfg.parallel, dims, device, cfg.seed
+    engine = build_training_engine(
+        model_cfg, cfg.trainer, cfg.parallel, cfg.optim, dims, device, cfg.seed
     )
-    optimizer = build_optimizer(cfg.optim, master.master if master else model)
     if cfg.optim.qk_clip_tau > 0:
-        enable_qk_clip(model)  # attention layers record their per-head max logits
-    return model, master, optimizer
+        enable_qk_clip(engine.model)  # attention layers record their per-head max logits
+    return engine
 
 
-def _resume_into(training: Training, resume_from: str) -> str | None:
-    checkpointer = training.checkpointer
+@dataclass
+class Restart:
+    """Where training (re)starts: what a resume restored, or a fresh start."""
+
+    engine: TrainingEngine | None
+    step: int = 0
+    tokens: int = 0
+    bad_streak: int = 0
+    skipped_total: int = 0
+    restored_step: int = -1  # the step of the checkpoint this run resumed from
+    wandb_id: str | None = None
+    start_over: bool = False  # failed loads may have left the engine half-read: rebuild it
+
+
+def _resume(
+    cfg: RootConfig,
+    run_dir: Path,
+    ranks: Ranks,
+    checkpointer: Checkpointer,
+    restart: Restart,
+    loader: TokenLoader,
+    tracker: LossTracker,
+    metrics: MetricsFile,
+) -> Restart:
     restored, failed = resume(
-        resume_from,
+        cfg.resume,
         checkpointer.root,
-        training.state_model,
-        training.optimizer,
-        training.ranks.rank,
+        restart.engine,
+        ranks.rank,
         checkpointer.fingerprint,
-        training.cfg.checkpoint.verify,
+        cfg.checkpoint.verify,
     )
     if restored is None:
         if failed:  # the failed loads may have left weights or moments half-read
-            kept = set_aside(failed, training.run_dir, training.ranks.is_main)
+            kept = set_aside(failed, run_dir, ranks.is_main)
             log.warning(
                 "no checkpoint could be loaded: they were moved to %s (nothing deleted), and the "
                 "run starts from scratch, freshly initialized",
                 kept,
             )
-            _start_over(training)
-        elif resume_from == "auto":
+            restart.start_over = True
+        elif cfg.resume == "auto":
             log.info("no checkpoint in %s: starting from scratch", checkpointer.root)
         checkpointer.run_id = from_main(uuid.uuid4().hex[:12])
-        training.metrics.truncate_after(-1)  # rows of an earlier attempt that saved nothing
-        return None
+        metrics.truncate_after(-1)  # rows of an earlier attempt that saved nothing
+        return restart
     # the config given now wins over the saved hyperparameters
-    apply_config(training.optimizer, training.cfg.optim)
-    if training.master is not None:
-        training.master.master_to_model(buffers=True)
+    apply_config(restart.engine.optimizer, cfg.optim)
     extra = restored.extra
     checkpointer.run_id = extra.get("run_id") or from_main(uuid.uuid4().hex[:12])
     if restored.path.resolve().parent == checkpointer.root.resolve():  # this run's own
         checkpointer.last_committed = restored.path
-        training.restored_step = extra["step"]
-    training.step, training.tokens = extra["step"], extra["tokens"]
-    training.bad_streak, training.skipped_total = extra["bad_streak"], extra["skipped_total"]
-    training.tracker.load_state_dict(extra["loss_tracker"])
-    training.loader.load_state_dict(extra["loader"])
+        restart.restored_step = extra["step"]
+    restart.step, restart.tokens = extra["step"], extra["tokens"]
+    restart.bad_streak, restart.skipped_total = extra["bad_streak"], extra["skipped_total"]
+    restart.wandb_id = extra.get("wandb_id")
+    tracker.load_state_dict(extra["loss_tracker"])
+    loader.load_state_dict(extra["loader"])
     set_rng_state(extra["rng"])
-    training.metrics.truncate_after(training.step)
-    log.info(
-        "resumed from %s at step %d (%d tokens)", restored.path, training.step, training.tokens
-    )
-    return extra.get("wandb_id")
+    metrics.truncate_after(restart.step)
+    log.info("resumed from %s at step %d (%d tokens)", restored.path, restart.step, restart.tokens)
+    return restart
 
 
-def _start_over(training: Training) -> None:
-    """Replace the model, master copy and optimizer by freshly initialized ones."""
-    training.model = training.master = training.optimizer = None  # type: ignore[assignment]
+def _fresh_if_needed(
+    cfg: RootConfig,
+    model_cfg: ModelConfig,
+    dims: ParallelDims,
+    device: torch.device,
+    restart: Restart,
+) -> TrainingEngine:
+    """The engine to train with: a freshly initialized one after failed loads."""
+    if not restart.start_over:
+        return restart.engine
+    restart.engine = None  # free the half-read one before building its replacement
     gc.collect()
-    training.model, training.master, training.optimizer = build_state(
-        training.cfg, training.model_cfg, training.dims, training.device
-    )
+    return build_state(cfg, model_cfg, device=device, dims=dims)
 
 
 def train(cfg: RootConfig, run_dir: Path, ranks: Ranks) -> int:

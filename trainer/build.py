@@ -17,14 +17,12 @@ from data.manifest import Manifest
 from data.prepare import prepare
 from model.config import ModelConfig
 from model.errors import ConfigError
-from model.transformer import Transformer, build_model
-from parallel import fsdp_param_dtype, parallelize
-from parallel.activation import apply_activation_checkpointing
+from optim.builder import build_optimizer
+from optim.config import OptimConfig
+from parallel import EngineRequest, TrainingEngine, build_engine
 from parallel.config import ParallelConfig
-from parallel.init import init_like_single_process
-from parallel.mesh import ParallelDims, build_meshes
+from parallel.mesh import ParallelDims
 from trainer.config import TrainerConfig
-from trainer.precision import MasterWeights
 
 log = logging.getLogger("trainer")
 VOCAB_MULTIPLE = 64
@@ -106,35 +104,30 @@ def build_loader(
     )
 
 
-def build_parallel_model(
-    cfg: ModelConfig,
+def build_training_engine(
+    model_cfg: ModelConfig,
     trainer: TrainerConfig,
     parallel: ParallelConfig,
+    optim: OptimConfig,
     dims: ParallelDims,
     device: torch.device,
     seed: int,
-) -> tuple[Transformer, MasterWeights | None]:
-    """The model to train and, with trainer.precision=bf16_master in one process, its fp32
-    master copy. Several ranks: built on the meta device, parallelized (EP, activation
-    checkpointing, per-block compile, FSDP2), then the shards are allocated and filled with the
-    weights one process would have started from."""
-    check_expert_parallel(cfg, dims, parallel.activation_checkpoint)
-    if dims.world_size == 1:
-        model = build_trainable_model(cfg, device, seed)
-        master = MasterWeights(model) if trainer.precision == "bf16_master" else None
-        apply_activation_checkpointing(model, parallel.activation_checkpoint)
-        if trainer.compile:  # the whole model as one graph (embedding, blocks, fused loss)
-            model.compile()
-        return model, master
-    meshes = build_meshes(dims, device.type)
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    parallelize(
-        model, meshes, parallel, fsdp_param_dtype(parallel, trainer.precision), trainer.compile
+) -> TrainingEngine:
+    """The engine named by parallel.engine, with the model (sharded when there are several
+    ranks) starting from the weights one process would have (seeded by `seed`) and the
+    optimizer of `optim` over the weights it updates (the fp32 masters under bf16_master)."""
+    check_expert_parallel(model_cfg, dims, parallel.activation_checkpoint)
+    request = EngineRequest(
+        model_cfg=model_cfg,
+        parallel=parallel,
+        precision=trainer.precision,
+        compile=trainer.compile,
+        dims=dims,
+        device=device,
+        seed=seed,
+        make_optimizer=lambda weights: build_optimizer(optim, weights),
     )
-    model.to_empty(device=device)
-    init_like_single_process(model, device, seed)
-    return model, None
+    return build_engine(parallel.engine, request)
 
 
 def check_expert_parallel(cfg: ModelConfig, dims: ParallelDims, checkpointing: str) -> None:
@@ -157,9 +150,3 @@ def check_expert_parallel(cfg: ModelConfig, dims: ParallelDims, checkpointing: s
         raise ConfigError(
             f"model.moe.n_routed_experts={experts} is not divisible by parallel.ep={dims.ep}"
         )
-
-
-def build_trainable_model(cfg: ModelConfig, device: torch.device, seed: int) -> Transformer:
-    """Meta build, then materialize on `device` and initialize from `seed` (fp32 weights), part
-    by part, so that a sharded run starts from the same weights (parallel.init)."""
-    return build_model(cfg, device=device, seed=seed)

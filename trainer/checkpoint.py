@@ -31,8 +31,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from data.atomic import atomic_write_bytes, is_disk_full
 from trainer.checkpoint_errors import CheckpointConflict, CheckpointError, UnsafeCheckpointError
@@ -40,6 +38,7 @@ from trainer.checkpoint_errors import CheckpointConflict, CheckpointError, Unsaf
 # the reading half, re-exported: `from trainer.checkpoint import resume, load_checkpoint, ...`
 from trainer.checkpoint_load import (
     LOAD_ERRORS,
+    Checkpointable,
     Restored,
     load_checkpoint,
     resume,
@@ -59,6 +58,7 @@ __all__ = [
     "LOAD_ERRORS",
     "CheckpointConflict",
     "CheckpointError",
+    "Checkpointable",
     "Checkpointer",
     "Restored",
     "UnsafeCheckpointError",
@@ -110,26 +110,25 @@ class Checkpointer:
         if async_save and several_ranks():  # gloo's default would be 30 minutes
             self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
 
-    def save(
-        self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, Any]
-    ) -> Path:
+    def save(self, step: int, state: Checkpointable, extra: dict[str, Any]) -> Path:
+        """Write `state` (the engine: model + optimizer in DCP's form) and `extra` (this rank's
+        trainer state) as the checkpoint of `step`."""
         self.wait()
         final = step_dir(self.root, step)
         tmp = final.with_name(final.name + ".tmp")
         with _disk_full_is_one_line(self, final, tmp):
             _agreed(lambda: _fresh_dir(tmp) if self.rank == 0 else None)
             tmp.mkdir(parents=True, exist_ok=True)  # other nodes may not see rank 0's mkdir yet
-            model_sd, optim_sd = get_state_dict(model, optimizer)
-            state = {"model": model_sd, "optim": optim_sd}
+            states = state.state_dict()
             identity = {"run_id": self.run_id}
             if self.fingerprint is not None:
                 identity["fingerprint"] = self.fingerprint.to_dict()
             _agreed(lambda: torch.save(extra | identity, tmp / f"trainer_rank{self.rank}.pt"))
             if self.async_save:
-                future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._group)
+                future = dcp.async_save(states, checkpoint_id=str(tmp), process_group=self._group)
                 self._pending = (future, tmp, final)
                 return final
-            dcp.save(state, checkpoint_id=str(tmp))
+            dcp.save(states, checkpoint_id=str(tmp))
             self._commit(tmp, final)
         return final
 

@@ -12,13 +12,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-import torch
 import torch.distributed.checkpoint as dcp
-from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from trainer.checkpoint_errors import CheckpointConflict, CheckpointError, UnsafeCheckpointError
 from trainer.checkpoint_record import LATEST, CommitRecord, Listed, file_problem, list_checkpoints
@@ -32,6 +29,16 @@ log = logging.getLogger("trainer.checkpoint")
 LOAD_ERRORS = (Exception, CheckpointException)
 
 
+class Checkpointable(Protocol):
+    """What checkpoints save and load: a training engine (parallel.engine), or
+    `parallel.engine.ModuleState(model, optimizer)`. `state_dict()` is in DCP's form (names that
+    do not depend on the layout) and is also the template that loading fills."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
 @dataclass
 class Restored:
     path: Path
@@ -40,13 +47,12 @@ class Restored:
 
 def load_checkpoint(
     path: Path,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    target: Checkpointable,
     rank: int,
     fingerprint: Fingerprint | None = None,
     verify: bool = True,
 ) -> dict[str, Any]:
-    """Load model and optimizer in place (DCP reshards them to this run's layout); returns the
+    """Load `target`'s model and optimizer in place (DCP reshards them to this run's layout); returns the
     extra state saved by this rank, or by rank 0 when the checkpoint came from fewer ranks
     (the loader position is global, so it holds for any number of ranks).
 
@@ -72,12 +78,9 @@ def load_checkpoint(
             f"the run's original overrides, or start a new run: resume=none and another "
             f"hydra.run.dir"
         )
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
+    state = target.state_dict()
     read_states(state, path, metadata)
-    set_state_dict(
-        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
-    )
+    target.load_state_dict(state)
     return extra
 
 
@@ -109,8 +112,7 @@ def read_states(state: dict[str, Any], path: Path, metadata: Any = None) -> None
 def resume(
     resume_from: str,
     root: Path,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    target: Checkpointable,
     rank: int,
     fingerprint: Fingerprint | None = None,
     verify: bool = True,
@@ -137,8 +139,7 @@ def resume(
             Path(resume_from).expanduser(),
             root,
             listing,
-            model,
-            optimizer,
+            target,
             rank,
             fingerprint,
             verify,
@@ -146,7 +147,7 @@ def resume(
     failed: list[Path] = []
     for listed in listing:
         try:
-            extra = load_checkpoint(listed.path, model, optimizer, rank, fingerprint, verify)
+            extra = load_checkpoint(listed.path, target, rank, fingerprint, verify)
         except CheckpointConflict:
             raise
         except LOAD_ERRORS as err:
@@ -194,8 +195,7 @@ def _resume_from_path(
     path: Path,
     root: Path,
     listing: list[Listed],
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    target: Checkpointable,
     rank: int,
     fingerprint: Fingerprint | None,
     verify: bool,
@@ -211,7 +211,7 @@ def _resume_from_path(
             f"checkpoints (newest {listing[0].path.name}): pass another hydra.run.dir"
         )
     try:
-        return Restored(path, load_checkpoint(path, model, optimizer, rank, fingerprint, verify))
+        return Restored(path, load_checkpoint(path, target, rank, fingerprint, verify))
     except CheckpointConflict:
         raise
     except LOAD_ERRORS as err:

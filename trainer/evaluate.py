@@ -9,12 +9,12 @@ from contextlib import AbstractContextManager
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
 
 from data.loader import Batch, TokenLoader
 from data.tokenizer import Tokenizer
 from model.generate import generate
 from model.transformer import Transformer
+from parallel.engine import TrainingEngine
 from trainer.collective import several_ranks
 
 log = logging.getLogger("trainer")
@@ -79,7 +79,7 @@ def perplexity(loss: float) -> float:
 
 @torch.no_grad()
 def sample_text(
-    model: Transformer,
+    engine: TrainingEngine,
     tokenizer: Tokenizer,
     prompt: str,
     max_new_tokens: int,
@@ -87,16 +87,12 @@ def sample_text(
     seed: int,
 ) -> str:
     """Temperature-0.8, top-50 continuation of `prompt`, from a private generator (the training
-    RNG streams are left untouched, so sampling never changes the run). Under FSDP every rank
-    must call it (the forwards are collective); all ranks draw the same tokens."""
+    RNG streams are left untouched, so sampling never changes the run). With several ranks every
+    rank must call it (the forwards are collective); all ranks draw the same tokens."""
     ids = tokenizer.encoding.encode_ordinary(prompt) or [tokenizer.eot_id]
     prompt_ids = torch.tensor([ids], device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
-    sharded = isinstance(model, FSDPModule)
-    if sharded:  # sampling calls the root's methods, not its forward: gather its weights by hand
-        model(prompt_ids[:, :1])  # a forward first: FSDP initializes itself lazily in one
-        model.unshard()
-    try:
+    with engine.full_weights() as model:  # sampling calls methods, not forward: whole weights
         out = generate(
             model,
             prompt_ids,
@@ -107,9 +103,6 @@ def sample_text(
             eos_id=None if several_ranks() else tokenizer.eot_id,
             generator=gen,
         )
-    finally:
-        if sharded:
-            model.reshard()
     new = out[0, len(ids) :].tolist()
     if tokenizer.eot_id in new:  # the sample ends at the end of its document
         new = new[: new.index(tokenizer.eot_id)]

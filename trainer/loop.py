@@ -12,8 +12,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,9 +22,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from data.loader import Batch, TokenLoader
 from model.config import ModelConfig
-from model.transformer import Transformer
-from optim.schedules import lr_multiplier, muon_momentum
-from parallel.mesh import ParallelDims
+from optim.schedules import Schedule
+from parallel.engine import TrainingEngine
 from trainer.checkpoint import Checkpointer
 from trainer.checkpoint_record import protect
 from trainer.collective import from_main
@@ -34,11 +32,10 @@ from trainer.console import console
 from trainer.evaluate import perplexity, sample_text, validation_loss
 from trainer.metrics import MetricsFile, memory_bytes
 from trainer.plot import plot_losses
-from trainer.precision import MasterWeights
 from trainer.runtime import Ranks, rng_state
 from trainer.signals import StopFlag
 from trainer.slurm import requeue_slurm_job
-from trainer.step import LossTracker, train_step
+from trainer.step import LossTracker, StepSettings, train_step
 from trainer.wandb_run import WandbRun
 
 log = logging.getLogger("trainer")
@@ -50,11 +47,11 @@ class Training:
     run_dir: Path
     ranks: Ranks
     device: torch.device
-    model: Transformer
-    optimizer: torch.optim.Optimizer
+    engine: TrainingEngine  # the model, its optimizer and how they step (parallel.engine)
+    model_cfg: ModelConfig  # the resolved model config (vocabulary included)
+    schedule: Schedule  # lr and Muon momentum per step (optim.schedules)
+    settings: StepSettings  # micro-batches, clipping, document masking, QK-clip
     loader: TokenLoader
-    autocast: Callable[[], AbstractContextManager]
-    micro_batches: int
     flops_per_token: float
     peak_flops: float
     metrics: MetricsFile
@@ -67,18 +64,29 @@ class Training:
     skipped_total: int = 0
     tracker: LossTracker = field(default_factory=lambda: LossTracker(0.0))
     config_yaml: str = ""
-    master: MasterWeights | None = None  # fp32 master weights (trainer.precision=bf16_master)
-    model_cfg: ModelConfig | None = None  # the resolved model config (vocabulary included)
-    dims: ParallelDims | None = None
     pre_streak: Path | None = None  # the newest checkpoint before the current bad streak
     phase: str = "start-up"  # what the loop is doing (named when a collective times out)
     restored_step: int = -1  # the step of the checkpoint this run resumed from
     eval_coverage: dict[str, int] = field(default_factory=dict)  # val_windows, val_tokens, ...
 
     @property
+    def model(self) -> torch.nn.Module:
+        """The model the loop runs (possibly sharded)."""
+        return self.engine.model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.engine.optimizer
+
+    @property
     def state_model(self) -> torch.nn.Module:
         """What checkpoints hold and the optimizer updates: the fp32 master copy if there is one."""
-        return self.master.master if self.master is not None else self.model
+        return self.engine.state_module
+
+    @property
+    def master(self) -> Any:
+        """The fp32 master weights of bf16_master in one process (None otherwise)."""
+        return getattr(self.engine, "master", None)
 
     # -- state ---------------------------------------------------------------------------------
     def extra_state(self) -> dict[str, Any]:
@@ -92,7 +100,7 @@ class Training:
             "rng": rng_state(),
             "wandb_id": self.wandb.id,
             "config": self.config_yaml,
-            "model_config": dataclasses.asdict(self.model.cfg),
+            "model_config": dataclasses.asdict(self.model_cfg),
             "tokenizer_dir": str(self.loader.manifest.root / "tokenizer"),
             "tokenizer": self.loader.manifest.tokenizer.to_dict(),
         }
@@ -108,11 +116,7 @@ class Training:
                 reason,
             )
             return
-        if self.master is not None:
-            self.master.buffers_to_master()
-        path = self.checkpointer.save(
-            self.step, self.state_model, self.optimizer, self.extra_state()
-        )
+        path = self.checkpointer.save(self.step, self.engine, self.extra_state())
         if self.checkpointer.async_save and not final:
             log.info("checkpoint %s writing in the background (%s)", path, reason)
             return
@@ -137,25 +141,8 @@ class Training:
                 waited = time.perf_counter()
                 batch = next(batches).to(self.device, non_blocking=True)
                 window.data_wait += time.perf_counter() - waited
-                multiplier = lr_multiplier(self.cfg.optim, self.step, tcfg.max_steps)
-                lr = self.cfg.optim.lr * multiplier
-                momentum = muon_momentum(self.cfg.optim, self.step)
-                for group in self.optimizer.param_groups:  # groups may have their own peak lr
-                    group["lr"] = group.get("base_lr", self.cfg.optim.lr) * multiplier
-                    if group.get("algorithm") == "muon":
-                        group["momentum"] = momentum
-                result = train_step(
-                    self.model,
-                    self.optimizer,
-                    batch,
-                    self.micro_batches,
-                    self.autocast,
-                    tcfg.grad_clip,
-                    self.cfg.trainer.doc_mask,
-                    self.tracker,
-                    self.master,
-                    self.cfg.optim.qk_clip_tau,
-                )
+                lr = self.schedule.apply(self.engine.optimizer, self.step)
+                result = train_step(self.engine, batch, self.settings, self.tracker)
                 self.step += 1
                 self.tokens += tokens_per_step
                 window.add(result.loss, result.grad_norm, tokens_per_step, result.skip_kind)
@@ -310,7 +297,7 @@ class Training:
             # parallelism each forward is collective, so rank 0 cannot run it alone
             if self.cfg.trainer.sample_tokens:
                 text = sample_text(
-                    self.model,
+                    self.engine,
                     self.loader.tokenizer,
                     self.cfg.trainer.sample_prompt,
                     self.cfg.trainer.sample_tokens,
@@ -353,7 +340,7 @@ class Training:
             self.model,
             batches,
             self.device,
-            self.autocast,
+            self.engine.autocast,
             self.cfg.trainer.doc_mask,
             self.stop.requested,
         )

@@ -9,21 +9,17 @@ host to log them anyway).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
+from torch import nn
 
 from data.loader import Batch
-from model.moe import apply_bias_update, expert_load, moe_stats, pop_aux_loss, reset_moe_stats
-from model.transformer import Transformer
+from model.moe import apply_bias_update, expert_load, moe_stats, reset_moe_stats
 from optim.qk_clip import apply_qk_clip, pop_max_logits
-from parallel.grad_norm import clip_grad_norm
+from parallel.engine import TrainingEngine
 from trainer.collective import several_ranks
-from trainer.precision import MasterWeights
 
 EMA_DECAY = 0.98  # running mean of good losses for the spike rule (about 50 steps)
 
@@ -64,55 +60,46 @@ def split_micro_batches(batch: Batch, count: int) -> list[Batch]:
     return [Batch(*fields) for fields in zip(*parts)]
 
 
+@dataclass(frozen=True)
+class StepSettings:
+    """How every step of a run is taken (trainer.* and optim.qk_clip_tau)."""
+
+    micro_batches: int = 1  # gradient accumulation: micro-batches per step on this rank
+    grad_clip: float = 0.0  # global gradient-norm clip; 0 = off (the norm is still measured)
+    doc_mask: bool = False  # attention stays inside documents (the loader's document ids)
+    qk_clip_tau: float = 0.0  # MuonClip's cap on every head's max logit; 0 = off
+
+
 def train_step(
-    model: Transformer,
-    optimizer: torch.optim.Optimizer,
-    batch: Batch,
-    micro_batches: int,
-    autocast: Callable[[], AbstractContextManager],
-    grad_clip: float,
-    doc_mask: bool,
-    tracker: LossTracker,
-    master: MasterWeights | None = None,
-    qk_clip_tau: float = 0.0,
+    engine: TrainingEngine, batch: Batch, settings: StepSettings, tracker: LossTracker
 ) -> StepResult:
     """One optimizer step over this rank's slice of the global batch.
 
-    Several ranks (FSDP2): gradients are reduce-scattered after each micro-batch (all-reduced
-    over HSDP replicas after the last), the norm is global over all shards, and the loss is averaged over ranks, so every rank takes
-    the same skip decision. MoE models add their balancing losses to each micro-batch's loss
-    and update the aux-loss-free expert biases from the step's expert loads summed over ranks.
+    Several ranks: the engine reduces gradients across them, the norm is global over all
+    shards, and the loss is averaged over ranks, so every rank takes the same skip decision. MoE
+    models add their balancing losses to each micro-batch's loss (in the engine) and update the
+    aux-loss-free expert biases from the step's expert loads summed over ranks.
     """
+    n = settings.micro_batches
+    model = engine.model
     loss_sum = torch.zeros((), device=batch.inputs.device)
-    for index, mb in enumerate(split_micro_batches(batch, micro_batches)):
-        _gradient_sync(model, index == micro_batches - 1)
-        with autocast():
-            loss = model(mb.inputs, mb.targets, doc_ids=mb.doc_ids if doc_mask else None)
-        aux = pop_aux_loss(model)
-        objective = loss if aux is None else loss + aux
-        (objective / micro_batches).backward()
-        loss_sum += loss.detach().float()
-    if master is not None:  # bf16 gradients -> the fp32 master weights the optimizer updates
-        master.grads_to_master()
-        params = [m for _, m in master.pairs if m.grad is not None]
-    else:
-        params = [p for p in model.parameters() if p.grad is not None]
-    max_norm = grad_clip if grad_clip > 0 else float("inf")
-    norm = clip_grad_norm(params, max_norm)
-    loss_value, norm_value = _mean_over_ranks(loss_sum / micro_batches), float(norm)
+    for index, mb in enumerate(split_micro_batches(batch, n)):
+        doc_ids = mb.doc_ids if settings.doc_mask else None
+        loss_sum += engine.forward_backward(mb.inputs, mb.targets, doc_ids, n, index == n - 1)
+    max_norm = settings.grad_clip if settings.grad_clip > 0 else float("inf")
+    norm = engine.clip_gradients(max_norm)
+    loss_value, norm_value = _mean_over_ranks(loss_sum / n), float(norm)
     kind, reason = _bad_step_reason(loss_value, norm_value, tracker)
     stats: dict[str, float] = {}
+    tau = settings.qk_clip_tau
     if not reason:
-        optimizer.step()
-        if qk_clip_tau > 0:
-            stats |= _qk_clip(model, master.master if master is not None else model, qk_clip_tau)
-        if master is not None:
-            master.master_to_model()
+        clip = (lambda masters: stats.update(_qk_clip(model, masters, tau))) if tau > 0 else None
+        engine.step(clip)
         tracker.update(loss_value)
-    elif qk_clip_tau > 0:
+    elif tau > 0:
         pop_max_logits(model)  # a skipped step's logits are not acted on
     stats |= _update_expert_biases(model, apply=not reason)
-    optimizer.zero_grad(set_to_none=True)
+    engine.zero_grad()
     return StepResult(loss_value, norm_value, reason, stats, kind)
 
 
@@ -127,14 +114,6 @@ def _bad_step_reason(loss: float, norm: float, tracker: LossTracker) -> tuple[st
     return "", ""
 
 
-def _gradient_sync(model: Transformer, last: bool) -> None:
-    """FSDP2: reduce-scatter after every micro-batch (keeping only sharded gradients; skipping it
-    would hold a full-size gradient of the whole model until the last one), but all-reduce
-    across HSDP replicas only after the last."""
-    if isinstance(model, FSDPModule):
-        model.set_requires_all_reduce(last)
-
-
 def _mean_over_ranks(value: torch.Tensor) -> float:
     if several_ranks():  # SUM then divide: gloo has no AVG
         value = value.clone()
@@ -143,7 +122,7 @@ def _mean_over_ranks(value: torch.Tensor) -> float:
     return value.item()
 
 
-def _qk_clip(model: Transformer, updated: torch.nn.Module, tau: float) -> dict[str, float]:
+def _qk_clip(model: nn.Module, updated: nn.Module, tau: float) -> dict[str, float]:
     """MuonClip: the step's per-head max logits (MAX over ranks) cap the updated weights."""
     logits = pop_max_logits(model)
     if logits is None:
@@ -153,7 +132,7 @@ def _qk_clip(model: Transformer, updated: torch.nn.Module, tau: float) -> dict[s
     return apply_qk_clip(updated, logits, tau)
 
 
-def _update_expert_biases(model: Transformer, apply: bool) -> dict[str, float]:
+def _update_expert_biases(model: nn.Module, apply: bool) -> dict[str, float]:
     """Aux-loss-free balancing: expert loads of the whole step (all micro-batches, all ranks),
     one all-reduce, the same bias update on every rank (a skipped step only clears the counts).
     Returns the step's MoE statistics for logging ({} for a dense model)."""

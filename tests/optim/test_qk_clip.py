@@ -97,8 +97,8 @@ def test_qk_norm_models_are_refused() -> None:
 
 def _run(tau: float, steps: int = 30) -> list[float]:
     from data.loader import Batch
-    from trainer.precision import autocast_factory
-    from trainer.step import LossTracker, train_step
+    from parallel.engine import FSDP2Engine
+    from trainer.step import LossTracker, StepSettings, train_step
 
     cfg = load_preset("tiny", SMALL)
     model = build_model(cfg, seed=0)
@@ -107,20 +107,10 @@ def _run(tau: float, steps: int = 30) -> list[float]:
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, cfg.vocab_size, (8, 33), generator=gen)
     batch = Batch(tokens[:, :-1], tokens[:, 1:], torch.zeros_like(tokens[:, 1:]))
+    engine = FSDP2Engine(model, opt, "fp32", torch.device("cpu"))
     peaks = []
     for _ in range(steps):
-        result = train_step(
-            model,
-            opt,
-            batch,
-            1,
-            autocast_factory("fp32", torch.device("cpu")),
-            0.0,
-            False,
-            LossTracker(0.0),
-            None,
-            tau,
-        )
+        result = train_step(engine, batch, StepSettings(qk_clip_tau=tau), LossTracker(0.0))
         peaks.append(result.moe["qk/max_logit"])
     return peaks
 

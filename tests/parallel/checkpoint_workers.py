@@ -15,12 +15,13 @@ def one_rank_cannot_read(rank: int, directory: str) -> dict[str, Any]:
     """Save a checkpoint on all ranks, then load it while rank 1 cannot read its share of the
     files: every rank must reach the same verdict (and none may wait in a collective)."""
     from model.transformer import build_model
+    from parallel.engine import ModuleState
     from trainer import checkpoint_record
 
     model = build_model(small_model(), seed=0)
-    optimizer = torch.optim.AdamW(model.parameters())
+    state = ModuleState(model, torch.optim.AdamW(model.parameters()))
     root = Path(directory)
-    saved = Checkpointer(root, rank, keep=2, run_id="run").save(1, model, optimizer, {"step": 1})
+    saved = Checkpointer(root, rank, keep=2, run_id="run").save(1, state, {"step": 1})
     if rank == 1:
 
         def unreadable(path: Path, chunk: int = 0) -> str:
@@ -28,7 +29,7 @@ def one_rank_cannot_read(rank: int, directory: str) -> dict[str, Any]:
 
         checkpoint_record.file_checksum = unreadable
     try:
-        load_checkpoint(saved, model, optimizer, rank)
+        load_checkpoint(saved, state, rank)
     except CheckpointError as err:
         return {"refused": True, "message": str(err)}
     return {"refused": False, "message": ""}

@@ -17,14 +17,14 @@ from data.loader import Batch
 from model.config import ModelConfig
 from model.presets import load_preset
 from optim import distributed_muon
-from optim.builder import build_optimizer
 from optim.config import OptimConfig
 from parallel.config import ParallelConfig
+from parallel.engine import TrainingEngine
 from parallel.mesh import ParallelDims
-from trainer.build import build_parallel_model
+from trainer.build import build_training_engine
 from trainer.checkpoint import Checkpointer, load_checkpoint
 from trainer.config import TrainerConfig
-from trainer.step import LossTracker, train_step
+from trainer.step import LossTracker, StepSettings, train_step
 
 SEQ = 16
 GLOBAL_BATCH = 8
@@ -80,14 +80,10 @@ def train(
     resume_from: a checkpoint directory (trainer.checkpoint layout) to load first; training then
     continues on the global batches after its step. save_to: checkpoint root to save into at the
     end."""
-    _, size = world()
-    pcfg = ParallelConfig(**layout)
-    dims = ParallelDims.resolve(pcfg, size)
-    tcfg = TrainerConfig(precision=precision, batch_size=GLOBAL_BATCH)
-    model, master = build_parallel_model(model_cfg, tcfg, pcfg, dims, torch.device("cpu"), seed=0)
-    initial = full_state(model)
     optim_cfg = OptimConfig(name=optimizer_name, lr=3e-3, warmup_steps=0, schedule="constant")
-    optimizer = build_optimizer(optim_cfg, model)
+    engine = engine_for(model_cfg, layout, precision, optim_cfg)
+    model = engine.model
+    initial = full_state(model)
     distributed_muon.work.clear()
     if qk_clip_tau:
         from optim.qk_clip import enable_qk_clip
@@ -97,27 +93,19 @@ def train(
     tracker = LossTracker(0.0)
     first = 0
     if resume_from:
-        first = load_checkpoint(Path(resume_from), model, optimizer, rank)["step"]
+        first = load_checkpoint(Path(resume_from), engine, rank)["step"]
     losses, norms = [], []
+    settings = StepSettings(
+        micro_batches=micro_batches, grad_clip=grad_clip, qk_clip_tau=qk_clip_tau
+    )
     for tokens in global_batches(first + steps, model_cfg.vocab_size)[first:]:
-        result = train_step(
-            model,
-            optimizer,
-            local_batch(tokens),
-            micro_batches,
-            _autocast(precision),
-            grad_clip,
-            False,
-            tracker,
-            master,
-            qk_clip_tau,
-        )
+        result = train_step(engine, local_batch(tokens), settings, tracker)
         stats.append(result.moe)
         losses.append(result.loss)
         norms.append(result.grad_norm)
     if save_to:
         Checkpointer(Path(save_to), rank, keep=1).save(
-            first + steps, model, optimizer, {"step": first + steps}
+            first + steps, engine, {"step": first + steps}
         )
     placements = {
         name: str(p.placements) if isinstance(p, DTensor) else "local"
@@ -138,10 +126,19 @@ def train(
     }
 
 
-def _autocast(precision: str):
-    from trainer.precision import autocast_factory
-
-    return autocast_factory(precision, torch.device("cpu"))
+def engine_for(
+    model_cfg: ModelConfig,
+    layout: dict[str, Any],
+    precision: str = "fp32",
+    optim_cfg: OptimConfig | None = None,
+) -> TrainingEngine:
+    """The trainer's engine for this layout on this rank's CPU (seed 0)."""
+    _, size = world()
+    pcfg = ParallelConfig(**layout)
+    dims = ParallelDims.resolve(pcfg, size)
+    tcfg = TrainerConfig(precision=precision, batch_size=GLOBAL_BATCH)
+    optim_cfg = optim_cfg or OptimConfig()
+    return build_training_engine(model_cfg, tcfg, pcfg, optim_cfg, dims, torch.device("cpu"), 0)
 
 
 def gradients(rank: int, model_cfg: ModelConfig, layout: dict[str, Any]) -> dict[str, Any]:
@@ -150,10 +147,7 @@ def gradients(rank: int, model_cfg: ModelConfig, layout: dict[str, Any]) -> dict
     from model.moe import expert_load, pop_aux_loss
 
     _, size = world()
-    pcfg = ParallelConfig(**layout)
-    dims = ParallelDims.resolve(pcfg, size)
-    tcfg = TrainerConfig(precision="fp32", batch_size=GLOBAL_BATCH)
-    model, _ = build_parallel_model(model_cfg, tcfg, pcfg, dims, torch.device("cpu"), seed=0)
+    model = engine_for(model_cfg, layout).model
     batch = local_batch(global_batches(1, model_cfg.vocab_size)[0])
     loss = model(batch.inputs, batch.targets)
     aux = pop_aux_loss(model)

@@ -184,7 +184,7 @@ def test_a_crafted_pickle_is_refused_without_running(dataset, tmp_path, target):
         _replace_and_fix_checksum(path, pickle.dumps(_Evil(marker)))
     fresh = build_training(small_config(dataset, max_steps=2), tmp_path / "other", ONE)
     with pytest.raises(CheckpointError, match="refused") as err:
-        load_checkpoint(path.parent, fresh.model, fresh.optimizer, rank=0)
+        load_checkpoint(path.parent, fresh.engine, rank=0)
     assert "system" in str(err.value)
     assert not marker.exists()
 
@@ -260,7 +260,7 @@ def test_a_crafted_metadata_cannot_patch_classes(dataset, tmp_path):
     _replace_and_fix_checksum(path, payload)
     fresh = build_training(small_config(dataset, max_steps=2), tmp_path / "other", ONE)
     with pytest.raises(CheckpointError, match="refused"):
-        load_checkpoint(path.parent, fresh.model, fresh.optimizer, rank=0)
+        load_checkpoint(path.parent, fresh.engine, rank=0)
     assert Path.is_file is original
 
 

@@ -84,7 +84,7 @@ def test_consecutive_bad_steps_stop_the_run_with_a_checkpoint_of_the_last_good_s
     (ckpt,) = complete_checkpoints(tmp_path / "checkpoints")
     assert ckpt.name == "step_00000005"
     fresh = build_training(cfg, tmp_path / "other", ONE)
-    extra = load_checkpoint(ckpt, fresh.model, fresh.optimizer, rank=0)
+    extra = load_checkpoint(ckpt, fresh.engine, rank=0)
     assert extra["skipped_total"] == 3
     for name, param in fresh.model.named_parameters():
         assert torch.equal(param, good[name]), name
@@ -124,7 +124,7 @@ def test_bf16_master_weights_train_in_bf16_and_checkpoint_fp32(dataset, tmp_path
         assert torch.equal(param, master.to(torch.bfloat16))
     (ckpt,) = complete_checkpoints(tmp_path / "checkpoints")
     fresh = build_training(cfg, tmp_path / "other", ONE)
-    load_checkpoint(ckpt, fresh.state_model, fresh.optimizer, rank=0)
+    load_checkpoint(ckpt, fresh.engine, rank=0)
     for name, param in fresh.state_model.named_parameters():
         assert param.dtype == torch.float32
         assert torch.equal(param, dict(training.state_model.named_parameters())[name])

@@ -10,7 +10,6 @@ after the update the copy is rounded back into the bf16 weights.
 from __future__ import annotations
 
 import contextlib
-import copy
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
@@ -29,10 +28,14 @@ def compute_dtype(precision: str) -> torch.dtype:
 
 
 class MasterWeights:
-    """fp32 master copy of a model whose own parameters become bf16."""
+    """fp32 master copy of a model whose own parameters become bf16.
 
-    def __init__(self, model: nn.Module):
-        self.master = copy.deepcopy(model)  # fp32, same names (checkpoints, export)
+    `copy` is an fp32 module of the same structure (built apart, not deep-copied: the model may
+    already be rewritten for activation checkpointing or compile); it takes the model's values."""
+
+    def __init__(self, model: nn.Module, copy: nn.Module):
+        copy.load_state_dict(model.state_dict())
+        self.master = copy  # fp32, same names (checkpoints, export)
         model.to(torch.bfloat16)
         self.pairs = list(zip(model.parameters(), self.master.parameters()))
         # persistent buffers the training loop changes (MoE selection biases) live on the model

@@ -1,0 +1,78 @@
+"""The one composition path: a plain model built on the meta device, rewritten in a fixed order
+(expert parallelism -> activation checkpointing -> compile per block -> FSDP2), then allocated
+and filled with the weights a single process would have started from.
+
+The same path serves one process and many. With one rank there is no mesh, so the EP and FSDP
+stages are skipped; FSDP2 is not applied at degree 1 (torchtitan does, to share its
+mixed-precision mechanism): here a single process keeps its own precision schemes (autocast over
+fp32 weights, or bf16 weights with an fp32 copy), which need no process group, keep the
+single-process numbers the tests and benchmarks compare against, and cost no per-step
+gather/reduce hooks. Compile is per block in every layout (FSDP2's hooks run between blocks).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from model.transformer import Transformer
+from parallel.activation import apply_activation_checkpointing, compile_blocks
+from parallel.config import ParallelConfig
+from parallel.engine import EngineRequest, FSDP2Engine, register_engine
+from parallel.fsdp import apply_fsdp, mixed_precision
+from parallel.init import init_like_single_process
+from parallel.mesh import Meshes, build_meshes
+from parallel.precision import MasterWeights
+
+
+def fsdp_param_dtype(cfg: ParallelConfig, precision: str) -> torch.dtype:
+    """`parallel.param_dtype=auto`: bf16 gathers/compute unless the trainer computes in fp32."""
+    if cfg.param_dtype == "auto":
+        return torch.float32 if precision == "fp32" else torch.bfloat16
+    return torch.bfloat16 if cfg.param_dtype == "bf16" else torch.float32
+
+
+def parallelize(
+    model: Transformer,
+    meshes: Meshes | None,
+    cfg: ParallelConfig,
+    param_dtype: torch.dtype,
+    compile_model: bool,
+) -> None:
+    """Rewrite `model` (on the meta device) in place for the mesh (None: one process)."""
+    if meshes is not None and meshes.ep is not None:
+        from parallel.expert_parallel import apply_expert_parallel
+
+        apply_expert_parallel(model, meshes.ep)
+    apply_activation_checkpointing(model, cfg.activation_checkpoint)
+    if compile_model:
+        compile_blocks(model)
+    if meshes is not None:
+        apply_fsdp(model, meshes, mixed_precision(param_dtype), cfg.reshard_after_forward)
+
+
+def build_model_for(request: EngineRequest) -> tuple[Transformer, MasterWeights | None]:
+    """The model to train (sharded when there are several ranks) and, with
+    trainer.precision=bf16_master in one process, its fp32 master copy."""
+    dims, device = request.dims, request.device
+    meshes = build_meshes(dims, device.type) if dims.world_size > 1 else None
+    with torch.device("meta"):
+        model = Transformer(request.model_cfg)
+    param_dtype = fsdp_param_dtype(request.parallel, request.precision)
+    parallelize(model, meshes, request.parallel, param_dtype, request.compile)
+    model.to_empty(device=device)
+    init_like_single_process(model, device, request.seed)
+    master = None
+    if meshes is None and request.precision == "bf16_master":
+        with torch.device("meta"):
+            copy = Transformer(request.model_cfg)
+        copy.to_empty(device=device)
+        copy.init_weights(request.seed)  # buffers too; the global RNG is left alone
+        master = MasterWeights(model, copy)
+    return model, master
+
+
+@register_engine("fsdp2")
+def build_fsdp2(request: EngineRequest) -> FSDP2Engine:
+    model, master = build_model_for(request)
+    optimizer = request.make_optimizer(master.master if master is not None else model)
+    return FSDP2Engine(model, optimizer, request.precision, request.device, master)

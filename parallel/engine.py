@@ -1,0 +1,221 @@
+"""The training-engine interface: everything the trainer's loop asks of what runs the model.
+
+The loop (trainer/step.py, trainer/loop.py) talks to one `TrainingEngine`; it never touches
+FSDP, DTensors, master weights or the optimizer's internals. An engine owns the (wrapped) model
+and the optimizer and offers:
+
+  model                  forwards for training, evaluation and sampling (possibly sharded)
+  optimizer              its param groups are what the schedules set (lr, Muon momentum)
+  autocast()             the compute precision of forwards
+  forward_backward(...)  one micro-batch: forward, the MoE balance losses, backward (accumulating)
+  clip_gradients(c)      the global gradient norm over every shard, clipped to c
+  step(edit)             the update; `edit` (QK-clip) may change the fp32 master weights after it
+  zero_grad()            drop the gradients (also how a bad step is skipped)
+  full_weights()         a context with whole weights for generation (sampling)
+  state_dict() / load_state_dict(state)   model + optimizer state for checkpoints, in DCP's
+                         form (names independent of the layout, so loading reshards)
+  state_module           the module whose weights the optimizer updates and checkpoints hold
+
+Engines register by name in `ENGINES` (`parallel.engine`). `fsdp2` is the built-in one: one
+process or FSDP2/HSDP (+ expert parallelism), built by one composition path (`build_fsdp2`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.fsdp import FSDPModule
+
+from model.moe import pop_aux_loss
+from parallel.grad_norm import clip_grad_norm
+from parallel.precision import MasterWeights, autocast_factory
+
+OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
+
+
+class ModuleState:
+    """A module and its optimizer as one checkpointable state (DCP's state-dict helpers)."""
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.module, self.optimizer = module, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_state_dict(
+            self.module,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+        )
+
+
+class TrainingEngine:
+    """The interface (see the module docstring); subclasses implement every method."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+
+    @property
+    def state_module(self) -> nn.Module:
+        raise NotImplementedError
+
+    def autocast(self) -> AbstractContextManager:
+        raise NotImplementedError
+
+    def forward_backward(
+        self, inputs: Tensor, targets: Tensor, doc_ids: Tensor | None, divide_by: int, last: bool
+    ) -> Tensor:
+        """Forward of one micro-batch, backward of (loss + balance losses) / divide_by; returns
+        the detached language-model loss. `last`: the step's final micro-batch."""
+        raise NotImplementedError
+
+    def clip_gradients(self, max_norm: float) -> Tensor:
+        raise NotImplementedError
+
+    def step(self, edit: Callable[[nn.Module], None] | None = None) -> None:
+        raise NotImplementedError
+
+    def zero_grad(self) -> None:
+        raise NotImplementedError
+
+    def full_weights(self) -> AbstractContextManager[nn.Module]:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+
+class FSDP2Engine(TrainingEngine):
+    """One process, or FSDP2/HSDP (+ EP) over several: the same code, with these differences:
+
+    - precision: several ranks keep sharded fp32 parameters and compute in FSDP2's param dtype
+      (`parallel.param_dtype`); one process autocasts fp32 weights (`trainer.precision=bf16`) or
+      keeps bf16 weights with an fp32 copy (`bf16_master`, `MasterWeights`);
+    - gradient accumulation reduce-scatters after every micro-batch but all-reduces across HSDP
+      replicas only after the last (`set_requires_all_reduce`);
+    - sampling gathers the root's weights by hand (generation calls methods, not `forward`)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        precision: str,
+        device: torch.device,
+        master: MasterWeights | None = None,
+    ) -> None:
+        self.model, self.optimizer, self.master = model, optimizer, master
+        self._autocast = autocast_factory(precision, device)
+
+    @property
+    def state_module(self) -> nn.Module:
+        return self.master.master if self.master is not None else self.model
+
+    @property
+    def sharded(self) -> bool:
+        return isinstance(self.model, FSDPModule)
+
+    def autocast(self) -> AbstractContextManager:
+        return self._autocast()
+
+    def forward_backward(
+        self, inputs: Tensor, targets: Tensor, doc_ids: Tensor | None, divide_by: int, last: bool
+    ) -> Tensor:
+        if self.sharded:
+            self.model.set_requires_all_reduce(last)
+        with self._autocast():
+            loss = self.model(inputs, targets, doc_ids=doc_ids)
+        aux = pop_aux_loss(self.model)
+        objective = loss if aux is None else loss + aux
+        (objective / divide_by).backward()
+        return loss.detach().float()
+
+    def clip_gradients(self, max_norm: float) -> Tensor:
+        if self.master is not None:  # bf16 gradients -> the fp32 master weights
+            self.master.grads_to_master()
+            params = [m for _, m in self.master.pairs if m.grad is not None]
+        else:
+            params = [p for p in self.model.parameters() if p.grad is not None]
+        return clip_grad_norm(params, max_norm)
+
+    def step(self, edit: Callable[[nn.Module], None] | None = None) -> None:
+        self.optimizer.step()
+        if edit is not None:
+            edit(self.state_module)
+        if self.master is not None:
+            self.master.master_to_model()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    @contextmanager
+    def full_weights(self) -> Iterator[nn.Module]:
+        if not self.sharded:
+            yield self.model
+            return
+        first = next(self.model.parameters())
+        # a forward first: FSDP2 initializes itself lazily in one
+        self.model(torch.zeros(1, 1, dtype=torch.long, device=first.device))
+        self.model.unshard()
+        try:
+            yield self.model
+        finally:
+            self.model.reshard()
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.master is not None:  # buffers the loop changes (MoE biases) live on the model
+            self.master.buffers_to_master()
+        return ModuleState(self.state_module, self.optimizer).state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        ModuleState(self.state_module, self.optimizer).load_state_dict(state)
+        if self.master is not None:
+            self.master.master_to_model(buffers=True)
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """What an engine builder gets: the model and parallel configs, the trainer's precision and
+    compile choice, the resolved layout and device, the seed, and how to make the optimizer."""
+
+    model_cfg: Any  # model.config.ModelConfig
+    parallel: Any  # parallel.config.ParallelConfig
+    precision: str  # trainer.precision
+    compile: bool  # trainer.compile
+    dims: Any  # parallel.mesh.ParallelDims
+    device: torch.device
+    seed: int
+    make_optimizer: OptimizerFactory
+
+
+EngineBuilder = Callable[[EngineRequest], TrainingEngine]
+ENGINES: dict[str, EngineBuilder] = {}
+
+
+def register_engine(name: str) -> Callable[[EngineBuilder], EngineBuilder]:
+    def add(builder: EngineBuilder) -> EngineBuilder:
+        ENGINES[name] = builder
+        return builder
+
+    return add
+
+
+def build_engine(name: str, request: EngineRequest) -> TrainingEngine:
+    if name not in ENGINES:
+        from model.errors import ConfigError
+
+        raise ConfigError(
+            f"parallel.engine={name!r} is not registered; choose one of: {', '.join(ENGINES)}"
+        )
+    return ENGINES[name](request)
