@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from model import roles
 from model.registry import NORMS
 
 
@@ -20,6 +21,9 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(dim))
+
+    def param_roles(self) -> dict[str, str]:
+        return {"weight": roles.GAIN}
 
     def forward(self, x: Tensor) -> Tensor:
         y = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
@@ -38,6 +42,9 @@ class LayerNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(dim))
         self.bias = nn.Parameter(torch.empty(dim))
+
+    def param_roles(self) -> dict[str, str]:
+        return {"weight": roles.GAIN, "bias": roles.BIAS}
 
     def forward(self, x: Tensor) -> Tensor:
         y = F.layer_norm(

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from model.config import ModelConfig
+from model import roles
 from model.init import trunc_normal_
 from model.registry import POSITIONS
 from model.rope import rope_frequencies, rope_rotations
@@ -126,6 +127,9 @@ class Learned(PositionEncoding):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(cfg.max_seq_len, cfg.d_model))
+
+    def param_roles(self) -> dict[str, str]:
+        return {"weight": roles.EMBEDDING}
 
     def additive(self, positions: Tensor) -> Tensor:
         return self.weight[positions]

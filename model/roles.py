@@ -29,6 +29,8 @@ _DEFAULTS: dict[type, dict[str, str]] = {
     nn.Linear: {"weight": MATRIX, "bias": BIAS},
     nn.Embedding: {"weight": EMBEDDING},
     nn.Conv1d: {"weight": CONV, "bias": BIAS},
+    nn.LayerNorm: {"weight": GAIN, "bias": BIAS},
+    nn.RMSNorm: {"weight": GAIN},
 }
 
 
@@ -36,8 +38,6 @@ def _defaults(module: nn.Module) -> dict[str, str]:
     for kind, roles in _DEFAULTS.items():
         if isinstance(module, kind):
             return roles
-    if type(module).__name__.endswith("Norm"):  # RMSNorm, LayerNorm, gated norms
-        return {"weight": GAIN, "bias": BIAS}
     return {}
 
 

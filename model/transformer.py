@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from model import roles
 from model.block import Block
 from model.config import ConfigError, ModelConfig
 from model.init import trunc_normal_
@@ -54,6 +55,10 @@ class Transformer(nn.Module):
         self.rotary_dims = sorted({b.attn.rotary_dim for b in self.layers.values()} - {0})
         if self.embed.weight.device.type != "meta":
             self.init_weights()
+
+    def param_roles(self) -> dict[str, str]:
+        """The untied output head is a linear layer but is updated like the embedding table."""
+        return {"head.weight": roles.EMBEDDING}
 
     @property
     def head_weight(self) -> Tensor:

@@ -1,8 +1,9 @@
 """Build the optimizer named by `optim.name` from a model's parameters.
 
-Parameter groups: matrices (ndim >= 2: projections, embeddings, the head) take weight decay;
-vectors (norm gains, biases) do not. `optim=muon`: Muon for hidden matrices, AdamW for the rest
-(optim.grouping), in one optimizer (optim.muon).
+Parameter groups come from the parameters' declared roles (optim.grouping, optim.roles): under
+AdamW, `matrices` (projections, embeddings, the head, routers) take weight decay and `vectors`
+(norm gains, biases, conv kernels, mixing weights) do not. `optim=muon`: Muon for the matrix
+roles, AdamW for the rest, in one optimizer (optim.muon).
 """
 
 from __future__ import annotations
@@ -14,24 +15,23 @@ from torch import nn
 
 from optim.config import OptimConfig
 from optim.errors import OptimConfigError
-from optim.grouping import muon_param_groups, split_matrices
+from optim.grouping import expert_stacks, muon_param_groups, role_groups, split_matrices
 from optim.muon import Muon
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    decay, no_decay = [], []
-    for param in model.parameters():
-        if param.requires_grad:
-            (decay if param.ndim >= 2 else no_decay).append(param)
-    return [
-        {"params": decay, "weight_decay": weight_decay, "name": "matrices"},
-        {"params": no_decay, "weight_decay": 0.0, "name": "vectors"},
-    ]  # the schedule scales each group's base_lr (apply_config sets it)
+def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
+    """AdamW's groups by role: decayed `matrices`, undecayed `vectors` (the schedule scales each
+    group's base_lr, which apply_config sets)."""
+    return role_groups(model, cfg, muon=False)
 
 
 def _muon(cfg: OptimConfig, model: nn.Module) -> torch.optim.Optimizer:
+    groups = muon_param_groups(cfg, model)
+    for group in groups:  # the starting lr, until the schedule sets it: the group's peak
+        muon = group.get("kind", group["name"]) == "muon"
+        group["lr"] = cfg.lr if muon else (cfg.adamw_lr or cfg.lr)
     return Muon(
-        muon_param_groups(cfg, model),
+        groups,
         lr=cfg.lr,
         weight_decay=cfg.weight_decay,
         momentum=cfg.muon_momentum,
@@ -42,6 +42,7 @@ def _muon(cfg: OptimConfig, model: nn.Module) -> torch.optim.Optimizer:
         betas=(cfg.beta1, cfg.beta2),
         eps=cfg.eps,
         blocks=split_matrices(cfg, model),
+        expert_stacks=expert_stacks(model, cfg),
     )
 
 
@@ -50,7 +51,7 @@ def _adamw(cfg: OptimConfig, model: nn.Module) -> torch.optim.Optimizer:
     # the fused kernel (one launch for all tensors) exists on CPU and CUDA for float params
     fused = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
     return torch.optim.AdamW(
-        param_groups(model, cfg.weight_decay),
+        param_groups(model, cfg),
         lr=cfg.lr,
         betas=(cfg.beta1, cfg.beta2),
         eps=cfg.eps,
@@ -82,9 +83,9 @@ def apply_config(optimizer: torch.optim.Optimizer, cfg: OptimConfig) -> None:
     peak = {"muon": cfg.lr, "adamw_matrices": adamw_lr, "adamw_vectors": adamw_lr}
     decay = {"adamw_vectors": 0.0, "vectors": 0.0}
     for group in optimizer.param_groups:
-        name = group.get("name", "")
-        group["base_lr"] = peak.get(name, cfg.lr)
-        group["weight_decay"] = decay.get(name, cfg.weight_decay)
+        kind = group.get("kind", group.get("name", ""))
+        group["base_lr"] = peak.get(kind, cfg.lr) * group.get("lr_multiplier", 1.0)
+        group["weight_decay"] = decay.get(kind, cfg.weight_decay)
         group["betas"] = (cfg.beta1, cfg.beta2)
         group["eps"] = cfg.eps
         if group.get("algorithm") == "muon":

@@ -1,9 +1,12 @@
-"""Which parameters Muon updates and which AdamW does.
+"""Which parameters Muon updates and which AdamW does, from the parameters' declared roles.
 
-Muon: hidden matrices (attention and FFN projections, expert weight stacks). AdamW: embeddings,
-the output head, positions, MoE router weights, and every 1-D parameter (norm gains, biases).
-`optim.muon_exclude` adds name patterns (fnmatch, e.g. `layers.0.*`) that stay on AdamW.
-`optim.muon_split` splits fused projections (and optionally heads) into separate matrices.
+Each module declares its parameters' roles (model/roles.py); optim/roles.py gives each role its
+settings. Muon: the roles it orthogonalizes (matrices: attention and FFN projections; expert
+weight stacks). AdamW: everything else, with weight decay for decayed roles (embeddings, the
+output head, router weights) and without for the rest (norm gains, biases, conv kernels, mixing
+weights). `optim.muon_exclude` adds name patterns (fnmatch, e.g. `layers.0.*`) that stay on
+AdamW. `optim.muon_split` splits fused projections (and optionally heads) into separate matrices.
+A role with an lr multiplier other than 1 gets a group of its own.
 """
 
 from __future__ import annotations
@@ -13,54 +16,97 @@ from fnmatch import fnmatch
 
 from torch import Tensor, nn
 
+from model.roles import EXPERT_STACK, MATRIX, param_roles
 from optim.config import OptimConfig
+from optim.errors import OptimConfigError
 from optim.matrix_blocks import MatrixBlocks, matrix_blocks
+from optim.roles import ROLE_SETTINGS
 
 log = logging.getLogger("optim")
-ADAMW_MATRICES = ("embed.*", "head.*", "pos.*", "*.router.gate.weight")
+MUON_SHAPES = {MATRIX: 2, EXPERT_STACK: 3}  # tensor rank each Muon role must have
 
 
-def uses_muon(name: str, ndim: int, exclude: list[str]) -> bool:
-    return ndim >= 2 and not any(fnmatch(name, p) for p in (*ADAMW_MATRICES, *exclude))
+def muon_names(model: nn.Module, exclude: list[str]) -> dict[str, str]:
+    """Name -> role of the parameters Muon orthogonalizes (checked to have the role's shape)."""
+    params = dict(model.named_parameters())
+    out = {}
+    for name, role in param_roles(model).items():
+        if not ROLE_SETTINGS[role].muon or any(fnmatch(name, p) for p in exclude):
+            continue
+        if params[name].ndim != MUON_SHAPES[role]:
+            raise OptimConfigError(
+                f"{name} is declared {role!r} but has shape {tuple(params[name].shape)} "
+                f"(a {role} is {MUON_SHAPES[role]}-D)"
+            )
+        out[name] = role
+    return out
 
 
-def muon_param_groups(cfg: OptimConfig, model: nn.Module) -> list[dict]:
-    """Three groups: muon (decayed), adamw_matrices (decayed), adamw_vectors (no decay)."""
-    adamw_lr = cfg.adamw_lr or cfg.lr
-    groups = {
-        "muon": dict(algorithm="muon", lr=cfg.lr, weight_decay=cfg.weight_decay),
-        "adamw_matrices": dict(algorithm="adamw", lr=adamw_lr, weight_decay=cfg.weight_decay),
-        "adamw_vectors": dict(algorithm="adamw", lr=adamw_lr, weight_decay=0.0),
-    }
-    members: dict[str, list] = {key: [] for key in groups}
+def _group_key(base: str, multiplier: float) -> str:
+    return base if multiplier == 1.0 else f"{base}_x{multiplier:g}"
+
+
+def role_groups(model: nn.Module, cfg: OptimConfig, muon: bool) -> list[dict]:
+    """Param groups by role: under Muon `muon`, `adamw_matrices` (decayed) and `adamw_vectors`
+    (not decayed); under AdamW alone `matrices` and `vectors`; plus `<name>_x<m>` groups for
+    roles with an lr multiplier m != 1 (those carry `kind`, the group whose peak lr they scale,
+    and `lr_multiplier`). `optim.builder.apply_config` sets every group's peak lr and decay."""
+    roles = param_roles(model)
+    on_muon = muon_names(model, cfg.muon_exclude) if muon else {}
+    names = ("muon", "adamw_matrices", "adamw_vectors") if muon else ("", "matrices", "vectors")
+    groups: dict[str, dict] = {}
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        if uses_muon(name, param.ndim, cfg.muon_exclude):
-            members["muon"].append(param)
-        else:
-            members["adamw_matrices" if param.ndim >= 2 else "adamw_vectors"].append(param)
-    for key, params in members.items():
+        settings = ROLE_SETTINGS[roles[name]]
+        base = names[0] if name in on_muon else names[1] if settings.weight_decay else names[2]
+        key = _group_key(base, settings.lr_multiplier)
+        if key not in groups:
+            groups[key] = {
+                "params": [],
+                "name": key,
+                "weight_decay": cfg.weight_decay if settings.weight_decay else 0.0,
+            }
+            if settings.lr_multiplier != 1.0:  # (only then: the default groups keep their keys)
+                groups[key] |= {"kind": base, "lr_multiplier": settings.lr_multiplier}
+            if muon:
+                groups[key]["algorithm"] = "muon" if base == "muon" else "adamw"
+        groups[key]["params"].append(param)
+    order = {n: i for i, n in enumerate(names)}  # the fixed groups first, in this order
+    ordered = sorted(groups.values(), key=lambda g: (order.get(g["name"], len(order)), g["name"]))
+    for group in ordered:
+        params = group["params"]
         log.info(
             "optimizer group %s: %d tensors, %s parameters",
-            key,
+            group["name"],
             len(params),
             f"{sum(p.numel() for p in params):,}",
         )
-    return [
-        {"params": members[key], "name": key, "base_lr": spec["lr"], **spec}
-        for key, spec in groups.items()
-        if members[key]
-    ]
+    return ordered
+
+
+def muon_param_groups(cfg: OptimConfig, model: nn.Module) -> list[dict]:
+    """Three groups (and any lr-multiplier groups): muon (decayed), adamw_matrices (decayed),
+    adamw_vectors (no decay)."""
+    return role_groups(model, cfg, muon=True)
+
+
+def expert_stacks(model: nn.Module, cfg: OptimConfig) -> set[Tensor]:
+    """The Muon weights that are (E, in, out) expert stacks (orthogonalized per expert)."""
+    params = dict(model.named_parameters())
+    return {
+        params[n] for n, role in muon_names(model, cfg.muon_exclude).items() if role == EXPERT_STACK
+    }
 
 
 def split_matrices(cfg: OptimConfig, model: nn.Module) -> dict[Tensor, MatrixBlocks]:
     """The Muon weights that are orthogonalized in blocks (optim.muon_split), logged."""
     params = dict(model.named_parameters())
+    on_muon = muon_names(model, cfg.muon_exclude)
     found = {
         name: blocks
         for name, blocks in matrix_blocks(model, cfg.muon_split).items()
-        if uses_muon(name, params[name].ndim, cfg.muon_exclude)
+        if name in on_muon
     }
     if found:
         matrices = sum(

@@ -56,6 +56,7 @@ class Muon(torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.95),
         eps: float = 1e-8,
         blocks: dict[Tensor, MatrixBlocks] | None = None,
+        expert_stacks: set[Tensor] | None = None,
     ) -> None:
         if scaling not in SCALINGS:
             raise ValueError(f"scaling={scaling!r} is not one of {SCALINGS}")
@@ -74,6 +75,8 @@ class Muon(torch.optim.Optimizer):
         super().__init__(groups, defaults)
         # keyed by id: a tensor's __eq__ is elementwise; parameters live as long as the optimizer
         self.blocks = {id(param): b for param, b in (blocks or {}).items()}
+        # (E, in, out) weights orthogonalized per expert (role expert_stack); None: every 3-D one
+        self.expert_stacks = None if expert_stacks is None else {id(p) for p in expert_stacks}
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
@@ -92,9 +95,7 @@ class Muon(torch.optim.Optimizer):
         mu, lr, wd = group["momentum"], group["lr"], group["weight_decay"]
         params, updates, kinds = [], [], []
         for param in group["params"]:
-            if param.ndim not in (2, 3):
-                raise ValueError(f"Muon takes matrices or expert stacks, got shape {param.shape}")
-            layout = "experts" if param.ndim == 3 else "linear"
+            layout = self._layout(param)
             if param.grad is None:
                 continue
             state = self.state[param]
@@ -110,6 +111,14 @@ class Muon(torch.optim.Optimizer):
             param.mul_(1 - lr * wd)
             scale = update_scale(*fan_out_in(param, layout), group["scaling"])
             param.add_(ortho.to(param.dtype), alpha=-lr * scale)
+
+    def _layout(self, param: Tensor) -> str:
+        stacked = param.ndim == 3 if self.expert_stacks is None else id(param) in self.expert_stacks
+        if param.ndim != (3 if stacked else 2):
+            raise ValueError(
+                f"Muon takes matrices or expert stacks, got shape {tuple(param.shape)}"
+            )
+        return "experts" if stacked else "linear"
 
     def _newton_schulz(self, param: Tensor, group: dict) -> NS:
         coefficients = coefficient_schedule(group["ns_schedule"], group["ns_steps"])

@@ -26,6 +26,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from model import roles
 from model.init import InitStds, trunc_normal_
 
 IMPLS = ("auto", "grouped_mm", "padded_bmm", "loop")
@@ -108,6 +109,9 @@ class GroupedExperts(nn.Module):
         self.w_down = nn.Parameter(torch.empty(n_experts, hidden, d_model))
         self.activation = activation
         self.impl = "auto"  # auto | grouped_mm | padded_bmm | loop (tests and benchmarks force one)
+
+    def param_roles(self) -> dict[str, str]:
+        return dict.fromkeys(("w_gate", "w_up", "w_down"), roles.EXPERT_STACK)
 
     def forward(self, x: Tensor, counts: Tensor) -> Tensor:
         """x (M, C) grouped by expert in ascending order, counts (E_local,) int64 -> (M, C).

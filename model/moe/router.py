@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from model.config import MoEConfig
 from model.init import trunc_normal_
+from model import roles
 from model.moe.buffers import Fp32Buffers
 
 
@@ -42,6 +43,9 @@ class Router(Fp32Buffers):
         self.register_buffer(
             "expert_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32), persistent=True
         )
+
+    def param_roles(self) -> dict[str, str]:
+        return {"gate.weight": roles.ROUTER}  # a matrix that Muon must not orthogonalize
 
     def forward(self, x: Tensor) -> Routing:
         """x (N, C) -> Routing."""
