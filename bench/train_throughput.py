@@ -31,7 +31,6 @@ from model.accounting import training_flops_per_token
 from model.hf import hf_config
 from model.presets import load_preset
 from model.transformer import build_model
-from optim.builder import build_optimizer
 from optim.config import OptimConfig
 from parallel.config import ParallelConfig
 from parallel.mesh import ParallelDims
@@ -66,7 +65,18 @@ def build(variant: str):
         if variant.endswith("compiled"):
             for layer in model.model.layers:
                 layer.compile()
-        optimizer = build_optimizer(OptimConfig(), model)
+        # our AdamW settings (fused, decay on matrices only) over a model without our roles
+        opt_cfg = OptimConfig()
+        decay = [p for p in model.parameters() if p.ndim >= 2]
+        rest = [p for p in model.parameters() if p.ndim < 2]
+        optimizer = torch.optim.AdamW(
+            [{"params": decay}, {"params": rest, "weight_decay": 0.0}],
+            lr=opt_cfg.lr,
+            betas=(opt_cfg.beta1, opt_cfg.beta2),
+            eps=opt_cfg.eps,
+            weight_decay=opt_cfg.weight_decay,
+            fused=True,
+        )
 
         def hf_step(x, y):
             with torch.autocast("cpu", dtype=torch.bfloat16):

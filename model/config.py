@@ -66,17 +66,14 @@ class RopeConfig:
     """Rotary position embedding and its context-extension variants."""
 
     theta: float = 10000.0  # base of the geometric frequency ladder
-    pairing: str = (
-        "half"  # "half": (i, i+d/2) pairs (HF/NeoX); "interleaved": (2i, 2i+1) (Meta, DeepSeek)
-    )
-    fraction: float = (
-        1.0  # fraction of each head's dims that rotate (partial rotary); the rest pass through
-    )
+    # "half": (i, i+d/2) pairs (HF/NeoX); "interleaved": (2i, 2i+1) (Meta, DeepSeek)
+    pairing: str = "half"
+    # fraction of each head's dims that rotate (partial rotary); the rest pass through
+    fraction: float = 1.0
     scaling: str = "none"  # none | linear | ntk | dynamic_ntk | yarn | llama3
     factor: float = 1.0  # context-extension factor s (new length / original length)
-    original_max_seq_len: int = (
-        0  # pretraining context for yarn/dynamic_ntk/llama3; 0 = model.max_seq_len
-    )
+    # pretraining context for yarn/dynamic_ntk/llama3; 0 = model.max_seq_len
+    original_max_seq_len: int = 0
     beta_fast: float = 32.0  # YaRN: rotations above which a dim is extrapolated (kept as is)
     beta_slow: float = 1.0  # YaRN: rotations below which a dim is fully interpolated (divided by s)
     mscale: float = 0.0  # YaRN (DeepSeek form): cos/sin temperature numerator weight; 0 = unset
@@ -147,9 +144,8 @@ class AttentionConfig:
     head_dim: int = 0  # per-head dims for gqa; 0 = d_model / n_heads
     qk_norm: bool = False  # RMSNorm over each query/key head's dims before RoPE (Qwen3)
     output_gate: bool = False  # elementwise sigmoid gate on the attention output, from the input
-    sliding_window: int = (
-        0  # attend to at most this many most recent tokens (self included); 0 = all
-    )
+    # attend to at most this many most recent tokens (self included); 0 = all
+    sliding_window: int = 0
     bias: bool = False  # biases on the q/k/v/o projections
     softmax_scale: float = 0.0  # logit scale; 0 = 1/sqrt(query-key head dim)
     mla: MLAConfig = field(default_factory=MLAConfig)  # used when kind = mla
@@ -185,9 +181,8 @@ class FFNConfig:
     """The position-wise feed-forward network."""
 
     kind: str = "swiglu"  # swiglu | geglu | gelu | relu | relu2
-    hidden: int = (
-        0  # hidden width; 0 = the rule: (8/3 d if gated else 4 d) * multiplier, rounded up
-    )
+    # hidden width; 0 = the rule: (8/3 d if gated else 4 d) * multiplier, rounded up
+    hidden: int = 0
     multiplier: float = 1.0  # scales the rule's width (Llama's ffn_dim_multiplier)
     multiple_of: int = 256  # the rule rounds the width up to a multiple of this
     bias: bool = False  # biases on the FFN projections
@@ -205,9 +200,8 @@ class MoEConfig:
     experts, top-k routing (optionally group-limited), auxiliary-loss and aux-loss-free balancing."""
 
     n_routed_experts: int = 0  # routed experts E per MoE layer; 0 = a dense model (no MoE anywhere)
-    n_shared_experts: int = (
-        0  # always-active experts, fused into one gated FFN of n x shared_hidden
-    )
+    # always-active experts, fused into one gated FFN of n x shared_hidden
+    n_shared_experts: int = 0
     top_k: int = 2  # routed experts per token
     expert_hidden: int = 0  # hidden width of each routed expert; 0 = the model's ffn_hidden
     shared_hidden: int = 0  # hidden width of each shared expert; 0 = expert_hidden
@@ -218,9 +212,8 @@ class MoEConfig:
     n_groups: int = 1  # expert groups for group-limited routing (DeepSeek-V3: 8); 1 = off
     topk_groups: int = 1  # groups kept per token (by the sum of each group's top-2 scores)
     aux_loss_coef: float = 0.0  # Switch/GShard load-balancing loss over the batch's tokens
-    seq_aux_loss_coef: float = (
-        0.0  # DeepSeek-V3 sequence-wise balance loss, averaged over sequences
-    )
+    # DeepSeek-V3 sequence-wise balance loss, averaged over sequences
+    seq_aux_loss_coef: float = 0.0
     z_loss_coef: float = 0.0  # router z-loss: mean over tokens of logsumexp(logits)^2
     bias_update_rate: float = 0.0  # aux-loss-free balancing step gamma (selection bias); 0 = off
     capacity_factor: float = 0.0  # 0 = dropless; else ceil(cf x N x k / E) token slots per expert
@@ -295,14 +288,12 @@ class InitConfig:
 class ModelConfig:
     """A decoder-only language model."""
 
-    vocab_size: int = (
-        0  # 0 = take the tokenizer's (the trainer fills it in, padded to a multiple of 64)
-    )
+    # 0 = take the tokenizer's (the trainer fills it in, padded to a multiple of 64)
+    vocab_size: int = 0
     d_model: int = 256  # residual stream width
     n_layers: int = 4  # transformer blocks
-    max_seq_len: int = (
-        2048  # longest sequence; sizes learned positions and is the rope scaling reference
-    )
+    # longest sequence; sizes learned positions and is the rope scaling reference
+    max_seq_len: int = 2048
     norm: str = "rms"  # rms | layer
     norm_eps: float = 1e-5  # epsilon of every norm
     residual: str = "pre"  # pre | post | deepnorm (post-norm with alpha-scaled residual, beta init)
@@ -312,9 +303,8 @@ class ModelConfig:
     ffn: FFNConfig = field(default_factory=FFNConfig)
     tie_embeddings: bool = False  # the output head reuses the token embedding matrix
     init: InitConfig = field(default_factory=InitConfig)
-    loss_chunk_tokens: int = (
-        4096  # tokens per chunk of the fused head + cross-entropy; 0 = unchunked
-    )
+    # tokens per chunk of the fused head + cross-entropy; 0 = unchunked
+    loss_chunk_tokens: int = 4096
     moe: MoEConfig = field(default_factory=MoEConfig)  # n_routed_experts = 0: dense FFNs only
     # the token mixer (model.mixer MIXERS key) of each layer, one per layer; [] = layer_pattern
     layer_types: list[str] = field(default_factory=list)
@@ -417,7 +407,7 @@ class ModelConfig:
         """FFN width: explicit, or Llama's rule (8/3 d for gated FFNs, 4 d otherwise)."""
         if self.ffn.hidden:
             return self.ffn.hidden
-        gated = self.ffn.kind in ("swiglu", "geglu")
+        gated = self.ffn.kind in GATED_FFNS
         width = int(2 * 4 * self.d_model / 3) if gated else 4 * self.d_model
         width = int(self.ffn.multiplier * width)
         return self.ffn.multiple_of * math.ceil(width / self.ffn.multiple_of)

@@ -15,8 +15,8 @@ import math
 import torch
 from torch import Tensor, nn
 
-from model.config import ModelConfig
 from model import roles
+from model.config import ModelConfig
 from model.init import trunc_normal_
 from model.registry import POSITIONS
 from model.rope import rope_frequencies, rope_rotations

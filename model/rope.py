@@ -30,15 +30,12 @@ cos and sin, so YaRN's temperature scales the rotary logits by its square.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
 from model.config import RopeConfig
 from model.registry import ROPE_PAIRINGS, ROPE_SCALINGS
-
-ScalingFn = Callable[[RopeConfig, int, int, int], tuple[Tensor, float]]
 
 
 def base_inv_freq(theta: float, rotary_dim: int) -> Tensor:

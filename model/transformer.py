@@ -51,6 +51,8 @@ class Transformer(nn.Module):
             None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         )
         self.stream = stream(cfg)  # expands the embedding into the carried state, collapses it
+        # the fused head + cross-entropy; parallel.activation.compile_model swaps in a compiled one
+        self.loss_fn = chunked_cross_entropy
         # the RoPE widths the layers rotate (layers of different kinds may differ)
         self.rotary_dims = sorted({b.attn.rotary_dim for b in self.layers.values()} - {0})
         if self.embed.weight.device.type != "meta":
@@ -113,7 +115,7 @@ class Transformer(nn.Module):
         h = self.hidden_states(tokens, doc_ids=doc_ids, cache=cache)
         if targets is None:
             return F.linear(h, self.head_weight)
-        return chunked_cross_entropy(h, self.head_weight, targets, self.cfg.loss_chunk_tokens)
+        return self.loss_fn(h, self.head_weight, targets, self.cfg.loss_chunk_tokens)
 
     def last_logits(self, tokens: Tensor, *, cache: Cache | None = None) -> Tensor:
         """(B, V) logits of the last position only: what sampling needs, without (B, T, V)."""

@@ -1,1 +1,2 @@
-"""Optimizers (AdamW, Muon/MuonClip), parameter grouping and LR schedules (the optimizer issue)."""
+"""Optimizers (AdamW, Muon/MuonClip), parameter groups from the parameters' roles, QK-clip, and
+the learning-rate / Muon-momentum schedules."""

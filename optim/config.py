@@ -5,12 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from optim.errors import OptimConfigError
+from optim.matrix_blocks import SCALINGS, SPLIT_MODES
+from optim.newton_schulz import SCHEDULES as NS_TABLES
 
 OPTIMIZERS = ("adamw", "muon", "muonclip")  # the builder's registry keys (optim.builder.BUILDERS)
 SCHEDULES = ("cosine", "wsd", "constant")
-NS_SCHEDULES = ("quintic", "polar_express")
-MUON_SCALINGS = ("match_adamw", "spectral")
-MUON_SPLITS = ("none", "fused", "heads")
+NS_SCHEDULES = tuple(NS_TABLES)  # optim.newton_schulz
+MUON_SCALINGS = SCALINGS  # optim.matrix_blocks.update_scale
+MUON_SPLITS = SPLIT_MODES  # optim.matrix_blocks
 DECAY_SHAPES = ("linear", "cosine", "sqrt")
 
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 NS = Callable[[Tensor], Tensor]  # whole matrix (or expert stack) -> orthogonalized, bf16
 work: Counter[str] = Counter()  # "local", "owned", "fallback": matrices orthogonalized here
@@ -116,11 +116,8 @@ def _rewrap(local: Tensor, like: DTensor) -> DTensor:
 
 
 def _local_piece(full: Tensor, like: DTensor) -> Tensor:
-    """This rank's piece of `full` in `like`'s layout, as a DTensor."""
-    replicated = DTensor.from_local(
-        full, like.device_mesh, [Replicate()] * like.device_mesh.ndim, run_check=False
-    )
-    return replicated.redistribute(like.device_mesh, like.placements)
+    """This rank's piece of `full` (whole on every rank) in `like`'s layout, as a DTensor."""
+    return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
 
 
 @dataclass

@@ -23,6 +23,7 @@ from optim.errors import OptimConfigError
 from optim.newton_schulz import orthogonalize
 
 SPLIT_MODES = ("none", "fused", "heads")
+SCALINGS = ("match_adamw", "spectral")  # Muon's update scale rules (update_scale)
 Coefficients = list[tuple[float, float, float]]
 
 

@@ -25,10 +25,8 @@ import torch
 from torch import Tensor
 
 from optim.distributed_muon import NS, orthogonalize_all
-from optim.matrix_blocks import MatrixBlocks, orthogonalize_blocks, update_scale
+from optim.matrix_blocks import SCALINGS, MatrixBlocks, orthogonalize_blocks, update_scale
 from optim.newton_schulz import coefficient_schedule, orthogonalize
-
-SCALINGS = ("match_adamw", "spectral")
 
 
 def fan_out_in(param: Tensor, layout: str) -> tuple[int, int]:

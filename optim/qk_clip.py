@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from optim.errors import OptimConfigError
 
@@ -81,10 +81,10 @@ def scale_rows(param: Tensor, rows: Tensor) -> None:
     """param[r, ...] *= rows[r], on this rank's rows when param is a dim-0-sharded DTensor."""
     factor = rows.to(param.dtype).view(-1, *([1] * (param.dim() - 1)))
     if isinstance(param, DTensor):
-        mesh = param.device_mesh
         full = factor.expand(param.shape).contiguous()
-        replicated = DTensor.from_local(full, mesh, [Replicate()] * mesh.ndim, run_check=False)
-        local = replicated.redistribute(mesh, param.placements).to_local()
-        param.to_local().mul_(local)
+        mesh, placements = param.device_mesh, param.placements
+        param.to_local().mul_(
+            distribute_tensor(full, mesh, placements, src_data_rank=None).to_local()
+        )
     else:
         param.mul_(factor)

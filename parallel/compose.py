@@ -7,7 +7,8 @@ stages are skipped; FSDP2 is not applied at degree 1 (torchtitan does, to share 
 mixed-precision mechanism): here a single process keeps its own precision schemes (autocast over
 fp32 weights, or bf16 weights with an fp32 copy), which need no process group, keep the
 single-process numbers the tests and benchmarks compare against, and cost no per-step
-gather/reduce hooks. Compile is per block in every layout (FSDP2's hooks run between blocks).
+gather/reduce hooks. Compile is per block in every layout (FSDP2's hooks run between blocks),
+plus the fused head + loss as a function.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from model.transformer import Transformer
-from parallel.activation import apply_activation_checkpointing, compile_blocks
+from parallel.activation import apply_activation_checkpointing, compile_model
 from parallel.config import ParallelConfig
 from parallel.engine import EngineRequest, FSDP2Engine, register_engine
 from parallel.fsdp import apply_fsdp, mixed_precision
@@ -36,7 +37,7 @@ def parallelize(
     meshes: Meshes | None,
     cfg: ParallelConfig,
     param_dtype: torch.dtype,
-    compile_model: bool,
+    compile: bool,
 ) -> None:
     """Rewrite `model` (on the meta device) in place for the mesh (None: one process)."""
     if meshes is not None and meshes.ep is not None:
@@ -44,8 +45,8 @@ def parallelize(
 
         apply_expert_parallel(model, meshes.ep)
     apply_activation_checkpointing(model, cfg.activation_checkpoint)
-    if compile_model:
-        compile_blocks(model)
+    if compile:
+        compile_model(model)
     if meshes is not None:
         apply_fsdp(model, meshes, mixed_precision(param_dtype), cfg.reshard_after_forward)
 

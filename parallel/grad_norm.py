@@ -16,10 +16,12 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate
 
+from parallel.collective import rank_and_size, several_ranks
+
 
 def _copies(grad: Tensor) -> int:
     if not isinstance(grad, DTensor):
-        return dist.get_world_size() if dist.is_initialized() else 1
+        return rank_and_size()[1]
     mesh = grad.device_mesh
     return math.prod(
         mesh.size(i) for i, p in enumerate(grad.placements) if isinstance(p, Replicate)
@@ -39,7 +41,7 @@ def global_grad_norm(params: list[torch.nn.Parameter]) -> Tensor:
         torch.stack(torch._foreach_norm(grads, 2)).float().square().sum() / copies
         for copies, grads in by_copies.items()
     )
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if several_ranks():
         dist.all_reduce(total)
     return total.sqrt()
 

@@ -12,7 +12,7 @@ import copy
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from model.transformer import Transformer, part_seed, seeded
 
@@ -38,13 +38,11 @@ def _copy_shards(target: nn.Module, full: nn.Module) -> None:
 
 
 def _shard_of(full: Tensor, like: Tensor) -> Tensor:
-    """This rank's piece of `full` in the layout of `like` (a DTensor or a plain tensor)."""
+    """This rank's piece of `full` in the layout of `like` (a DTensor or a plain tensor): cut
+    locally from the full tensor every rank holds (src_data_rank=None: no communication)."""
     if not isinstance(like, DTensor):
         return full
-    replicated = DTensor.from_local(
-        full, like.device_mesh, [Replicate()] * like.device_mesh.ndim, run_check=False
-    )
-    return replicated.redistribute(like.device_mesh, like.placements).to_local()
+    return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None).to_local()
 
 
 def _local(t: Tensor) -> Tensor:

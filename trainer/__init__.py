@@ -1,5 +1,7 @@
-"""The composition root: reads the whole config and builds model, data, optimizer and parallelism.
+"""The composition root: reads the whole config and builds model, data, optimizer and engine.
 
-The training loop, evaluation, checkpointing and export arrive with the trainer issue; for now this
-package holds the structured-config registration that the Hydra app will use.
+`python -m trainer` (trainer/__main__.py: Hydra, logging, the process group) -> trainer.app
+(building, resume) -> trainer.loop (the loop) -> trainer.step (one step, through the training
+engine of parallel.engine); evaluation, checkpoints (trainer.checkpoint*), metrics, wandb,
+signals and SLURM requeue; `python -m trainer.export` (checkpoint -> Hugging Face).
 """

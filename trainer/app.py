@@ -24,6 +24,7 @@ from model.errors import ConfigError
 from optim.builder import apply_config
 from optim.qk_clip import enable_qk_clip
 from optim.schedules import Schedule
+from parallel.collective import from_main
 from parallel.engine import ENGINES, TrainingEngine
 from parallel.mesh import ParallelDims
 from parallel.precision import compute_dtype
@@ -36,7 +37,6 @@ from trainer.build import (
     resolve_model_config,
 )
 from trainer.checkpoint import Checkpointer, resume, set_aside
-from trainer.collective import from_main
 from trainer.config import RootConfig
 from trainer.distributed import is_collective_timeout
 from trainer.evaluate import describe_evaluation

@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from data.atomic import atomic_write_bytes, is_disk_full
+from parallel.collective import all_true, barrier, several_ranks
 from trainer.checkpoint_errors import CheckpointConflict, CheckpointError, UnsafeCheckpointError
 
 # the reading half, re-exported: `from trainer.checkpoint import resume, load_checkpoint, ...`
@@ -51,7 +52,6 @@ from trainer.checkpoint_record import (
     list_checkpoints,
     next_sequence,
 )
-from trainer.collective import all_true, barrier, several_ranks
 from trainer.fingerprint import Fingerprint
 
 __all__ = [

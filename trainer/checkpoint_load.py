@@ -17,9 +17,9 @@ from typing import Any, Protocol
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from parallel.collective import barrier, from_main, max_over_ranks
 from trainer.checkpoint_errors import CheckpointConflict, CheckpointError, UnsafeCheckpointError
 from trainer.checkpoint_record import LATEST, CommitRecord, Listed, file_problem, list_checkpoints
-from trainer.collective import barrier, from_main, max_over_ranks
 from trainer.distributed import is_collective_timeout
 from trainer.fingerprint import Fingerprint
 from trainer.safe_load import METADATA, SafePlanner, SafeReader, load_plain, read_dcp_metadata

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from data.atomic import atomic_write_json
 from data.manifest import file_checksum
-from trainer.collective import all_true, from_main, rank_and_size, to_main
+from parallel.collective import all_true, from_main, rank_and_size, to_main
 
 log = logging.getLogger("trainer.checkpoint")
 RECORD = "commit.json"

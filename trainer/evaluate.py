@@ -14,8 +14,8 @@ from data.loader import Batch, TokenLoader
 from data.tokenizer import Tokenizer
 from model.generate import generate
 from model.transformer import Transformer
+from parallel.collective import several_ranks
 from parallel.engine import TrainingEngine
-from trainer.collective import several_ranks
 
 log = logging.getLogger("trainer")
 
@@ -39,7 +39,7 @@ def validation_loss(
         with autocast():
             loss = model(batch.inputs, batch.targets, doc_ids=batch.doc_ids if doc_mask else None)
         total += torch.stack([loss.double(), torch.ones((), dtype=torch.float64, device=device)])
-    if dist.is_available() and dist.is_initialized():
+    if several_ranks():
         dist.all_reduce(total)
     return float(total[0] / total[1]) if total[1] > 0 else float("nan")
 

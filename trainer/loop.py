@@ -23,10 +23,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from data.loader import Batch, TokenLoader
 from model.config import ModelConfig
 from optim.schedules import Schedule
+from parallel.collective import from_main
 from parallel.engine import TrainingEngine
 from trainer.checkpoint import Checkpointer
 from trainer.checkpoint_record import protect
-from trainer.collective import from_main
 from trainer.config import RootConfig
 from trainer.console import console
 from trainer.evaluate import perplexity, sample_text, validation_loss

@@ -18,7 +18,7 @@ import signal
 import threading
 import time
 
-from trainer.collective import max_over_ranks
+from parallel.collective import max_over_ranks
 
 HANDLED = (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT)
 ORPHANED = signal.SIGTERM  # what a dead launcher counts as

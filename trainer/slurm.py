@@ -16,8 +16,7 @@ import os
 import shutil
 import subprocess
 
-import torch.distributed as dist
-
+from parallel.collective import barrier, from_main
 from trainer.runtime import Ranks
 
 log = logging.getLogger("trainer")
@@ -30,13 +29,9 @@ def requeue_slurm_job(ranks: Ranks) -> bool:
     job = os.environ.get("SLURM_JOB_ID")
     if not job:
         return False
-    distributed = dist.is_available() and dist.is_initialized()
-    if distributed:
-        dist.barrier()  # every rank is past its checkpoint before the job is torn down
-    accepted = [_requeue(job) if ranks.is_main else False]
-    if distributed:
-        dist.broadcast_object_list(accepted, src=0)  # the others wait for rank 0's answer
-    return bool(accepted[0])
+    barrier()  # every rank is past its checkpoint before the job is torn down
+    # the others wait for rank 0's answer
+    return bool(from_main(_requeue(job) if ranks.is_main else False))
 
 
 def _requeue(job: str) -> bool:

@@ -18,8 +18,8 @@ from torch import nn
 from data.loader import Batch
 from model.moe import apply_bias_update, expert_load, moe_stats, reset_moe_stats
 from optim.qk_clip import apply_qk_clip, pop_max_logits
+from parallel.collective import several_ranks
 from parallel.engine import TrainingEngine
-from trainer.collective import several_ranks
 
 EMA_DECAY = 0.98  # running mean of good losses for the spike rule (about 50 steps)
 

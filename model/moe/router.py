@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from model import roles
 from model.config import MoEConfig
 from model.init import trunc_normal_
-from model import roles
 from model.moe.buffers import Fp32Buffers
 
 

@@ -210,3 +210,30 @@ def test_import_errors_are_clear(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(ConfigError, match="model_type='gpt2'"):
         load_hf(tmp_path)
+
+
+def test_a_family_is_an_adapter_file_registered_by_name(tmp_path):
+    """Families come from the HF_FAMILIES registry: a new adapter (here a Llama clone under
+    another model_type) is found for import and export without touching the others."""
+    from model.hf import HF_FAMILIES, config_from_hf
+    from model.hf.llama import Llama
+
+    class Clone(Llama):
+        model_types = ("llama_clone",)
+
+        def claims(self, cfg):
+            return False  # export keeps choosing the real Llama adapter
+
+    HF_FAMILIES.register("llama_clone")(Clone)
+    try:
+        cfg = ModelConfig(
+            vocab_size=VOCAB, d_model=64, n_layers=1, attention=AttentionConfig(n_heads=4)
+        )
+        exported = hf_config(cfg)
+        assert exported["model_type"] == "llama"
+        imported = config_from_hf(exported | {"model_type": "llama_clone"})
+        assert imported.d_model == 64 and imported.attention.n_heads == 4
+        with pytest.raises(ConfigError, match="supported: llama, llama_clone, qwen3"):
+            config_from_hf(exported | {"model_type": "gpt2"})
+    finally:
+        HF_FAMILIES._entries.pop("llama_clone")

@@ -199,7 +199,7 @@ def test_export_gives_a_transformers_model_with_the_same_logits(dataset, tmp_pat
 
 
 def test_a_compiled_model_trains(dataset, tmp_path):
-    """trainer.compile=true: the whole model (with the fused loss) as one torch.compile graph."""
+    """trainer.compile=true: every block compiled (the composition path of every layout)."""
     run_dir = tmp_path / "run"
     result = run_trainer(
         *small(dataset, run_dir, "trainer.max_steps=3", "trainer.compile=true"), cwd=tmp_path

@@ -1,4 +1,5 @@
-"""Small agreements between the ranks of a launch (all no-ops in one process).
+"""Small agreements between the ranks of a launch (all no-ops in one process), and the one
+"are there several ranks?" test that the rest of the code asks.
 
 The trainer's decisions that every rank must take alike (stop, skip, which checkpoint, whether a
 background write has finished) go through these, on the default process group. Flags travel as

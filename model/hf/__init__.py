@@ -1,0 +1,131 @@
+"""Hugging Face interop: export to, and import from, a HF model directory, one adapter per family.
+
+A directory is `config.json` plus safetensors weights (one `model.safetensors`, or shards with a
+`model.safetensors.index.json`), loadable by `transformers.AutoModelForCausalLM`. Families are
+adapter files registered in `HF_FAMILIES` (model/hf/family.py):
+  llama   LlamaForCausalLM   pre-RMSNorm, SwiGLU, RoPE on every head dim, optional biases
+  qwen3   Qwen3ForCausalLM   the same plus per-head QK-norm (chosen when attention.qk_norm is on)
+To add a family, write model/hf/<family>.py with an `HFFamily` subclass registered under its
+name, and import it below. MoE models have no family yet and are refused with a ConfigError.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from model.config import ConfigError, ModelConfig
+from model.hf import llama  # noqa: F401  (registers the llama and qwen3 families)
+from model.hf.family import HF_FAMILIES, HFFamily, family_for_config, family_for_hf
+from model.hf.files import MAX_SHARD_BYTES, read_hf_state_dict, write_hf_dir
+from model.transformer import Transformer, build_model
+
+__all__ = [
+    "HF_FAMILIES",
+    "MAX_SHARD_BYTES",
+    "HFFamily",
+    "config_from_hf",
+    "from_hf_state_dict",
+    "hf_architecture",
+    "hf_config",
+    "load_hf",
+    "read_hf_state_dict",
+    "save_hf",
+    "to_hf_state_dict",
+]
+
+
+def hf_architecture(cfg: ModelConfig) -> str:
+    """The family name ("llama", "qwen3"); raises ConfigError naming the first option that HF
+    cannot express."""
+    return family_for_config(cfg).model_types[0]
+
+
+def hf_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    return family_for_config(cfg).to_hf_config(cfg, dtype)
+
+
+def config_from_hf(hf: dict[str, Any], rope_pairing: str = "half") -> ModelConfig:
+    """ModelConfig for a `config.json` of a registered family (legacy rope_scaling or v5
+    rope_parameters)."""
+    return family_for_hf(hf).from_hf_config(hf, rope_pairing)
+
+
+def to_hf_state_dict(model: Transformer) -> dict[str, Tensor]:
+    cfg = model.cfg
+    family = family_for_config(cfg)
+    return {
+        family.to_hf_name(name): family.to_hf_tensor(name, tensor, cfg)
+        for name, tensor in model.state_dict().items()
+    }
+
+
+def from_hf_state_dict(
+    hf_state: dict[str, Tensor], cfg: ModelConfig, family: HFFamily | None = None
+) -> dict[str, Tensor]:
+    family = family or family_for_config(cfg)
+    out, unknown = {}, []
+    for hf_name, tensor in hf_state.items():
+        if hf_name.endswith("rotary_emb.inv_freq"):
+            continue  # old checkpoints saved RoPE frequencies; we recompute them
+        name = family.from_hf_name(hf_name)
+        if name is None:
+            unknown.append(hf_name)
+            continue
+        out[name] = family.from_hf_tensor(name, tensor, cfg)
+    if unknown:
+        raise ConfigError(f"unexpected tensors in the checkpoint: {', '.join(unknown[:5])}")
+    if cfg.tie_embeddings:
+        out.pop("head.weight", None)
+    return out
+
+
+def save_hf(
+    model: Transformer,
+    out_dir: str | os.PathLike,
+    *,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+    overwrite: bool = False,
+) -> Path:
+    """Write config.json + safetensors to `out_dir` atomically (a temporary sibling, then rename)."""
+    state = to_hf_state_dict(model)  # refuses what HF cannot express before touching the disk
+    return write_hf_dir(
+        state,
+        lambda dt: hf_config(model.cfg, dt),
+        out_dir,
+        dtype=dtype,
+        max_shard_bytes=max_shard_bytes,
+        overwrite=overwrite,
+    )
+
+
+def load_hf(
+    path: str | os.PathLike,
+    *,
+    rope_pairing: str = "half",
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+) -> Transformer:
+    """A Transformer initialized from a HF directory of a registered family (optionally in
+    interleaved RoPE layout)."""
+    path = Path(path)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{config_file} not found: not a Hugging Face model directory")
+    hf = json.loads(config_file.read_text())
+    family = family_for_hf(hf)
+    cfg = family.from_hf_config(hf, rope_pairing)
+    state = from_hf_state_dict(read_hf_state_dict(path), cfg, family)
+    model = build_model(cfg, device="meta")
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    if missing or unexpected:
+        raise ConfigError(
+            f"checkpoint does not match the config: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
+    return model.to(device=device, dtype=dtype) if dtype else model.to(device)

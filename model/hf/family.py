@@ -1,0 +1,93 @@
+"""The per-family adapter protocol and its registry (`HF_FAMILIES`): one file per family.
+
+A family adapter knows one transformers architecture (or a few close ones) and converts both
+ways: the config (`to_hf_config` / `from_hf_config`) and every weight (`to_hf_name` /
+`from_hf_name` plus per-tensor layout fixes). `unsupported(cfg)` names the first option of ours
+that the family cannot express, so export fails with a message naming it. Families register
+themselves with `@HF_FAMILIES.register(name)`; `model/hf/__init__.py` imports every family file.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from model.config import ConfigError, ModelConfig
+from model.registry import Registry
+
+HF_FAMILIES: Registry = Registry("Hugging Face family")
+NameTable = tuple[tuple[str, str], ...]  # (regex over one side's names, template of the other's)
+
+
+def rename(name: str, table: NameTable) -> str | None:
+    """The other side's name of `name` by the first matching pattern (groups fill the template)."""
+    for pattern, template in table:
+        match = re.fullmatch(pattern, name)
+        if match:
+            return template.format(*match.groups())
+    return None
+
+
+class HFFamily:
+    """Base class of a family adapter (subclasses fill the tables and the config mapping)."""
+
+    model_types: tuple[str, ...] = ()  # HF `model_type` values this adapter imports
+    to_hf_names: NameTable = ()  # our parameter names -> HF names
+    from_hf_names: NameTable = ()  # HF names -> ours
+
+    def claims(self, cfg: ModelConfig) -> bool:
+        """Whether `cfg` is meant for this family (its errors are then the ones reported)."""
+        return True
+
+    def unsupported(self, cfg: ModelConfig) -> str | None:
+        """The first option of `cfg` this family cannot express (`key=value (why)`), or None."""
+        raise NotImplementedError
+
+    def to_hf_config(self, cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def from_hf_config(self, hf: dict[str, Any], rope_pairing: str) -> ModelConfig:
+        raise NotImplementedError
+
+    def to_hf_tensor(self, name: str, tensor: Tensor, cfg: ModelConfig) -> Tensor:
+        """Layout fix of one of our tensors on its way out (e.g. RoPE pairing); default none."""
+        return tensor
+
+    def from_hf_tensor(self, name: str, tensor: Tensor, cfg: ModelConfig) -> Tensor:
+        return tensor
+
+    def to_hf_name(self, name: str) -> str:
+        hf_name = rename(name, self.to_hf_names)
+        if hf_name is None:
+            raise ConfigError(f"parameter {name!r} has no Hugging Face counterpart")
+        return hf_name
+
+    def from_hf_name(self, hf_name: str) -> str | None:
+        return rename(hf_name, self.from_hf_names)
+
+
+def family_for_config(cfg: ModelConfig) -> HFFamily:
+    """The family that can express `cfg`; else a ConfigError naming why the family it is meant
+    for (the first that claims it) cannot."""
+    families = [HF_FAMILIES.get(name)() for name in HF_FAMILIES.names()]
+    candidates = [f for f in families if f.claims(cfg)] or families
+    reasons = []
+    for family in candidates:
+        reason = family.unsupported(cfg)
+        if reason is None:
+            return family
+        reasons.append(reason)
+    raise ConfigError(f"cannot export to Hugging Face: {reasons[0]}")
+
+
+def family_for_hf(hf: dict[str, Any]) -> HFFamily:
+    kind = hf.get("model_type")
+    families = [HF_FAMILIES.get(n)() for n in HF_FAMILIES.names()]
+    for family in families:
+        if kind in family.model_types:
+            return family
+    known = ", ".join(t for f in families for t in f.model_types)
+    raise ConfigError(f"model_type={kind!r} is not supported for import; supported: {known}")
