@@ -23,10 +23,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from model.mixer import average_context
+from model.mixer import average_context  # noqa: F401  (re-exported; lives with the protocol)
 from model.transformer import Transformer
-
-__all__ = ["average_context"]  # (re-exported: it lives with the mixer protocol)
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 

@@ -50,7 +50,7 @@ class Attention(TokenMixer, QKClipHooks):
 
     @classmethod
     def build(cls, cfg: ModelConfig, layer_id: int = 0) -> Attention:
-        return cls(cfg.attention, LayerDims.of(cfg, layer_id))
+        return cls(cfg.attention, LayerDims.of(cfg))
 
     def __init__(self, a: AttentionConfig, dims: LayerDims) -> None:
         super().__init__()
@@ -71,7 +71,7 @@ class Attention(TokenMixer, QKClipHooks):
         multiplier = softmax_multiplier(rope) if rope is not None else 1.0
         self.scale = (a.softmax_scale or D**-0.5) * multiplier
 
-    def forward(self, x: Tensor, ctx: AttentionContext, cache: KVCache | None = None) -> Tensor:
+    def forward(self, x: Tensor, ctx: AttentionContext, state: KVCache | None = None) -> Tensor:
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
@@ -82,8 +82,8 @@ class Attention(TokenMixer, QKClipHooks):
         if rot is not None:
             q, k = self.apply_rope(q, rot), self.apply_rope(k, rot)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|K, T, D)
-        if cache is not None:
-            k, v = cache.update(k, v, ctx.start)  # (B, K, S, D)
+        if state is not None:
+            k, v = state.update(k, v, ctx.start)  # (B, K, S, D)
         y = self._attend(q, k, v, ctx)  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
         if self.gate_proj is not None:

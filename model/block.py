@@ -37,6 +37,7 @@ class Block(nn.Module):
     def forward(
         self, state: State, ctx: AttentionContext, cache: LayerState | None = None
     ) -> State:
+        """`state`: the residual stream's; `cache`: this layer's generation state."""
         state = self.attn_residual(state, lambda h: self.attn(h, ctx, cache), self.attn_norm)
         return self.ffn_residual(state, self.ffn, self.ffn_norm)
 

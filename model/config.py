@@ -168,12 +168,7 @@ class AttentionConfig:
             self.n_heads % kv == 0,
             f"model.attention.n_heads={self.n_heads} is not divisible by model.attention.n_kv_heads={kv}",
         )
-        if self.kind == "mla":
-            for flag in ("qk_norm", "output_gate"):
-                _require(
-                    not getattr(self, flag),
-                    f"model.attention.{flag}=true is not supported with attention.kind='mla'",
-                )
+        ATTENTIONS.get(self.kind).check_section(self)  # the kind's own rules on this section
 
 
 @dataclass(kw_only=True)

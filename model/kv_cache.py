@@ -18,9 +18,6 @@ from torch import Tensor, nn
 class LayerState(nn.Module):
     """One layer's generation state: buffers (not parameters), updated by the layer's forward."""
 
-    def nbytes(self) -> int:
-        return sum(buf.numel() * buf.element_size() for buf in self.buffers())
-
 
 class KVCache(LayerState):
     def __init__(self, k: Tensor, v: Tensor) -> None:

@@ -32,13 +32,11 @@ class LayerDims:
     d_model: int
     norm_eps: float
     rope: RopeConfig | None  # None when model.position is not rope
-    layer_id: int
-    n_layers: int
 
     @classmethod
-    def of(cls, cfg: ModelConfig, layer_id: int) -> LayerDims:
+    def of(cls, cfg: ModelConfig) -> LayerDims:
         rope = cfg.rope if cfg.position == "rope" else None
-        return cls(cfg.d_model, cfg.norm_eps, rope, layer_id, cfg.n_layers)
+        return cls(cfg.d_model, cfg.norm_eps, rope)
 
 
 @dataclass(frozen=True)
@@ -50,9 +48,6 @@ class StateSize:
     per_token: int
     fixed: int = 0
     mha_per_token: int = 0
-
-    def elements(self, tokens: int) -> int:
-        return self.per_token * tokens + self.fixed
 
 
 def average_context(seq_len: int, window: int = 0) -> float:
@@ -76,6 +71,10 @@ class TokenMixer(nn.Module):
     @classmethod
     def check(cls, cfg: ModelConfig) -> None:
         """Rules between this kind's section and the rest of the model config (ConfigError)."""
+
+    @classmethod
+    def check_section(cls, section: object) -> None:
+        """Rules on this kind's config section alone, checked when the section is built."""
 
     @classmethod
     def rotary_dim_for(cls, cfg: ModelConfig) -> int:

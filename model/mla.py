@@ -38,12 +38,16 @@ class MultiHeadLatentAttention(TokenMixer, QKClipHooks):
     kind = "mla"
 
     @classmethod
-    def check(cls, cfg: ModelConfig) -> None:
-        for flag in ("qk_norm", "output_gate"):
-            if getattr(cfg.attention, flag):
+    def check_section(cls, section: object) -> None:
+        for flag in ("qk_norm", "output_gate"):  # options of the gqa kind's projections
+            if getattr(section, flag):
                 raise ConfigError(
                     f"model.attention.{flag}=true is not supported with attention.kind='mla'"
                 )
+
+    @classmethod
+    def check(cls, cfg: ModelConfig) -> None:
+        cls.check_section(cfg.attention)  # also when mla comes from layer_types
         if cfg.position != "rope":
             raise ConfigError(
                 f"model.position={cfg.position!r}: MLA uses decoupled RoPE; set model.position=rope"
@@ -62,7 +66,7 @@ class MultiHeadLatentAttention(TokenMixer, QKClipHooks):
 
     @classmethod
     def build(cls, cfg: ModelConfig, layer_id: int = 0) -> MultiHeadLatentAttention:
-        return cls(cfg.attention, LayerDims.of(cfg, layer_id))
+        return cls(cfg.attention, LayerDims.of(cfg))
 
     def __init__(self, a: AttentionConfig, dims: LayerDims) -> None:
         super().__init__()
@@ -109,7 +113,7 @@ class MultiHeadLatentAttention(TokenMixer, QKClipHooks):
             return self.q_proj(x)
         return self.q_b_proj(self.q_a_norm(self.q_a_proj(x)))
 
-    def forward(self, x: Tensor, ctx: AttentionContext, cache: LatentCache | None = None) -> Tensor:
+    def forward(self, x: Tensor, ctx: AttentionContext, state: LatentCache | None = None) -> Tensor:
         B, T, _ = x.shape
         q = self._queries(x).view(B, T, self.n_heads, self.nope_dim + self.rope_dim)
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
@@ -118,8 +122,8 @@ class MultiHeadLatentAttention(TokenMixer, QKClipHooks):
         rot = ctx.rotations(self.rotary_dim)
         q_rope = self.apply_rope(q_rope, rot)  # (B, T, H, Dr)
         k_rope = self.apply_rope(k_rope[:, :, None, :], rot)[:, :, 0]  # (B, T, Dr)
-        if cache is not None:
-            c, k_rope = cache.update(c, k_rope, ctx.start)  # (B, S, R), (B, S, Dr)
+        if state is not None:
+            c, k_rope = state.update(c, k_rope, ctx.start)  # (B, S, R), (B, S, Dr)
         attend = self._expanded if T > 1 else self._absorbed
         y = attend(q_nope, q_rope, c, k_rope, ctx)  # (B, T, H, Dv)
         return self.o_proj(y.reshape(B, T, self.n_heads * self.v_dim))

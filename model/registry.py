@@ -33,6 +33,10 @@ class Registry(Generic[T]):
             )
         return self._entries[name]
 
+    def remove(self, name: str) -> None:
+        """Unregister `name` (tests that register a temporary implementation)."""
+        del self._entries[name]
+
     def names(self) -> list[str]:
         return sorted(self._entries)
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from optim.config import OptimConfig
 from optim.errors import OptimConfigError
-from optim.grouping import expert_stacks, muon_param_groups, role_groups, split_matrices
+from optim.grouping import muon_param_groups, role_groups, split_matrices
 from optim.muon import Muon
 
 
@@ -42,7 +42,6 @@ def _muon(cfg: OptimConfig, model: nn.Module) -> torch.optim.Optimizer:
         betas=(cfg.beta1, cfg.beta2),
         eps=cfg.eps,
         blocks=split_matrices(cfg, model),
-        expert_stacks=expert_stacks(model, cfg),
     )
 
 

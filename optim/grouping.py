@@ -91,14 +91,6 @@ def muon_param_groups(cfg: OptimConfig, model: nn.Module) -> list[dict]:
     return role_groups(model, cfg, muon=True)
 
 
-def expert_stacks(model: nn.Module, cfg: OptimConfig) -> set[Tensor]:
-    """The Muon weights that are (E, in, out) expert stacks (orthogonalized per expert)."""
-    params = dict(model.named_parameters())
-    return {
-        params[n] for n, role in muon_names(model, cfg.muon_exclude).items() if role == EXPERT_STACK
-    }
-
-
 def split_matrices(cfg: OptimConfig, model: nn.Module) -> dict[Tensor, MatrixBlocks]:
     """The Muon weights that are orthogonalized in blocks (optim.muon_split), logged."""
     params = dict(model.named_parameters())

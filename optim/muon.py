@@ -54,7 +54,6 @@ class Muon(torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.95),
         eps: float = 1e-8,
         blocks: dict[Tensor, MatrixBlocks] | None = None,
-        expert_stacks: set[Tensor] | None = None,
     ) -> None:
         if scaling not in SCALINGS:
             raise ValueError(f"scaling={scaling!r} is not one of {SCALINGS}")
@@ -73,8 +72,6 @@ class Muon(torch.optim.Optimizer):
         super().__init__(groups, defaults)
         # keyed by id: a tensor's __eq__ is elementwise; parameters live as long as the optimizer
         self.blocks = {id(param): b for param, b in (blocks or {}).items()}
-        # (E, in, out) weights orthogonalized per expert (role expert_stack); None: every 3-D one
-        self.expert_stacks = None if expert_stacks is None else {id(p) for p in expert_stacks}
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
@@ -110,13 +107,15 @@ class Muon(torch.optim.Optimizer):
             scale = update_scale(*fan_out_in(param, layout), group["scaling"])
             param.add_(ortho.to(param.dtype), alpha=-lr * scale)
 
-    def _layout(self, param: Tensor) -> str:
-        stacked = param.ndim == 3 if self.expert_stacks is None else id(param) in self.expert_stacks
-        if param.ndim != (3 if stacked else 2):
+    @staticmethod
+    def _layout(param: Tensor) -> str:
+        """Muon groups hold matrices (2-D) and expert stacks (3-D): optim.grouping checks each
+        parameter's declared role against its shape."""
+        if param.ndim not in (2, 3):
             raise ValueError(
                 f"Muon takes matrices or expert stacks, got shape {tuple(param.shape)}"
             )
-        return "experts" if stacked else "linear"
+        return "experts" if param.ndim == 3 else "linear"
 
     def _newton_schulz(self, param: Tensor, group: dict) -> NS:
         coefficients = coefficient_schedule(group["ns_schedule"], group["ns_steps"])

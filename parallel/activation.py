@@ -1,4 +1,5 @@
-"""Activation checkpointing per block, and `torch.compile` per block.
+"""Activation checkpointing per block, and `torch.compile` of every block plus the fused head +
+loss (`compile_model`).
 
 Both rewrite a block's `forward` / call in place rather than wrapping the module, so parameter
 names (`layers.3.attn.q_proj.weight`) stay the same for checkpoints and export.

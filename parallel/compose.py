@@ -18,7 +18,7 @@ import torch
 from model.transformer import Transformer
 from parallel.activation import apply_activation_checkpointing, compile_model
 from parallel.config import ParallelConfig
-from parallel.engine import EngineRequest, FSDP2Engine, register_engine
+from parallel.engine import ENGINES, EngineRequest, FSDP2Engine
 from parallel.fsdp import apply_fsdp, mixed_precision
 from parallel.init import init_like_single_process
 from parallel.mesh import Meshes, build_meshes
@@ -67,12 +67,13 @@ def build_model_for(request: EngineRequest) -> tuple[Transformer, MasterWeights 
         with torch.device("meta"):
             copy = Transformer(request.model_cfg)
         copy.to_empty(device=device)
-        copy.init_weights(request.seed)  # buffers too; the global RNG is left alone
+        for buffer in copy.buffers():  # the non-persistent ones (statistics) are not loaded
+            buffer.zero_()
         master = MasterWeights(model, copy)
     return model, master
 
 
-@register_engine("fsdp2")
+@ENGINES.register("fsdp2")
 def build_fsdp2(request: EngineRequest) -> FSDP2Engine:
     model, master = build_model_for(request)
     optimizer = request.make_optimizer(master.master if master is not None else model)

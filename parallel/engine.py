@@ -4,7 +4,9 @@ The loop (trainer/step.py, trainer/loop.py) talks to one `TrainingEngine`; it ne
 FSDP, DTensors, master weights or the optimizer's internals. An engine owns the (wrapped) model
 and the optimizer and offers:
 
-  model                  forwards for training, evaluation and sampling (possibly sharded)
+  model                  the model module itself (a Transformer, possibly sharded in place):
+                         evaluation runs its forward and model-level hooks (MoE balance, QK-clip
+                         recording) are called on it; a wrapping engine puts its inner module here
   optimizer              its param groups are what the schedules set (lr, Muon momentum)
   autocast()             the compute precision of forwards
   forward_backward(...)  one micro-batch: forward, the MoE balance losses, backward (accumulating)
@@ -33,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.fsdp import FSDPModule
 
 from model.moe import pop_aux_loss
+from model.registry import Registry
 from parallel.grad_norm import clip_grad_norm
 from parallel.precision import MasterWeights, autocast_factory
 
@@ -165,8 +168,8 @@ class FSDP2Engine(TrainingEngine):
             yield self.model
             return
         first = next(self.model.parameters())
-        # a forward first: FSDP2 initializes itself lazily in one
-        self.model(torch.zeros(1, 1, dtype=torch.long, device=first.device))
+        with torch.no_grad():  # a forward first: FSDP2 initializes itself lazily in one
+            self.model(torch.zeros(1, 1, dtype=torch.long, device=first.device))
         self.model.unshard()
         try:
             yield self.model
@@ -200,22 +203,9 @@ class EngineRequest:
 
 
 EngineBuilder = Callable[[EngineRequest], TrainingEngine]
-ENGINES: dict[str, EngineBuilder] = {}
-
-
-def register_engine(name: str) -> Callable[[EngineBuilder], EngineBuilder]:
-    def add(builder: EngineBuilder) -> EngineBuilder:
-        ENGINES[name] = builder
-        return builder
-
-    return add
+ENGINES: Registry = Registry("training engine (parallel.engine)")  # name -> EngineBuilder
 
 
 def build_engine(name: str, request: EngineRequest) -> TrainingEngine:
-    if name not in ENGINES:
-        from model.errors import ConfigError
-
-        raise ConfigError(
-            f"parallel.engine={name!r} is not registered; choose one of: {', '.join(ENGINES)}"
-        )
-    return ENGINES[name](request)
+    """The engine `name` builds for `request` (a ConfigError listing the choices if unknown)."""
+    return ENGINES.get(name)(request)

@@ -20,7 +20,6 @@ from omegaconf import OmegaConf
 from data.loader import TokenLoader
 from model.accounting import param_counts, training_flops_per_token
 from model.config import ModelConfig
-from model.errors import ConfigError
 from optim.builder import apply_config
 from optim.qk_clip import enable_qk_clip
 from optim.schedules import Schedule
@@ -88,6 +87,7 @@ def build_training(cfg: RootConfig, run_dir: Path, ranks: Ranks) -> Training:
     tracker = LossTracker(tcfg.spike_factor)
     coverage = describe_evaluation(loader)
     restart = Restart(engine=engine)
+    del engine  # the restart holds it (and drops it if it must be rebuilt)
     restart = _resume(cfg, run_dir, ranks, checkpointer, restart, loader, tracker, metrics)
     restart.engine = _fresh_if_needed(cfg, model_cfg, dims, device, restart)
     wandb = WandbRun(
@@ -131,10 +131,8 @@ def build_training(cfg: RootConfig, run_dir: Path, ranks: Ranks) -> Training:
 
 
 def check_engine(name: str) -> None:
-    if name not in ENGINES:
-        raise ConfigError(
-            f"parallel.engine={name!r} is not a training engine; choose one of: {', '.join(ENGINES)}"
-        )
+    """Fail at start-up, before any file is touched, on an unknown parallel.engine."""
+    ENGINES.get(name)
 
 
 def _log_model_and_data(

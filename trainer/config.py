@@ -42,7 +42,7 @@ class TrainerConfig:
     grad_clip: float = 1.0  # global gradient-norm clip; 0 = off
     precision: str = "bf16"  # bf16 (autocast over fp32 weights) | bf16_master (bf16 weights,
     # fp32 master weights in the optimizer) | fp32
-    compile: bool = False  # torch.compile the model (about 30 s of compilation on CPU)
+    compile: bool = False  # torch.compile every block and the fused head + loss (10-30 s on CPU)
     doc_mask: bool = False  # attention within documents, positions restart at each (packed data)
     device: str = "auto"  # auto (cuda when available) | cpu | cuda
     max_bad_steps: int = 5  # consecutive skipped steps (non-finite or spiking) before stopping

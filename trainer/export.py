@@ -1,6 +1,6 @@
 """`python -m trainer.export path=<run dir or checkpoint dir> out=<dir> [dtype=bf16]`:
 a training checkpoint -> a Hugging Face directory (config.json + safetensors) for the families
-that transformers knows (Llama, Qwen3; see model/hf.py).
+that transformers knows (Llama, Qwen3; see model/hf/).
 
 The checkpoint holds the resolved model config (vocabulary included), so nothing else is needed;
 a run directory means its newest complete checkpoint.

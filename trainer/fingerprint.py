@@ -57,8 +57,15 @@ class Fingerprint:
         out = []
         for group, mine in (("model", self.model), ("optim", self.optim)):
             theirs = saved.get(group, {})
+            if group == "model":  # a field newer than the checkpoint had its default there
+                theirs = _model_defaults() | theirs
             for key in sorted(set(mine) | set(theirs)):
                 if _flat(theirs.get(key)) != _flat(mine.get(key)):
                     then, now = theirs.get(key, "<absent>"), mine.get(key, "<absent>")
                     out.append(f"{group}.{key}={then} in the checkpoint, {now} now")
         return out
+
+
+def _model_defaults() -> dict[str, Any]:
+    """The flat default ModelConfig: what a checkpoint older than a field was written with."""
+    return _flat(dataclasses.asdict(ModelConfig()))

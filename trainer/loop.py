@@ -83,11 +83,6 @@ class Training:
         """What checkpoints hold and the optimizer updates: the fp32 master copy if there is one."""
         return self.engine.state_module
 
-    @property
-    def master(self) -> Any:
-        """The fp32 master weights of bf16_master in one process (None otherwise)."""
-        return getattr(self.engine, "master", None)
-
     # -- state ---------------------------------------------------------------------------------
     def extra_state(self) -> dict[str, Any]:
         return {

@@ -25,15 +25,15 @@ from model.rope import half_to_interleaved, interleaved_to_half
 PAIRED = re.compile(r"attn\.(q|k)_(proj\.(weight|bias)|norm\.weight)$")  # rows laid out per head
 
 
-MIXERS = ("gqa",)  # the token mixers (model.mixer MIXERS keys) a Llama/Qwen3 layer can be
+LLAMA_MIXERS = ("gqa",)  # the token mixers (model.mixer MIXERS keys) a Llama/Qwen3 layer can be
 
 
 def _common_unsupported(cfg: ModelConfig) -> str | None:
     """The first option Llama/Qwen3 cannot express, as `key=value (why)`, or None."""
     att, rope = cfg.attention, cfg.rope
-    if att.kind not in MIXERS:
+    if att.kind not in LLAMA_MIXERS:
         return f"attention.kind={att.kind!r} (MLA export comes with DeepSeek-V3 MoE support)"
-    other = next((kind for kind in cfg.mixer_kinds() if kind not in MIXERS), None)
+    other = next((kind for kind in cfg.mixer_kinds() if kind not in LLAMA_MIXERS), None)
     if other is not None:
         return f"layer_types/layer_pattern with {other!r} layers (Llama/Qwen3 layers are all GQA)"
     rotary = cfg.rotary_dim

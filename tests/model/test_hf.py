@@ -236,4 +236,4 @@ def test_a_family_is_an_adapter_file_registered_by_name(tmp_path):
         with pytest.raises(ConfigError, match="supported: llama, llama_clone, qwen3"):
             config_from_hf(exported | {"model_type": "gpt2"})
     finally:
-        HF_FAMILIES._entries.pop("llama_clone")
+        HF_FAMILIES.remove("llama_clone")

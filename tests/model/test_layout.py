@@ -18,13 +18,14 @@ MLA = MLAConfig(
 
 
 def mixed_config(**overrides) -> ModelConfig:
-    """GQA and MLA layers alternating; both rotate 8 dims per head, GQA with partial rotary."""
+    """GQA and MLA layers alternating, rotating different widths: GQA heads of 16 (all 16
+    dims rotate), MLA's rope part of 8."""
     kw = dict(
         vocab_size=64,
         d_model=32,
         n_layers=4,
         max_seq_len=64,
-        attention=AttentionConfig(n_heads=4, n_kv_heads=2, mla=MLA),
+        attention=AttentionConfig(n_heads=4, n_kv_heads=2, head_dim=16, mla=MLA),
         layer_pattern=["gqa", "mla"],
         ffn={"hidden": 48},
     )
@@ -40,6 +41,7 @@ def test_pattern_and_explicit_list_resolve_to_the_same_stack():
     model = build_model(by_pattern, seed=0)
     kinds = [type(block.attn) for block in model.layers.values()]
     assert kinds == [Attention, MultiHeadLatentAttention, Attention, MultiHeadLatentAttention]
+    assert model.rotary_dims == [8, 16]  # one table of rotations per width
     # the default layout is attention.kind everywhere, MoE from first_k_dense on
     moe = load_preset("tiny_moe")
     specs = moe.layer_specs()
@@ -105,11 +107,29 @@ def test_a_mixed_stack_accounts_each_layer_by_its_kind():
     model = build_model(cfg, device="meta")
     T = 32
     ctx = average_context(T)
-    gqa_width = 4 * (8 + 8)  # H x (Dqk + Dv), head_dim 8
+    gqa_width = 4 * (16 + 16)  # H x (Dqk + Dv), head_dim 16
     mla_width = 4 * (8 + 8 + 8)  # H x (Dn + Dr + Dv)
     flops = training_flops_per_token(model, T)
     assert flops.attention == pytest.approx(6 * 2 * (gqa_width + mla_width) * ctx, rel=1e-12)
     kv = kv_cache_size(model, "fp32")
-    per_layer = 2 * 2 * 8 + (16 + 8)  # GQA 2 x K x D, MLA R + Dr
+    per_layer = 2 * 2 * 16 + (16 + 8)  # GQA 2 x K x D, MLA R + Dr
     assert kv.bytes_per_token == 2 * per_layer * 4
     assert kv.mha_bytes_per_token == 2 * (gqa_width + mla_width) * 4
+
+
+def test_inspect_prints_and_exports_the_resolved_layout(capsys):
+    from model.inspect import main
+
+    args = ["model=tiny", "model.layer_pattern=[gqa,gqa,mla]", "seq_len=256", "format=json"]
+    assert main(args) == 0
+    row = __import__("json").loads(capsys.readouterr().out)["tiny"]
+    assert row["layout"] == (
+        "layers 0-1: gqa + dense; layer 2: mla + dense; layers 3-4: gqa + dense; layer 5: mla + dense"
+    )
+    assert "layers 0-1: GQA: 4q / 2kv x 64" in row["attention"] and "MLA: 4 x" in row["attention"]
+    cfg = load_preset("tiny", {"layer_pattern": ["gqa", "gqa", "mla"]})
+    model = build_model(cfg, device="meta")
+    assert row["kv_bytes_per_token"] == kv_cache_size(model, "bf16").bytes_per_token
+    gqa = 2 * 2 * 64  # per layer: K x D keys and values
+    mla = cfg.attention.mla.kv_lora_rank + cfg.attention.mla.qk_rope_head_dim
+    assert row["kv_bytes_per_token"] == 2 * (4 * gqa + 2 * mla)  # bf16

@@ -106,3 +106,31 @@ def test_every_parameter_of_every_preset_has_a_role(preset):
     assert set(found) == {n for n, _ in model.named_parameters()}
     assert found.get("embed.weight") == "embedding"
     assert all(role != "matrix" or "router" not in name for name, role in found.items())
+
+
+def _rank_rule_groups(model: nn.Module, muon: bool) -> dict[str, set[str]]:
+    """The grouping before roles: decay by ndim >= 2; Muon for matrices except these names."""
+    from fnmatch import fnmatch
+
+    adamw_matrices = ("embed.*", "head.*", "pos.*", "*.router.gate.weight")
+    out: dict[str, set[str]] = {}
+    for name, p in model.named_parameters():
+        if not muon:
+            key = "matrices" if p.ndim >= 2 else "vectors"
+        elif p.ndim >= 2 and not any(fnmatch(name, pat) for pat in adamw_matrices):
+            key = "muon"
+        else:
+            key = "adamw_matrices" if p.ndim >= 2 else "adamw_vectors"
+        out.setdefault(key, set()).add(name)
+    return out
+
+
+@pytest.mark.parametrize("preset", [*preset_names(), "learned_positions"])
+@pytest.mark.parametrize("name", ["adamw", "muon"])
+def test_roles_group_every_preset_as_the_rank_rule_did(preset, name):
+    """For today's layers roles change nothing: the same groups with the same members."""
+    cfg = load_preset("tiny", {"position": "learned"}) if preset == "learned_positions" else None
+    model = build_model(cfg or load_preset(preset), device="meta")
+    optimizer = build_optimizer(OptimConfig(name=name), model)
+    got = {g: v["params"] for g, v in groups_by_name(optimizer, model).items()}
+    assert got == _rank_rule_groups(model, muon=name == "muon")

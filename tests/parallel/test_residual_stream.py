@@ -52,3 +52,20 @@ def test_the_toy_stream_trains_under_fsdp2_with_checkpointing_like_one_process(
     for name in ("layers.1.ffn_residual.scale", "stream.mix"):
         assert not torch.equal(single["final"][name], single["initial"][name]), name
     assert single["losses"][-1] < single["losses"][0]
+
+
+def test_the_toy_stream_compiles_per_block_like_eager():
+    """trainer.compile=true compiles every block: the tuple state crosses compiled blocks."""
+    from tests.parallel.workers import engine_for, global_batches, local_batch
+    from trainer.step import LossTracker, StepSettings, train_step
+
+    cfg = small_model(residual=NAME)
+    runs = {}
+    for compiled in (False, True):
+        engine = engine_for(cfg, {}, compile=compiled)
+        tracker, settings = LossTracker(0.0), StepSettings(grad_clip=1.0)
+        runs[compiled] = [
+            train_step(engine, local_batch(t), settings, tracker).loss
+            for t in global_batches(3, cfg.vocab_size)
+        ]
+    torch.testing.assert_close(runs[True], runs[False], rtol=1e-4, atol=1e-5)

@@ -131,12 +131,13 @@ def engine_for(
     layout: dict[str, Any],
     precision: str = "fp32",
     optim_cfg: OptimConfig | None = None,
+    compile: bool = False,
 ) -> TrainingEngine:
     """The trainer's engine for this layout on this rank's CPU (seed 0)."""
     _, size = world()
     pcfg = ParallelConfig(**layout)
     dims = ParallelDims.resolve(pcfg, size)
-    tcfg = TrainerConfig(precision=precision, batch_size=GLOBAL_BATCH)
+    tcfg = TrainerConfig(precision=precision, batch_size=GLOBAL_BATCH, compile=compile)
     optim_cfg = optim_cfg or OptimConfig()
     return build_training_engine(model_cfg, tcfg, pcfg, optim_cfg, dims, torch.device("cpu"), 0)
 

@@ -120,7 +120,7 @@ def test_bf16_master_weights_train_in_bf16_and_checkpoint_fp32(dataset, tmp_path
     assert training.run() == 0
     val = [r["val_loss"] for r in metric_rows(tmp_path) if "val_loss" in r]
     assert val[-1] < val[0] - 1.0
-    for param, master in training.master.pairs:  # the bf16 weights are the rounded masters
+    for param, master in training.engine.master.pairs:  # the bf16 weights are the rounded masters
         assert torch.equal(param, master.to(torch.bfloat16))
     (ckpt,) = complete_checkpoints(tmp_path / "checkpoints")
     fresh = build_training(cfg, tmp_path / "other", ONE)
