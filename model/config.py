@@ -374,6 +374,19 @@ class ModelConfig:
         pattern = self.layer_pattern or [self.attention.kind]
         return [pattern[i % len(pattern)] for i in range(self.n_layers)]
 
+    def layout_summary(self) -> str:
+        """The resolved stack in one line, e.g. 'layers 0-2: gqa + dense; layers 3-5: gqa + moe'."""
+        runs: list[list] = []  # [first, last, (mixer, ffn)]
+        for spec in self.layer_specs():
+            kind = (spec.mixer, spec.ffn)
+            if runs and runs[-1][2] == kind:
+                runs[-1][1] = spec.index
+            else:
+                runs.append([spec.index, spec.index, kind])
+        return "; ".join(
+            f"{f'layer {a}' if a == b else f'layers {a}-{b}'}: {m} + {f}" for a, b, (m, f) in runs
+        )
+
     def layer_specs(self) -> list[LayerSpec]:
         """The resolved stack: which mixer and which FFN each layer has (`model.inspect` prints it)."""
         return [

@@ -86,7 +86,7 @@ def describe(cfg: ModelConfig, seq_len: int, args: InspectArgs) -> dict[str, Any
     memory = training_memory(params.total, args.param_dtype, args.dp_shard)
     return {
         "layers": cfg.n_layers,
-        "layout": _layout_description(cfg),
+        "layout": cfg.layout_summary(),
         "d_model": cfg.d_model,
         "attention": _mixer_description(model),
         "ffn": _ffn_description(cfg),
@@ -152,12 +152,6 @@ def _runs(items: list[Any]) -> list[tuple[int, int, Any]]:
         else:
             runs.append((i, i, item))
     return runs
-
-
-def _layout_description(cfg: ModelConfig) -> str:
-    """The resolved stack, e.g. 'layers 0-2: gqa + dense; layers 3-5: gqa + moe'."""
-    specs = [(s.mixer, s.ffn) for s in cfg.layer_specs()]
-    return "; ".join(f"{_layers(a, b)}: {m} + {f}" for a, b, (m, f) in _runs(specs))
 
 
 def _mixer_description(model: Any) -> str:

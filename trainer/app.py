@@ -153,6 +153,7 @@ def _log_model_and_data(
         model_cfg.vocab_size,
         loader.manifest.tokenizer.short(),
     )
+    log.info("layers: %s", model_cfg.layout_summary())
     log.info(
         "data: %s, %d training windows of %d tokens; %d micro-batch(es) of %d per step",
         loader.manifest.root,
