@@ -4,11 +4,12 @@ Importing the package registers every implementation (norms, residual streams, p
 mixers, FFNs) and loads the MoE layer (model.moe), so the config can validate registry keys.
 """
 
-from model import attention, ffn, mla, moe, norms, positions, residual, rope  # noqa: F401  (fill the registries)
+from model import attention, ffn, gdn, mla, moe, norms, positions, residual, rope  # noqa: F401  (fill the registries)
 from model.config import (
     AttentionConfig,
     ConfigError,
     FFNConfig,
+    GDNConfig,
     InitConfig,
     MLAConfig,
     ModelConfig,
@@ -23,6 +24,7 @@ __all__ = [
     "AttentionConfig",
     "ConfigError",
     "FFNConfig",
+    "GDNConfig",
     "InitConfig",
     "MLAConfig",
     "MoEConfig",

@@ -108,7 +108,7 @@ def kv_cache_size(model: Transformer, dtype: str = "bf16") -> KVCacheSize:
     return KVCacheSize(
         bytes_per_token=sum(s.per_token for s in sizes) * width,
         mha_bytes_per_token=sum(s.mha_per_token for s in sizes) * width,
-        fixed_bytes=sum(s.fixed for s in sizes) * width,
+        fixed_bytes=sum(s.fixed * width + s.fixed_fp32 * 4 for s in sizes),
     )
 
 

@@ -172,6 +172,33 @@ class AttentionConfig:
 
 
 @dataclass(kw_only=True)
+class GDNConfig:
+    """Gated DeltaNet layers (layer kind `gdn`, model/gdn.py): linear-time delta-rule mixing."""
+
+    n_heads: int = 4  # query/key heads
+    n_v_heads: int = (
+        0  # value heads, n_v_heads / n_heads consecutive ones per key head; 0 = n_heads
+    )
+    head_dim: int = 64  # query/key dims per head
+    v_head_dim: int = 0  # value dims per head; 0 = head_dim
+    conv_kernel: int = 4  # short causal depthwise convolution over q, k, v
+    allow_neg_eigval: bool = False  # beta in (0, 2) instead of (0, 1) (the OLMo-hybrid variant)
+    chunk_size: int = 64  # tokens per chunk of the parallel form (results do not depend on it)
+
+    def __post_init__(self) -> None:
+        for name in ("n_heads", "head_dim", "conv_kernel", "chunk_size"):
+            _require(getattr(self, name) > 0, f"model.gdn.{name}={getattr(self, name)} must be > 0")
+        for name in ("n_v_heads", "v_head_dim"):
+            _require(
+                getattr(self, name) >= 0, f"model.gdn.{name}={getattr(self, name)} must be >= 0"
+            )
+        _require(
+            (self.n_v_heads or self.n_heads) % self.n_heads == 0,
+            f"model.gdn.n_v_heads={self.n_v_heads} is not a multiple of model.gdn.n_heads={self.n_heads}",
+        )
+
+
+@dataclass(kw_only=True)
 class FFNConfig:
     """The position-wise feed-forward network."""
 
@@ -301,6 +328,7 @@ class ModelConfig:
     # tokens per chunk of the fused head + cross-entropy; 0 = unchunked
     loss_chunk_tokens: int = 4096
     moe: MoEConfig = field(default_factory=MoEConfig)  # n_routed_experts = 0: dense FFNs only
+    gdn: GDNConfig = field(default_factory=GDNConfig)  # layers of kind gdn
     # the token mixer (model.mixer MIXERS key) of each layer, one per layer; [] = layer_pattern
     layer_types: list[str] = field(default_factory=list)
     # a short list of mixer kinds repeated over the layers (e.g. [gdn, gdn, gdn, gqa]); [] = every

@@ -47,6 +47,16 @@ class LatentCache(LayerState):
         return self.c[:, :end], self.k_rope[:, :end]
 
 
+class RecurrentState(LayerState):
+    """A linear-attention layer's fixed-size state: the last K-1 inputs of its short convolution
+    (B, K-1, D) and the delta-rule state (B, H, Dk, Dv), kept in fp32 whatever the model dtype."""
+
+    def __init__(self, conv: Tensor, state: Tensor) -> None:
+        super().__init__()
+        self.register_buffer("conv", conv, persistent=False)
+        self.register_buffer("state", state, persistent=False)
+
+
 class Cache(nn.Module):
     """The whole model's generation state: one `LayerState` per layer plus how many tokens are stored."""
 

@@ -48,6 +48,7 @@ class StateSize:
     per_token: int
     fixed: int = 0
     mha_per_token: int = 0
+    fixed_fp32: int = 0  # fixed elements kept in fp32 whatever the cache dtype (recurrent states)
 
 
 def average_context(seq_len: int, window: int = 0) -> float:

@@ -26,8 +26,9 @@ class RMSNorm(nn.Module):
         return {"weight": roles.GAIN}
 
     def forward(self, x: Tensor) -> Tensor:
-        y = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return (y * self.weight.float()).to(x.dtype)
+        wide = torch.promote_types(x.dtype, torch.float32)  # fp32 (fp64 stays fp64)
+        y = F.rms_norm(x.to(wide), (x.shape[-1],), eps=self.eps)
+        return (y * self.weight.to(wide)).to(x.dtype)
 
     def init_weights(self) -> None:
         nn.init.ones_(self.weight)
@@ -55,6 +56,27 @@ class LayerNorm(nn.Module):
     def init_weights(self) -> None:
         nn.init.ones_(self.weight)
         nn.init.zeros_(self.bias)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm of x, then times SiLU(gate) (Gated DeltaNet's output norm: norm before gate).
+    The norm is computed in fp32 and cast back before the weight, the gate in fp32."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def param_roles(self) -> dict[str, str]:
+        return {"weight": roles.GAIN}
+
+    def forward(self, x: Tensor, gate: Tensor) -> Tensor:
+        wide = torch.promote_types(x.dtype, torch.float32)  # fp32 (fp64 stays fp64)
+        y = F.rms_norm(x.to(wide), (x.shape[-1],), eps=self.eps).to(x.dtype) * self.weight
+        return (y * F.silu(gate.to(wide))).to(x.dtype)
+
+    def init_weights(self) -> None:
+        nn.init.ones_(self.weight)
 
 
 def build_norm(kind: str, dim: int, eps: float) -> nn.Module:

@@ -23,7 +23,8 @@ GAIN = "gain"  # norm weights
 BIAS = "bias"
 CONV = "conv"  # short (depthwise) convolution kernels, e.g. (C, 1, K)
 MIXING = "mixing"  # small mixing weights: residual-stream scales and maps, pseudo-queries, gates
-ROLES = (MATRIX, EXPERT_STACK, EMBEDDING, ROUTER, GAIN, BIAS, CONV, MIXING)
+DECAY = "decay"  # a recurrent mixer's decay parameters (Gated DeltaNet's A_log, dt_bias)
+ROLES = (MATRIX, EXPERT_STACK, EMBEDDING, ROUTER, GAIN, BIAS, CONV, MIXING, DECAY)
 
 _DEFAULTS: dict[type, dict[str, str]] = {
     nn.Linear: {"weight": MATRIX, "bias": BIAS},

@@ -29,5 +29,6 @@ ROLE_SETTINGS: dict[str, RoleSettings] = {
     R.BIAS: RoleSettings(muon=False, weight_decay=False),
     R.CONV: RoleSettings(muon=False, weight_decay=False),
     R.MIXING: RoleSettings(muon=False, weight_decay=False),
+    R.DECAY: RoleSettings(muon=False, weight_decay=False),
 }
 assert set(ROLE_SETTINGS) == set(R.ROLES), "every role needs its optimizer settings"

@@ -1,0 +1,121 @@
+"""The gated delta rule (Gated DeltaNet, Yang et al. 2024, arXiv 2412.06464) in pure torch: a
+chunked parallel form for training and prefill, and a recurrent form for decoding.
+
+Shapes: B batch, H value heads, T tokens, Dk / Dv key / value head dims, C chunk length.
+Inputs are prepared by the layer: q, k (B, H, T, Dk) L2-normalized (q also scaled by Dk^-1/2),
+v (B, H, T, Dv), log-decay g (B, H, T) <= 0, beta (B, H, T); all fp32. Per head, with the state
+S (Dk, Dv):
+    S_t = exp(g_t) S_{t-1};   S_t += k_t (beta_t (v_t - S_t^T k_t))^T;   o_t = S_t^T q_t
+
+Chunked form (per chunk, gamma = in-chunk cumsum of g, Gamma_rs = exp(gamma_r - gamma_s) for
+s <= r in the same document, else 0):
+    T = (I + strict_tril(K_beta K^T * Gamma))^-1      the WY/UT transform (a unit-triangular solve)
+    U = T V_beta,   W = T (K_beta * exp(gamma))
+    V' = U - W S;   O = (Q * exp(gamma)) S + (Q K^T * Gamma) V';   S <- exp(gamma_C) S + (K * exp(gamma_C - gamma))^T V'
+The scan over chunks is sequential; everything inside a chunk is matmuls. Padding T up to a
+multiple of C with k = v = beta = g = 0 changes nothing, so results do not depend on C.
+
+Packed documents (`doc_starts` (B, T) bool): the state is zero before every document's first
+token. In the chunked form, pairs across documents are masked out of Gamma, the incoming state
+reaches only the chunk's positions before its first document start, and the outgoing state
+keeps only the chunk's last document.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def recurrent_gated_delta_rule(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    state: Tensor | None = None,
+    doc_starts: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Token by token: (o (B, H, T, Dv), final state (B, H, Dk, Dv))."""
+    B, H, T, Dk = q.shape
+    S = q.new_zeros(B, H, Dk, v.shape[-1]) if state is None else state
+    outputs = []
+    for t in range(T):
+        decay = g[:, :, t].exp()  # (B, H)
+        if doc_starts is not None:
+            decay = decay * (~doc_starts[:, t]).to(decay.dtype)[:, None]
+        S = S * decay[..., None, None]
+        k_t = k[:, :, t]
+        read = (S * k_t[..., None]).sum(-2)  # S^T k: (B, H, Dv)
+        delta = (v[:, :, t] - read) * beta[:, :, t, None]
+        S = S + k_t[..., None] * delta[..., None, :]
+        outputs.append((S * q[:, :, t, :, None]).sum(-2))
+    return torch.stack(outputs, dim=2), S
+
+
+def _pad_time(x: Tensor, pad: int) -> Tensor:
+    """Zeros appended on the time axis (dim 2)."""
+    if not pad:
+        return x
+    widths = [0, 0] * (x.dim() - 3) + [0, pad]
+    return F.pad(x, widths)
+
+
+def chunk_gated_delta_rule(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    state: Tensor | None = None,
+    doc_starts: Tensor | None = None,
+    chunk: int = 64,
+) -> tuple[Tensor, Tensor]:
+    """Chunk by chunk: the same (o, final state) as `recurrent_gated_delta_rule`."""
+    B, H, T, Dk = q.shape
+    Dv = v.shape[-1]
+    pad = (-T) % chunk
+    q, k, v = (_pad_time(x, pad) for x in (q, k, v))
+    g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
+    N, C = (T + pad) // chunk, chunk
+    q, k, v = (x.reshape(B, H, N, C, -1) for x in (q, k, v))
+    g, beta = g.reshape(B, H, N, C), beta.reshape(B, H, N, C)
+
+    gamma = g.cumsum(-1)  # (B, H, N, C) log-decay from the chunk start
+    gamma_last = gamma[..., -1:]
+    lower = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()  # s <= r
+    allowed = lower
+    carry = last = None
+    if doc_starts is not None:
+        starts = F.pad(doc_starts, (0, pad)).reshape(B, 1, N, C)
+        document = starts.cumsum(-1)  # (B, 1, N, C) documents started so far in the chunk
+        allowed = lower & (document[..., :, None] == document[..., None, :])
+        carry = document == 0  # positions before the chunk's first document start
+        last = document == document[..., -1:]  # the chunk's last document
+    decay = torch.exp((gamma[..., :, None] - gamma[..., None, :]).masked_fill(~allowed, -torch.inf))
+
+    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+    # unit lower-triangular system: the diagonal is implied (unitriangular), the rest is strict
+    system = (k_beta @ k.transpose(-1, -2)) * decay
+    U = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
+    W = torch.linalg.solve_triangular(
+        system, k_beta * gamma.exp()[..., None], upper=False, unitriangular=True
+    )
+    q_in = q * gamma.exp()[..., None]  # reads the incoming state
+    k_out = k * (gamma_last - gamma).exp()[..., None]  # writes the outgoing state
+    keep = gamma_last[..., 0].exp()  # (B, H, N) the incoming state's decay over the chunk
+    if doc_starts is not None:
+        W, q_in = W * carry[..., None], q_in * carry[..., None]
+        k_out = k_out * last[..., None]
+        keep = keep * carry[..., -1]  # a document start inside the chunk ends the old state
+    intra = (q @ k.transpose(-1, -2)) * decay  # (B, H, N, C, C), diagonal included
+
+    S = q.new_zeros(B, H, Dk, Dv) if state is None else state
+    outputs = []
+    for n in range(N):
+        new_v = U[:, :, n] - W[:, :, n] @ S  # (B, H, C, Dv) what the state does not predict
+        outputs.append(q_in[:, :, n] @ S + intra[:, :, n] @ new_v)
+        S = S * keep[:, :, n, None, None] + k_out[:, :, n].transpose(-1, -2) @ new_v
+    o = torch.stack(outputs, dim=2).reshape(B, H, N * C, Dv)[:, :, :T]
+    return o, S

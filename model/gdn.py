@@ -1,0 +1,194 @@
+"""Gated DeltaNet (layer kind "gdn"): a linear-time delta-rule token mixer (Qwen3-Next / Qwen3.5).
+
+Shapes: B batch, T new tokens, C d_model, Hk query/key heads, H value heads (H / Hk consecutive
+value heads share a key head), Dk / Dv head dims, K conv kernel.
+
+    q, k, v = W_q x, W_k x, W_v x           (B, T, Hk Dk), (B, T, Hk Dk), (B, T, H Dv)
+    q, k, v = SiLU(causal depthwise conv_K([q | k | v]))   restarting at every document start
+    q, k    = L2-normalized per head (q also x Dk^-1/2), repeated to the H value heads
+    beta    = sigmoid(W_b x) (x 2 with allow_neg_eigval)                      (B, T, H)
+    g       = -exp(A_log) softplus(W_a x + dt_bias), in fp32 (log-decay <= 0)  (B, T, H)
+    o       = gated delta rule (model/delta_rule.py): chunked for T > 1, recurrent for decoding
+    out     = W_o (RMSNorm(o) * SiLU(W_z x))                   the gated norm per value head
+
+Generation keeps a fixed-size `RecurrentState`: the conv's last K-1 inputs and the (H, Dk, Dv)
+delta-rule state, whatever the context length.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from model import roles
+from model.config import ConfigError, GDNConfig, ModelConfig
+from model.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from model.init import InitStds, init_linear, trunc_normal_
+from model.kv_cache import RecurrentState
+from model.masks import AttentionContext
+from model.mixer import LayerDims, StateSize, TokenMixer
+from model.norms import GatedRMSNorm
+from model.registry import MIXERS
+
+DT_MIN, DT_MAX = 1e-3, 1e-1  # initial time steps softplus(dt_bias), log-uniform (FLA, OLMo)
+A_MIN, A_MAX = 0.01, 16.0  # initial decay rates exp(A_log), uniform (Qwen3-Next)
+
+
+def causal_conv(
+    x: Tensor, weight: Tensor, past: Tensor | None, positions: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """Depthwise causal convolution: x (B, T, D), weight (D, K) -> (y (B, T, D), the last K-1
+    inputs (B, K-1, D)). `past` (B, K-1, D): the inputs before x (zeros when None). With
+    `positions` (B, T) (within-document), a tap never reaches into an earlier document."""
+    B, T, D = x.shape
+    K = weight.shape[1]
+    if past is None:
+        past = x.new_zeros(B, K - 1, D)
+    full = torch.cat([past.to(x.dtype), x], dim=1)  # (B, K-1+T, D)
+    y = x.new_zeros(B, T, D)
+    for i in range(K):  # tap i reads the input K-1-i steps back
+        tap = full[:, i : i + T] * weight[:, i].to(x.dtype)
+        if positions is not None:
+            tap = tap * (positions >= K - 1 - i).to(x.dtype)[..., None]
+        y = y + tap
+    return y, full[:, T:]
+
+
+def state_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The delta rule's compute and state dtype: fp32, or the model's when wider (fp64 tests)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def l2_normalize(x: Tensor, eps: float = 1e-6) -> Tensor:
+    """x / sqrt(sum x^2 + eps) over the last dim (FLA's convention)."""
+    return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + eps)
+
+
+@MIXERS.register("gdn")
+class GatedDeltaNet(TokenMixer):
+    kind = "gdn"
+
+    @classmethod
+    def check(cls, cfg: ModelConfig) -> None:
+        if cfg.position not in ("rope", "none"):
+            raise ConfigError(
+                f"model.position={cfg.position!r}: gdn layers take no position encoding of their "
+                "own; use rope (applied in the attention layers) or none"
+            )
+
+    @classmethod
+    def build(cls, cfg: ModelConfig, layer_id: int = 0) -> GatedDeltaNet:
+        return cls(cfg.gdn, LayerDims.of(cfg))
+
+    def __init__(self, g: GDNConfig, dims: LayerDims) -> None:
+        super().__init__()
+        self.n_k_heads, self.n_heads = g.n_heads, g.n_v_heads or g.n_heads
+        self.k_dim, self.v_dim = g.head_dim, g.v_head_dim or g.head_dim
+        self.chunk, self.neg_eigval = g.chunk_size, g.allow_neg_eigval
+        C, H = dims.d_model, self.n_heads
+        key_width, value_width = self.n_k_heads * self.k_dim, H * self.v_dim
+        self.q_proj = nn.Linear(C, key_width, bias=False)
+        self.k_proj = nn.Linear(C, key_width, bias=False)
+        self.v_proj = nn.Linear(C, value_width, bias=False)
+        self.z_proj = nn.Linear(C, value_width, bias=False)  # the output gate
+        self.b_proj = nn.Linear(C, H, bias=False)  # beta
+        self.a_proj = nn.Linear(C, H, bias=False)  # the time step of the decay
+        self.conv = nn.Conv1d(
+            2 * key_width + value_width,
+            2 * key_width + value_width,
+            g.conv_kernel,
+            groups=2 * key_width + value_width,
+            bias=False,
+        )
+        self.A_log = nn.Parameter(torch.empty(H))
+        self.dt_bias = nn.Parameter(torch.empty(H))
+        self.norm = GatedRMSNorm(self.v_dim, dims.norm_eps)
+        self.o_proj = nn.Linear(value_width, C, bias=False)
+
+    def param_roles(self) -> dict[str, str]:
+        return {"A_log": roles.DECAY, "dt_bias": roles.DECAY}
+
+    def forward(
+        self, x: Tensor, ctx: AttentionContext, state: RecurrentState | None = None
+    ) -> Tensor:
+        B, T, _ = x.shape
+        H, Hk, Dk, Dv = self.n_heads, self.n_k_heads, self.k_dim, self.v_dim
+        mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        positions = ctx.positions if ctx.doc_starts is not None else None
+        past = state.conv if state is not None else None
+        mixed, last_inputs = causal_conv(mixed, self.conv.weight[:, 0], past, positions)
+        q, k, v = F.silu(mixed).split([Hk * Dk, Hk * Dk, H * Dv], dim=-1)
+        group, dt = H // Hk, state_dtype(x.dtype)  # the rule runs in fp32 (fp64 for fp64 models)
+        q = l2_normalize(q.to(dt).view(B, T, Hk, Dk)) * Dk**-0.5
+        k = l2_normalize(k.to(dt).view(B, T, Hk, Dk))
+        q, k = (t.repeat_interleave(group, dim=2).transpose(1, 2) for t in (q, k))  # (B, H, T, Dk)
+        v_heads = v.to(dt).view(B, T, H, Dv).transpose(1, 2)
+        beta = torch.sigmoid(self.b_proj(x).to(dt)) * (2.0 if self.neg_eigval else 1.0)
+        g = -self.A_log.to(dt).exp() * F.softplus(self.a_proj(x).to(dt) + self.dt_bias.to(dt))
+        beta, g = beta.transpose(1, 2), g.transpose(1, 2)  # (B, H, T)
+        initial = state.state if state is not None else None
+        if state is not None and T == 1:
+            o, final = recurrent_gated_delta_rule(q, k, v_heads, g, beta, initial)
+        else:
+            o, final = chunk_gated_delta_rule(
+                q, k, v_heads, g, beta, initial, ctx.doc_starts, self.chunk
+            )
+        if state is not None:
+            state.conv.copy_(last_inputs)
+            state.state.copy_(final)
+        o = o.transpose(1, 2).to(v.dtype)  # (B, T, H, Dv)
+        gate = self.z_proj(x).view(B, T, H, Dv)
+        return self.o_proj(self.norm(o, gate).reshape(B, T, H * Dv))
+
+    @torch.no_grad()
+    def init_weights(self, stds: InitStds) -> None:
+        for linear in (self.q_proj, self.k_proj, self.z_proj, self.b_proj, self.a_proj):
+            init_linear(linear, stds.inner)
+        init_linear(self.v_proj, stds.value)
+        init_linear(self.o_proj, stds.out)
+        fan_in = self.conv.weight.shape[-1]  # depthwise: K inputs per output channel
+        trunc_normal_(self.conv.weight, 1.0 / math.sqrt(fan_in))
+        self.A_log.copy_(torch.empty_like(self.A_log).uniform_(A_MIN, A_MAX).log())
+        dt = torch.empty_like(self.dt_bias).uniform_(math.log(DT_MIN), math.log(DT_MAX)).exp()
+        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
+        self.norm.init_weights()
+
+    # ---- accounting and generation ------------------------------------------------------------
+
+    def mixing_flops_per_token(self, seq_len: int) -> float:
+        """The chunked form's matmuls per token and value head, forward: K_beta K^T and Q K^T
+        (2 C Dk), the two triangular solves (C (Dk + Dv) / 2), the intra-chunk product (C Dv),
+        reading, correcting and writing the state (3 Dk Dv); plus the conv (K per channel)."""
+        C, Dk, Dv = min(self.chunk, seq_len), self.k_dim, self.v_dim
+        per_head = 2 * C * Dk + C * (Dk + Dv) / 2 + C * Dv + 3 * Dk * Dv
+        conv = self.conv.weight.shape[0] * self.conv.weight.shape[-1]
+        return 2.0 * (self.n_heads * per_head + conv)
+
+    def state_size(self) -> StateSize:
+        """Fixed per sequence: the conv's K-1 inputs and the fp32 delta-rule state."""
+        conv_dim, K = self.conv.weight.shape[0], self.conv.weight.shape[-1]
+        return StateSize(
+            per_token=0,
+            fixed=conv_dim * (K - 1),
+            fixed_fp32=self.n_heads * self.k_dim * self.v_dim,
+        )
+
+    def new_state(
+        self, batch: int, capacity: int, dtype: torch.dtype, device: torch.device
+    ) -> RecurrentState:
+        conv_dim, K = self.conv.weight.shape[0], self.conv.weight.shape[-1]
+        return RecurrentState(
+            torch.zeros(batch, K - 1, conv_dim, dtype=dtype, device=device),
+            torch.zeros(
+                batch, self.n_heads, self.k_dim, self.v_dim, dtype=state_dtype(dtype), device=device
+            ),
+        )
+
+    def describe(self) -> str:
+        return (
+            f"GDN: {self.n_k_heads} qk x {self.k_dim}, {self.n_heads} v x {self.v_dim}, "
+            f"conv {self.conv.weight.shape[-1]}"
+        )

@@ -1,0 +1,240 @@
+"""Gated DeltaNet: the chunked and recurrent forms agree (fp64), documents restart the state and
+the conv, gradients match, the layer equals transformers' Qwen3NextGatedDeltaNet with copied
+weights, and a hybrid stack prefills and decodes like a full forward."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+
+import pytest
+import torch
+
+from model import GDNConfig, ModelConfig, build_model
+from model.accounting import kv_cache_size, training_flops_per_token
+from model.config import AttentionConfig, FFNConfig
+from model.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from model.gdn import GatedDeltaNet, l2_normalize
+from model.masks import AttentionContext, document_starts, positions_in_documents
+from model.roles import param_roles
+
+F64 = dict(rtol=1e-10, atol=1e-12)
+F32_ROPE = dict(rtol=1e-6, atol=1e-7)
+
+
+def inputs(B=2, H=3, T=37, Dk=8, Dv=6, seed=0, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(seed)
+    q = l2_normalize(torch.randn(B, H, T, Dk, generator=gen, dtype=dtype)) * Dk**-0.5
+    k = l2_normalize(torch.randn(B, H, T, Dk, generator=gen, dtype=dtype))
+    v = torch.randn(B, H, T, Dv, generator=gen, dtype=dtype)
+    g = -torch.rand(B, H, T, generator=gen, dtype=dtype) * 0.7
+    beta = torch.rand(B, H, T, generator=gen, dtype=dtype)
+    return q, k, v, g, beta
+
+
+DOCS = torch.tensor(
+    [[0] * 5 + [1] * 11 + [2] * 21, [0] * 9 + [1] * 15 + [2] * 13]
+)  # (2, 37): starts at 0, 5, 16 and 0, 9, 24
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 8, 64])
+@pytest.mark.parametrize("docs", [False, True])
+def test_chunked_equals_recurrent_whatever_the_chunk(chunk, docs):
+    q, k, v, g, beta = inputs()
+    starts = document_starts(DOCS) if docs else None
+    o_rec, s_rec = recurrent_gated_delta_rule(q, k, v, g, beta, doc_starts=starts)
+    o, s = chunk_gated_delta_rule(q, k, v, g, beta, doc_starts=starts, chunk=chunk)
+    torch.testing.assert_close(o, o_rec, **F64)
+    torch.testing.assert_close(s, s_rec, **F64)
+
+
+def test_documents_equal_separate_runs():
+    q, k, v, g, beta = inputs()
+    o, _ = chunk_gated_delta_rule(q, k, v, g, beta, doc_starts=document_starts(DOCS), chunk=8)
+    for row, bounds in enumerate([(0, 5, 16, 37), (0, 9, 24, 37)]):
+        for a, b in itertools.pairwise(bounds):
+            part = [x[row : row + 1, :, a:b] for x in (q, k, v, g, beta)]
+            alone, _ = recurrent_gated_delta_rule(*part)
+            torch.testing.assert_close(o[row : row + 1, :, a:b], alone, **F64)
+
+
+def test_the_state_carries_across_a_split_sequence():
+    q, k, v, g, beta = inputs()
+    whole, s_whole = chunk_gated_delta_rule(q, k, v, g, beta, chunk=8)
+    first, s = chunk_gated_delta_rule(*(x[:, :, :20] for x in (q, k, v, g, beta)), chunk=8)
+    second, s = chunk_gated_delta_rule(
+        *(x[:, :, 20:] for x in (q, k, v, g, beta)), state=s, chunk=8
+    )
+    torch.testing.assert_close(torch.cat([first, second], dim=2), whole, **F64)
+    torch.testing.assert_close(s, s_whole, **F64)
+
+
+def test_gradients_of_the_chunked_form_match_autograd_through_the_recurrence():
+    leaves = [x.requires_grad_() for x in inputs(B=1, H=2, T=11, Dk=4, Dv=3)]
+    starts = document_starts(torch.tensor([[0] * 6 + [1] * 5]))
+    grads = {}
+    for name, fn in (("chunk", chunk_gated_delta_rule), ("recurrent", recurrent_gated_delta_rule)):
+        kwargs = {"chunk": 4} if name == "chunk" else {}
+        o, s = fn(*leaves, doc_starts=starts, **kwargs)
+        grads[name] = torch.autograd.grad((o.square().sum() + s.sum()), leaves)
+    for a, b in zip(grads["chunk"], grads["recurrent"]):
+        torch.testing.assert_close(a, b, **F64)
+    assert torch.autograd.gradcheck(
+        lambda *xs: chunk_gated_delta_rule(*xs, doc_starts=starts, chunk=4)[0],
+        tuple(x.detach().requires_grad_() for x in leaves),
+    )
+
+
+def small_cfg(**kw) -> ModelConfig:
+    base = dict(
+        vocab_size=64,
+        d_model=32,
+        n_layers=4,
+        max_seq_len=64,
+        attention=AttentionConfig(n_heads=4, n_kv_heads=2, output_gate=True),
+        gdn=GDNConfig(n_heads=2, n_v_heads=4, head_dim=8, v_head_dim=6, chunk_size=8),
+        layer_pattern=["gdn", "gdn", "gdn", "gqa"],
+        ffn=FFNConfig(hidden=48),
+    )
+    return ModelConfig(**(base | kw))
+
+
+def test_a_packed_row_equals_its_documents_through_the_whole_layer():
+    torch.manual_seed(0)
+    layer = GatedDeltaNet.build(small_cfg()).double()
+    layer.init_weights(__import__("model.init", fromlist=["InitStds"]).InitStds(0.2, 0.2, 0.2))
+    x = torch.randn(2, 37, 32, dtype=torch.float64)
+    ctx = AttentionContext(
+        positions=positions_in_documents(DOCS),
+        rope=None,
+        mask=None,
+        is_causal=True,
+        start=0,
+        doc_starts=document_starts(DOCS),
+    )
+    with torch.no_grad():
+        packed = layer(x, ctx)
+        for row, bounds in enumerate([(0, 5, 16, 37), (0, 9, 24, 37)]):
+            for a, b in itertools.pairwise(bounds):
+                alone_ctx = AttentionContext(
+                    positions=torch.arange(b - a)[None],
+                    rope=None,
+                    mask=None,
+                    is_causal=True,
+                    start=0,
+                )
+                alone = layer(x[row : row + 1, a:b], alone_ctx)
+                torch.testing.assert_close(packed[row : row + 1, a:b], alone, **F64)
+
+
+def test_a_hybrid_stack_prefills_and_decodes_like_a_full_forward():
+    model = build_model(small_cfg(), seed=0).double().eval()
+    tokens = torch.randint(0, 64, (2, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = model(tokens)
+        cache = model.new_cache(2, 20, dtype=torch.float64)
+        # RoPE rotates in fp32 by design (complex64 rotations): fp32-level agreement
+        torch.testing.assert_close(model(tokens[:, :13], cache=cache), full[:, :13], **F32_ROPE)
+        for t in range(13, 20):
+            step = model(tokens[:, t : t + 1], cache=cache)
+            torch.testing.assert_close(step[:, 0], full[:, t], **F32_ROPE)
+
+
+def test_a_hybrid_stack_trains_and_routes_its_parameters():
+    from optim.builder import build_optimizer
+    from optim.config import OptimConfig
+
+    model = build_model(small_cfg(), seed=0)
+    roles = param_roles(model)
+    assert roles["layers.0.attn.conv.weight"] == "conv"
+    assert roles["layers.0.attn.A_log"] == roles["layers.0.attn.dt_bias"] == "decay"
+    optimizer = build_optimizer(OptimConfig(name="muon", lr=0.02), model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups = {g["name"]: {names[id(p)] for p in g["params"]} for g in optimizer.param_groups}
+    no_decay = next(g for g in optimizer.param_groups if g["name"] == "adamw_vectors")
+    assert {"layers.0.attn.conv.weight", "layers.0.attn.A_log", "layers.0.attn.dt_bias"} <= groups[
+        "adamw_vectors"
+    ] and no_decay["weight_decay"] == 0.0
+    assert "layers.0.attn.q_proj.weight" in groups["muon"]
+    tokens = torch.randint(0, 64, (4, 33), generator=torch.Generator().manual_seed(2))
+    losses = []
+    for _ in range(25):
+        loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < 0.6 * losses[0]
+
+
+def test_accounting_counts_a_fixed_state_and_the_chunked_flops():
+    cfg = small_cfg()
+    model = build_model(cfg, device="meta")
+    kv = kv_cache_size(model, "bf16")
+    gqa = 2 * 2 * 8  # the one attention layer: 2 x K x D per token
+    assert kv.bytes_per_token == gqa * 2
+    conv_dim = 2 * 2 * 8 + 4 * 6
+    assert kv.fixed_bytes == 3 * (conv_dim * 3 * 2 + 4 * 8 * 6 * 4)  # conv (bf16) + state (fp32)
+    layer = model.layers["0"].attn
+    C, Dk, Dv = 8, 8, 6
+    per_head = 2 * C * Dk + C * (Dk + Dv) / 2 + C * Dv + 3 * Dk * Dv
+    assert layer.mixing_flops_per_token(32) == 2 * (4 * per_head + conv_dim * 4)
+    flops = training_flops_per_token(model, 32)
+    assert flops.attention > 3 * 3 * layer.mixing_flops_per_token(32)  # the GDN layers are in it
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("fla") is not None,
+    reason="transformers dispatches to fla's Triton kernels when fla is importable (no CPU backend)",
+)
+def test_the_layer_equals_transformers_qwen3_next_gated_deltanet():
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
+
+    nk, nv, dk, dv, C = 2, 4, 8, 6, 32
+    hf_cfg = transformers.Qwen3NextConfig(
+        hidden_size=C,
+        linear_num_key_heads=nk,
+        linear_num_value_heads=nv,
+        linear_key_head_dim=dk,
+        linear_value_head_dim=dv,
+        linear_conv_kernel_dim=4,
+        rms_norm_eps=1e-6,
+        num_hidden_layers=1,
+        layer_types=["linear_attention"],
+    )
+    torch.manual_seed(0)
+    theirs = Qwen3NextGatedDeltaNet(hf_cfg, layer_idx=0).eval()
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+    ours = GatedDeltaNet.build(
+        small_cfg(
+            norm_eps=1e-6, gdn=GDNConfig(n_heads=nk, n_v_heads=nv, head_dim=dk, v_head_dim=dv)
+        )
+    )
+    group = nv // nk
+    qkvz = theirs.in_proj_qkvz.weight.view(nk, 2 * dk + 2 * group * dv, C)
+    q, k, v, z = qkvz.split([dk, dk, group * dv, group * dv], dim=1)
+    b, a = theirs.in_proj_ba.weight.view(nk, 2 * group, C).split([group, group], dim=1)
+    with torch.no_grad():
+        for mine, w in (
+            ("q_proj", q),
+            ("k_proj", k),
+            ("v_proj", v),
+            ("z_proj", z),
+            ("b_proj", b),
+            ("a_proj", a),
+        ):
+            getattr(ours, mine).weight.copy_(w.reshape(-1, C))
+        ours.conv.weight.copy_(theirs.conv1d.weight)
+        ours.A_log.copy_(theirs.A_log)
+        ours.dt_bias.copy_(theirs.dt_bias)
+        ours.norm.weight.copy_(theirs.norm.weight)
+        ours.o_proj.weight.copy_(theirs.out_proj.weight)
+    x = torch.randn(2, 21, C, generator=torch.Generator().manual_seed(3))
+    ctx = AttentionContext(
+        positions=torch.arange(21)[None], rope=None, mask=None, is_causal=True, start=0
+    )
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x, ctx), theirs(x), rtol=1e-5, atol=1e-5)
