@@ -1,0 +1,50 @@
+"""A Gated DeltaNet hybrid under FSDP2 (and with activation checkpointing) trains like one process;
+MuonClip's QK-clip touches only its softmax-attention layers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model.presets import load_preset
+from model.transformer import build_model
+from optim.qk_clip import clip_layers, enable_qk_clip
+from tests.parallel.ranks import run_ranks
+from tests.parallel.workers import SMALL, train
+
+STEPS = 4
+HYBRID = SMALL | {"gdn.n_heads": 2, "gdn.n_v_heads": 4, "gdn.head_dim": 16, "gdn.chunk_size": 8}
+
+
+def hybrid():
+    return load_preset("tiny_hybrid", HYBRID | {"n_layers": 4, "ffn.hidden": 96})
+
+
+@pytest.fixture(scope="module")
+def single() -> dict:
+    return train(0, hybrid(), {}, STEPS, optimizer_name="muonclip", qk_clip_tau=5.0)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("checkpointing", ["none", "full"])
+def test_the_hybrid_under_fsdp2_matches_one_process(single: dict, checkpointing: str) -> None:
+    layout = {"activation_checkpoint": checkpointing}
+    got = run_ranks(2, train, hybrid(), layout, STEPS, 1, "fp32", 1.0, "", "", "muonclip", 5.0)[0]
+    for name, tensor in single["initial"].items():
+        assert torch.equal(got["initial"][name], tensor), name
+    # the tolerances of tests/parallel/test_muon_fsdp.py: Muon's bf16 Newton-Schulz turns
+    # reduction-order differences of the gradients into ~1e-4 differences of the update
+    torch.testing.assert_close(got["losses"], single["losses"], rtol=1e-5, atol=1e-5)
+    for name, tensor in single["final"].items():
+        torch.testing.assert_close(got["final"][name], tensor, rtol=0, atol=5e-4, msg=name)
+    assert got["placements"]["layers.0.attn.conv.weight"] == "(Shard(dim=0),)"
+    for name in ("layers.0.attn.conv.weight", "layers.0.attn.A_log", "layers.1.attn.q_proj.weight"):
+        assert not torch.equal(single["final"][name], single["initial"][name]), name  # trained
+    # QK-clip statistics come from the one softmax-attention layer (layer 3) only
+    assert {k for k in single["stats"][-1] if k.startswith("qk/layer")} == {"qk/layer3/max_logit"}
+
+
+def test_qk_clip_skips_the_linear_layers():
+    model = build_model(hybrid(), seed=0)
+    enable_qk_clip(model)
+    assert [name for name, _ in clip_layers(model)] == ["layers.3.attn"]
