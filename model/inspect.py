@@ -14,6 +14,7 @@ device, so the largest presets cost no memory.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from dataclasses import dataclass, field
@@ -108,6 +109,7 @@ def describe(cfg: ModelConfig, seq_len: int, args: InspectArgs) -> dict[str, Any
         "six_n": 6 * params.active,
         "kv_bytes_per_token": kv.bytes_per_token,
         "kv_bytes_per_sequence": kv.per_sequence(seq_len),
+        **_long_context_state(cfg, kv, args.dtype),
         "kv_mha_bytes_per_token": kv.mha_bytes_per_token,
         "kv_reduction_vs_mha": kv.reduction,
         "train_state_bytes": memory.total,
@@ -141,6 +143,22 @@ def _moe_description(cfg: ModelConfig) -> str:
     if moe.n_shared_experts:
         text += f", +{moe.n_shared_experts} shared"
     return text
+
+
+LONG_CONTEXTS = (32768, 131072)
+
+
+def _long_context_state(cfg: ModelConfig, kv: Any, dtype: str) -> dict[str, int]:
+    """Generation state of one sequence at 32k and 128k tokens, and of the all-attention twin
+    (every layer attention.kind, the rest unchanged): what a hybrid's linear layers save."""
+    twin_cfg = dataclasses.replace(cfg, layer_types=[], layer_pattern=[])
+    twin = kv_cache_size(build_model(twin_cfg, device="meta"), dtype)
+    out = {}
+    for tokens in LONG_CONTEXTS:
+        name = f"{tokens // 1024}k"
+        out[f"state_bytes_{name}"] = kv.per_sequence(tokens)
+        out[f"attention_twin_state_bytes_{name}"] = twin.per_sequence(tokens)
+    return out
 
 
 def _runs(items: list[Any]) -> list[tuple[int, int, Any]]:
@@ -201,6 +219,10 @@ ROWS: list[tuple[str, str, Any]] = [
     ("KV cache", "kv_bytes_per_sequence", _bytes),
     ("KV cache", "kv_mha_bytes_per_token", _bytes),
     ("KV cache", "kv_reduction_vs_mha", lambda r: f"{r:.1f}x"),
+    ("KV cache", "state_bytes_32k", _bytes),
+    ("KV cache", "attention_twin_state_bytes_32k", _bytes),
+    ("KV cache", "state_bytes_128k", _bytes),
+    ("KV cache", "attention_twin_state_bytes_128k", _bytes),
     ("AdamW training state", "train_state_bytes", _bytes),
     ("AdamW training state", "train_state_bytes_per_device", _bytes),
 ]
@@ -220,6 +242,10 @@ LABELS = {
     "kv_bytes_per_sequence": "per sequence of seq_len",
     "kv_mha_bytes_per_token": "MHA equivalent per token",
     "kv_reduction_vs_mha": "reduction vs MHA",
+    "state_bytes_32k": "per sequence at 32k tokens",
+    "attention_twin_state_bytes_32k": "  all-attention twin at 32k",
+    "state_bytes_128k": "per sequence at 128k tokens",
+    "attention_twin_state_bytes_128k": "  all-attention twin at 128k",
     "train_state_bytes": "weights + grads + master + Adam",
     "train_state_bytes_per_device": "per device (over dp_shard)",
 }

@@ -238,3 +238,15 @@ def test_the_layer_equals_transformers_qwen3_next_gated_deltanet():
     )
     with torch.no_grad():
         torch.testing.assert_close(ours(x, ctx), theirs(x), rtol=1e-5, atol=1e-5)
+
+
+def test_inspect_compares_the_hybrid_with_its_all_attention_twin(capsys):
+    from model.inspect import main
+
+    assert main(["model=tiny_hybrid", "format=json"]) == 0
+    row = __import__("json").loads(capsys.readouterr().out)["tiny_hybrid"]
+    kv_per_token = 2 * (2 * 2 * 64) * 2  # 2 GQA layers: K x D keys and values, bf16
+    gdn_fixed = 6 * ((2 * 128 + 256) * 3 * 2 + 4 * 64 * 64 * 4)  # conv inputs (bf16), state (fp32)
+    for tokens, name in ((32768, "32k"), (131072, "128k")):
+        assert row[f"state_bytes_{name}"] == kv_per_token * tokens + gdn_fixed
+        assert row[f"attention_twin_state_bytes_{name}"] == 8 * (2 * 2 * 64) * 2 * tokens
