@@ -39,7 +39,9 @@ def context(model: torch.nn.Module, T: int, start: int = 0) -> AttentionContext:
     positions = torch.arange(start, start + T)[None]
     mask, causal = build_mask(T, start)
     rope = {d: model.pos.rotary(positions, start + T, d) for d in model.rotary_dims}
-    return AttentionContext(positions=positions, rope=rope, mask=mask, is_causal=causal, start=start)
+    return AttentionContext(
+        positions=positions, rope=rope, mask=mask, is_causal=causal, start=start
+    )
 
 
 def median_seconds(fn, repeats: int) -> float:
@@ -93,7 +95,9 @@ def main() -> None:
     model = parts["model"]
     lengths = [n for n in (256, 512, 1024, 2048, 4096, 8192, 16384) if n <= args.max_len]
     rows = []
-    print("| tokens | GDN train s | attention train s | GDN decode ms/token | attention decode ms/token |")
+    print(
+        "| tokens | GDN train s | attention train s | GDN decode ms/token | attention decode ms/token |"
+    )
     print("|---:|---:|---:|---:|---:|")
     for T in lengths:
         row = {"tokens": T}

@@ -4,13 +4,14 @@ Importing the package registers every implementation (norms, residual streams, p
 mixers, FFNs) and loads the MoE layer (model.moe), so the config can validate registry keys.
 """
 
-from model import attention, ffn, gdn, mla, moe, norms, positions, residual, rope  # noqa: F401  (fill the registries)
+from model import attention, ffn, gdn, kda, mla, moe, norms, positions, residual, rope  # noqa: F401  (fill the registries)
 from model.config import (
     AttentionConfig,
     ConfigError,
     FFNConfig,
     GDNConfig,
     InitConfig,
+    KDAConfig,
     MLAConfig,
     ModelConfig,
     MoEConfig,
@@ -26,6 +27,7 @@ __all__ = [
     "FFNConfig",
     "GDNConfig",
     "InitConfig",
+    "KDAConfig",
     "MLAConfig",
     "MoEConfig",
     "ModelConfig",

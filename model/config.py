@@ -199,6 +199,21 @@ class GDNConfig:
 
 
 @dataclass(kw_only=True)
+class KDAConfig:
+    """Kimi Delta Attention layers (layer kind `kda`, model/kda.py): a delta rule with a decay per
+    key channel from a low-rank forget gate, and a low-rank sigmoid output gate."""
+
+    n_heads: int = 4  # heads (queries, keys and values alike)
+    head_dim: int = 64  # dims per head; also the rank of the forget and output gates
+    conv_kernel: int = 4  # short causal depthwise convolution over q, k, v
+    chunk_size: int = 64  # tokens per chunk of the parallel form (results do not depend on it)
+
+    def __post_init__(self) -> None:
+        for name in ("n_heads", "head_dim", "conv_kernel", "chunk_size"):
+            _require(getattr(self, name) > 0, f"model.kda.{name}={getattr(self, name)} must be > 0")
+
+
+@dataclass(kw_only=True)
 class FFNConfig:
     """The position-wise feed-forward network."""
 
@@ -329,6 +344,7 @@ class ModelConfig:
     loss_chunk_tokens: int = 4096
     moe: MoEConfig = field(default_factory=MoEConfig)  # n_routed_experts = 0: dense FFNs only
     gdn: GDNConfig = field(default_factory=GDNConfig)  # layers of kind gdn
+    kda: KDAConfig = field(default_factory=KDAConfig)  # layers of kind kda
     # the token mixer (model.mixer MIXERS key) of each layer, one per layer; [] = layer_pattern
     layer_types: list[str] = field(default_factory=list)
     # a short list of mixer kinds repeated over the layers (e.g. [gdn, gdn, gdn, gqa]); [] = every

@@ -1,5 +1,7 @@
 """The gated delta rule (Gated DeltaNet, Yang et al. 2024, arXiv 2412.06464) in pure torch: a
-chunked parallel form for training and prefill, and a recurrent form for decoding.
+chunked parallel form for training and prefill, and a recurrent form for decoding. The decay is
+one per head (Gated DeltaNet) or one per key channel (Kimi Delta Attention, arXiv 2510.26692:
+S_t = Diag(exp(g_t)) S_{t-1} before the same delta update).
 
 Shapes: B batch, H value heads, T tokens, Dk / Dv key / value head dims, C chunk length.
 Inputs are prepared by the layer: q, k (B, H, T, Dk) L2-normalized (q also scaled by Dk^-1/2),
@@ -37,15 +39,18 @@ def recurrent_gated_delta_rule(
     state: Tensor | None = None,
     doc_starts: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Token by token: (o (B, H, T, Dv), final state (B, H, Dk, Dv))."""
+    """Token by token: (o (B, H, T, Dv), final state (B, H, Dk, Dv)). g (B, H, T) decays each
+    head's state, g (B, H, T, Dk) each key channel (row of S)."""
     B, H, T, Dk = q.shape
     S = q.new_zeros(B, H, Dk, v.shape[-1]) if state is None else state
     outputs = []
     for t in range(T):
-        decay = g[:, :, t].exp()  # (B, H)
+        decay = g[:, :, t].exp()  # (B, H) or (B, H, Dk)
+        if decay.dim() == 2:
+            decay = decay[..., None]
         if doc_starts is not None:
-            decay = decay * (~doc_starts[:, t]).to(decay.dtype)[:, None]
-        S = S * decay[..., None, None]
+            decay = decay * (~doc_starts[:, t]).to(decay.dtype)[:, None, None]
+        S = S * decay[..., None]
         k_t = k[:, :, t]
         read = (S * k_t[..., None]).sum(-2)  # S^T k: (B, H, Dv)
         delta = (v[:, :, t] - read) * beta[:, :, t, None]
@@ -62,6 +67,19 @@ def _pad_time(x: Tensor, pad: int) -> Tensor:
     return F.pad(x, widths)
 
 
+def _pair_products(a: Tensor, b: Tensor, gamma: Tensor, allowed: Tensor) -> tuple[Tensor, Tensor]:
+    """(a_r . b_s Gamma_rs for every pair (r, s) of a chunk, exp(gamma)). gamma (..., C) is one
+    log-decay per head (Gated DeltaNet) or (..., C, Dk) one per key channel (KDA), where
+    Gamma_rs = exp(gamma_r - gamma_s) weights each channel of the dot product."""
+    if gamma.dim() == a.dim() - 1:  # per head: a scalar weight per pair
+        diff = gamma[..., :, None] - gamma[..., None, :]
+        decay = torch.exp(diff.masked_fill(~allowed, -torch.inf))
+        return (a @ b.transpose(-1, -2)) * decay, gamma.exp()[..., None]
+    diff = gamma[..., :, None, :] - gamma[..., None, :, :]  # (..., C, C, Dk)
+    decay = torch.exp(diff.masked_fill(~allowed[..., None], -torch.inf))
+    return torch.einsum("...rd,...sd,...rsd->...rs", a, b, decay), gamma.exp()
+
+
 def chunk_gated_delta_rule(
     q: Tensor,
     k: Tensor,
@@ -72,18 +90,22 @@ def chunk_gated_delta_rule(
     doc_starts: Tensor | None = None,
     chunk: int = 64,
 ) -> tuple[Tensor, Tensor]:
-    """Chunk by chunk: the same (o, final state) as `recurrent_gated_delta_rule`."""
+    """Chunk by chunk: the same (o, final state) as `recurrent_gated_delta_rule`. g (B, H, T)
+    decays each head's state (Gated DeltaNet), g (B, H, T, Dk) each key channel (KDA)."""
     B, H, T, Dk = q.shape
     Dv = v.shape[-1]
+    per_channel = g.dim() == 4
     pad = (-T) % chunk
     q, k, v = (_pad_time(x, pad) for x in (q, k, v))
-    g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
+    g = _pad_time(g, pad) if per_channel else F.pad(g, (0, pad))
+    beta = F.pad(beta, (0, pad))
     N, C = (T + pad) // chunk, chunk
     q, k, v = (x.reshape(B, H, N, C, -1) for x in (q, k, v))
-    g, beta = g.reshape(B, H, N, C), beta.reshape(B, H, N, C)
+    g = g.reshape(B, H, N, C, Dk) if per_channel else g.reshape(B, H, N, C)
+    beta = beta.reshape(B, H, N, C)
 
-    gamma = g.cumsum(-1)  # (B, H, N, C) log-decay from the chunk start
-    gamma_last = gamma[..., -1:]
+    gamma = g.cumsum(3)  # log-decay from the chunk start: (B, H, N, C) or (B, H, N, C, Dk)
+    gamma_last = gamma[:, :, :, -1:]
     lower = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()  # s <= r
     allowed = lower
     carry = last = None
@@ -93,29 +115,30 @@ def chunk_gated_delta_rule(
         allowed = lower & (document[..., :, None] == document[..., None, :])
         carry = document == 0  # positions before the chunk's first document start
         last = document == document[..., -1:]  # the chunk's last document
-    decay = torch.exp((gamma[..., :, None] - gamma[..., None, :]).masked_fill(~allowed, -torch.inf))
 
     k_beta, v_beta = k * beta[..., None], v * beta[..., None]
     # unit lower-triangular system: the diagonal is implied (unitriangular), the rest is strict
-    system = (k_beta @ k.transpose(-1, -2)) * decay
+    system, exp_gamma = _pair_products(k_beta, k, gamma, allowed)
+    intra, _ = _pair_products(q, k, gamma, allowed)  # (B, H, N, C, C), diagonal included
     U = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
-    W = torch.linalg.solve_triangular(
-        system, k_beta * gamma.exp()[..., None], upper=False, unitriangular=True
-    )
-    q_in = q * gamma.exp()[..., None]  # reads the incoming state
-    k_out = k * (gamma_last - gamma).exp()[..., None]  # writes the outgoing state
-    keep = gamma_last[..., 0].exp()  # (B, H, N) the incoming state's decay over the chunk
+    W = torch.linalg.solve_triangular(system, k_beta * exp_gamma, upper=False, unitriangular=True)
+    q_in = q * exp_gamma  # reads the incoming state
+    out_decay = (gamma_last - gamma).exp()
+    k_out = k * (out_decay if per_channel else out_decay[..., None])  # writes the outgoing state
+    # the incoming state's decay over the chunk: per head (B, H, N, 1, 1) or channel (.., Dk, 1)
+    keep = gamma_last.exp().reshape(B, H, N, -1, 1)
     if doc_starts is not None:
         W, q_in = W * carry[..., None], q_in * carry[..., None]
         k_out = k_out * last[..., None]
-        keep = keep * carry[..., -1]  # a document start inside the chunk ends the old state
-    intra = (q @ k.transpose(-1, -2)) * decay  # (B, H, N, C, C), diagonal included
+        keep = (
+            keep * carry[..., -1, None, None]
+        )  # a document start inside the chunk ends the old state
 
     S = q.new_zeros(B, H, Dk, Dv) if state is None else state
     outputs = []
     for n in range(N):
         new_v = U[:, :, n] - W[:, :, n] @ S  # (B, H, C, Dv) what the state does not predict
         outputs.append(q_in[:, :, n] @ S + intra[:, :, n] @ new_v)
-        S = S * keep[:, :, n, None, None] + k_out[:, :, n].transpose(-1, -2) @ new_v
+        S = S * keep[:, :, n] + k_out[:, :, n].transpose(-1, -2) @ new_v
     o = torch.stack(outputs, dim=2).reshape(B, H, N * C, Dv)[:, :, :T]
     return o, S

@@ -59,12 +59,15 @@ class LayerNorm(nn.Module):
 
 
 class GatedRMSNorm(nn.Module):
-    """RMSNorm of x, then times SiLU(gate) (Gated DeltaNet's output norm: norm before gate).
-    The norm is computed in fp32 and cast back before the weight, the gate in fp32."""
+    """RMSNorm of x, then times act(gate): norm before gate. Gated DeltaNet (act SiLU) casts the
+    normalized x back before the weight; KDA (act sigmoid, `strict_fp32`) keeps it all in fp32."""
 
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+    def __init__(
+        self, dim: int, eps: float = 1e-6, activation: str = "silu", strict_fp32: bool = False
+    ) -> None:
         super().__init__()
-        self.eps = eps
+        self.eps, self.strict_fp32 = eps, strict_fp32
+        self.activation = {"silu": F.silu, "sigmoid": torch.sigmoid}[activation]
         self.weight = nn.Parameter(torch.empty(dim))
 
     def param_roles(self) -> dict[str, str]:
@@ -72,8 +75,9 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: Tensor, gate: Tensor) -> Tensor:
         wide = torch.promote_types(x.dtype, torch.float32)  # fp32 (fp64 stays fp64)
-        y = F.rms_norm(x.to(wide), (x.shape[-1],), eps=self.eps).to(x.dtype) * self.weight
-        return (y * F.silu(gate.to(wide))).to(x.dtype)
+        y = F.rms_norm(x.to(wide), (x.shape[-1],), eps=self.eps)
+        y = y * self.weight.to(wide) if self.strict_fp32 else y.to(x.dtype) * self.weight
+        return (y * self.activation(gate.to(wide))).to(x.dtype)
 
     def init_weights(self) -> None:
         nn.init.ones_(self.weight)

@@ -250,3 +250,103 @@ def test_inspect_compares_the_hybrid_with_its_all_attention_twin(capsys):
     for tokens, name in ((32768, "32k"), (131072, "128k")):
         assert row[f"state_bytes_{name}"] == kv_per_token * tokens + gdn_fixed
         assert row[f"attention_twin_state_bytes_{name}"] == 8 * (2 * 2 * 64) * 2 * tokens
+
+
+# ---- Kimi Delta Attention: the same rule with a decay per key channel --------------------------
+
+
+@pytest.mark.parametrize("chunk", [1, 8, 64])
+@pytest.mark.parametrize("docs", [False, True])
+def test_per_channel_decay_chunked_equals_recurrent(chunk, docs):
+    q, k, v, _, beta = inputs()
+    g = -torch.rand(*q.shape, generator=torch.Generator().manual_seed(4), dtype=q.dtype) * 0.7
+    starts = document_starts(DOCS) if docs else None
+    o_rec, s_rec = recurrent_gated_delta_rule(q, k, v, g, beta, doc_starts=starts)
+    o, s = chunk_gated_delta_rule(q, k, v, g, beta, doc_starts=starts, chunk=chunk)
+    torch.testing.assert_close(o, o_rec, **F64)
+    torch.testing.assert_close(s, s_rec, **F64)
+
+
+def kda_cfg(**kw) -> ModelConfig:
+    from model import KDAConfig
+
+    return small_cfg(
+        layer_pattern=["kda", "kda", "kda", "gqa"],
+        kda=KDAConfig(n_heads=2, head_dim=8, chunk_size=8),
+        **kw,
+    )
+
+
+def test_a_kda_stack_prefills_decodes_and_keeps_documents_apart():
+    model = build_model(kda_cfg(), seed=0).double().eval()
+    assert [b.attn.kind for b in model.layers.values()] == ["kda", "kda", "kda", "gqa"]
+    tokens = torch.randint(0, 64, (2, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = model(tokens)
+        cache = model.new_cache(2, 20, dtype=torch.float64)
+        torch.testing.assert_close(model(tokens[:, :11], cache=cache), full[:, :11], **F32_ROPE)
+        for t in range(11, 20):
+            torch.testing.assert_close(
+                model(tokens[:, t : t + 1], cache=cache)[:, 0], full[:, t], **F32_ROPE
+            )
+        docs = torch.tensor([[0] * 7 + [1] * 13] * 2)
+        packed = model(tokens, doc_ids=docs)
+        torch.testing.assert_close(packed[:, 7:], model(tokens[:, 7:]), **F32_ROPE)
+    roles = param_roles(model)
+    assert roles["layers.0.attn.dt_bias"] == roles["layers.0.attn.A_log"] == "decay"
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("fla") is not None,
+    reason="transformers dispatches to fla's Triton kernels when fla is importable (no CPU backend)",
+)
+def test_the_kda_layer_equals_transformers_kimi_linear_delta_attention():
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearDeltaAttention
+
+    from model import KDAConfig
+    from model.kda import KimiDeltaAttention
+
+    H, D, C = 2, 8, 32
+    hf_cfg = transformers.KimiLinearConfig(
+        hidden_size=C,
+        linear_attn_config={
+            "num_heads": H,
+            "head_dim": D,
+            "short_conv_kernel_size": 4,
+            "kda_layers": [1],
+            "full_attn_layers": [],
+        },
+        rms_norm_eps=1e-6,
+        num_hidden_layers=1,
+    )
+    torch.manual_seed(0)
+    theirs = KimiLinearDeltaAttention(hf_cfg, layer_idx=0).eval()
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+    ours = KimiDeltaAttention.build(small_cfg(norm_eps=1e-6, kda=KDAConfig(n_heads=H, head_dim=D)))
+    gate = theirs.forget_gate
+    with torch.no_grad():
+        for mine, w in (
+            ("q_proj", theirs.q_proj),
+            ("k_proj", theirs.k_proj),
+            ("v_proj", theirs.v_proj),
+            ("b_proj", theirs.b_proj),
+            ("g_a_proj", theirs.g_a_proj),
+            ("g_b_proj", theirs.g_b_proj),
+            ("f_a_proj", gate.f_a_proj),
+            ("f_b_proj", gate.f_b_proj),
+            ("o_proj", theirs.o_proj),
+        ):
+            getattr(ours, mine).weight.copy_(w.weight)
+        ours.conv.weight.copy_(theirs.conv1d.weight)
+        ours.A_log.copy_(gate.A_log.flatten())
+        ours.dt_bias.copy_(gate.dt_bias)
+        ours.norm.weight.copy_(theirs.o_norm.weight)
+    x = torch.randn(2, 21, C, generator=torch.Generator().manual_seed(3))
+    ctx = AttentionContext(
+        positions=torch.arange(21)[None], rope=None, mask=None, is_causal=True, start=0
+    )
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x, ctx), theirs(x), rtol=1e-5, atol=1e-5)

@@ -1,0 +1,148 @@
+"""Kimi Delta Attention (layer kind "kda", Kimi Linear, arXiv 2510.26692): the delta rule with
+a decay per key channel.
+
+Shapes: B batch, T new tokens, C d_model, H heads, D head dims (queries, keys and values), K conv.
+
+    q, k, v = SiLU(causal depthwise conv_K([W_q x | W_k x | W_v x]))   restarting at documents
+    q, k    = L2-normalized per head (q also x D^-1/2)
+    g       = -exp(A_log[h]) softplus(W_fb W_fa x + dt_bias), in fp32      (B, T, H, D) per channel
+    beta    = sigmoid(W_b x)                                                (B, T, H)
+    o       = the delta rule with per-channel decay (model/delta_rule.py)
+    out     = W_o (RMSNorm(o) * sigmoid(W_gb W_ga x))      fp32 gated norm per head, low-rank gate
+
+The forget and output gates are low rank (C -> D -> H D). Generation keeps a fixed-size state, as
+Gated DeltaNet does (model/gdn.py, whose conv and normalization this layer shares).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from model import roles
+from model.config import KDAConfig, ModelConfig
+from model.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from model.gdn import GatedDeltaNet, causal_conv, l2_normalize, state_dtype
+from model.init import InitStds, init_linear, trunc_normal_
+from model.kv_cache import RecurrentState
+from model.masks import AttentionContext
+from model.mixer import LayerDims, StateSize, TokenMixer
+from model.norms import GatedRMSNorm
+from model.registry import MIXERS
+
+DT_MIN, DT_MAX = 1e-3, 1e-1  # initial time steps softplus(dt_bias), log-uniform
+A_MIN, A_MAX = 1.0, 16.0  # initial decay rates exp(A_log), uniform (Kimi Linear)
+
+
+@MIXERS.register("kda")
+class KimiDeltaAttention(TokenMixer):
+    kind = "kda"
+
+    @classmethod
+    def check(cls, cfg: ModelConfig) -> None:
+        GatedDeltaNet.check(cfg)  # no positions of its own, like Gated DeltaNet
+
+    @classmethod
+    def build(cls, cfg: ModelConfig, layer_id: int = 0) -> KimiDeltaAttention:
+        return cls(cfg.kda, LayerDims.of(cfg))
+
+    def __init__(self, k: KDAConfig, dims: LayerDims) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim, self.chunk = k.n_heads, k.head_dim, k.chunk_size
+        C, H, D = dims.d_model, k.n_heads, k.head_dim
+        self.q_proj = nn.Linear(C, H * D, bias=False)
+        self.k_proj = nn.Linear(C, H * D, bias=False)
+        self.v_proj = nn.Linear(C, H * D, bias=False)
+        self.conv = nn.Conv1d(3 * H * D, 3 * H * D, k.conv_kernel, groups=3 * H * D, bias=False)
+        self.f_a_proj = nn.Linear(C, D, bias=False)  # the low-rank forget gate
+        self.f_b_proj = nn.Linear(D, H * D, bias=False)
+        self.A_log = nn.Parameter(torch.empty(H))
+        self.dt_bias = nn.Parameter(torch.empty(H * D))
+        self.b_proj = nn.Linear(C, H, bias=False)  # beta
+        self.g_a_proj = nn.Linear(C, D, bias=False)  # the low-rank output gate
+        self.g_b_proj = nn.Linear(D, H * D, bias=False)
+        self.norm = GatedRMSNorm(D, dims.norm_eps, activation="sigmoid", strict_fp32=True)
+        self.o_proj = nn.Linear(H * D, C, bias=False)
+
+    def param_roles(self) -> dict[str, str]:
+        return {"A_log": roles.DECAY, "dt_bias": roles.DECAY}
+
+    def forward(
+        self, x: Tensor, ctx: AttentionContext, state: RecurrentState | None = None
+    ) -> Tensor:
+        B, T, _ = x.shape
+        H, D = self.n_heads, self.head_dim
+        mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        positions = ctx.positions if ctx.doc_starts is not None else None
+        past = state.conv if state is not None else None
+        mixed, last_inputs = causal_conv(mixed, self.conv.weight[:, 0], past, positions)
+        q, k, v = F.silu(mixed).split(H * D, dim=-1)
+        dt = state_dtype(x.dtype)
+        q = l2_normalize(q.to(dt).view(B, T, H, D)) * D**-0.5
+        k = l2_normalize(k.to(dt).view(B, T, H, D))
+        forget = self.f_b_proj(self.f_a_proj(x)).to(dt) + self.dt_bias.to(dt)
+        g = -self.A_log.to(dt).exp()[:, None] * F.softplus(forget.view(B, T, H, D))
+        beta = torch.sigmoid(self.b_proj(x).to(dt))
+        q, k, g = (t.transpose(1, 2) for t in (q, k, g))  # (B, H, T, D)
+        v_heads, beta = v.to(dt).view(B, T, H, D).transpose(1, 2), beta.transpose(1, 2)
+        initial = state.state if state is not None else None
+        if state is not None and T == 1:
+            o, final = recurrent_gated_delta_rule(q, k, v_heads, g, beta, initial)
+        else:
+            o, final = chunk_gated_delta_rule(
+                q, k, v_heads, g, beta, initial, ctx.doc_starts, self.chunk
+            )
+        if state is not None:
+            state.conv.copy_(last_inputs)
+            state.state.copy_(final)
+        o = o.transpose(1, 2).to(v.dtype)  # (B, T, H, D)
+        gate = self.g_b_proj(self.g_a_proj(x)).view(B, T, H, D)
+        return self.o_proj(self.norm(o, gate).reshape(B, T, H * D))
+
+    @torch.no_grad()
+    def init_weights(self, stds: InitStds) -> None:
+        for linear in (self.q_proj, self.k_proj, self.b_proj, self.f_a_proj, self.g_a_proj):
+            init_linear(linear, stds.inner)
+        for linear in (self.f_b_proj, self.g_b_proj):
+            init_linear(linear, stds.inner)
+        init_linear(self.v_proj, stds.value)
+        init_linear(self.o_proj, stds.out)
+        trunc_normal_(self.conv.weight, 1.0 / math.sqrt(self.conv.weight.shape[-1]))
+        self.A_log.copy_(torch.empty_like(self.A_log).uniform_(A_MIN, A_MAX).log())
+        dt = torch.empty_like(self.dt_bias).uniform_(math.log(DT_MIN), math.log(DT_MAX)).exp()
+        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
+        self.norm.init_weights()
+
+    # ---- accounting and generation ------------------------------------------------------------
+
+    def mixing_flops_per_token(self, seq_len: int) -> float:
+        """The chunked form per token and head, forward: the two pair products (K_beta K^T and
+        Q K^T) weight every channel of every pair by its own decay (2 x 2 C D), the triangular
+        solves (C D), the intra-chunk product (C D), reading, correcting and writing the state
+        (3 D^2); plus the conv (K per channel)."""
+        C, D = min(self.chunk, seq_len), self.head_dim
+        per_head = 4 * C * D + C * D + C * D + 3 * D * D
+        conv = self.conv.weight.shape[0] * self.conv.weight.shape[-1]
+        return 2.0 * (self.n_heads * per_head + conv)
+
+    def state_size(self) -> StateSize:
+        conv_dim, K = self.conv.weight.shape[0], self.conv.weight.shape[-1]
+        return StateSize(
+            per_token=0, fixed=conv_dim * (K - 1), fixed_fp32=self.n_heads * self.head_dim**2
+        )
+
+    def new_state(
+        self, batch: int, capacity: int, dtype: torch.dtype, device: torch.device
+    ) -> RecurrentState:
+        conv_dim, K = self.conv.weight.shape[0], self.conv.weight.shape[-1]
+        shape = (batch, self.n_heads, self.head_dim, self.head_dim)
+        return RecurrentState(
+            torch.zeros(batch, K - 1, conv_dim, dtype=dtype, device=device),
+            torch.zeros(shape, dtype=state_dtype(dtype), device=device),
+        )
+
+    def describe(self) -> str:
+        return f"KDA: {self.n_heads} x {self.head_dim}, conv {self.conv.weight.shape[-1]}"
