@@ -119,6 +119,9 @@ class MLAConfig:
     qk_nope_head_dim: int = 128  # per-head query/key dims without position
     qk_rope_head_dim: int = 64  # per-head query dims with RoPE; the rope key is shared by all heads
     v_head_dim: int = 128  # per-head value dims
+    # NoPE: the rope part of queries and the shared key is not rotated (Kimi Linear's full
+    # layers; order then comes from the causal mask and the linear layers)
+    nope: bool = False
 
     def __post_init__(self) -> None:
         for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):

@@ -48,9 +48,12 @@ class MultiHeadLatentAttention(TokenMixer, QKClipHooks):
     @classmethod
     def check(cls, cfg: ModelConfig) -> None:
         cls.check_section(cfg.attention)  # also when mla comes from layer_types
+        if cfg.attention.mla.nope:
+            return  # nothing rotates: any position setting of the other layers goes
         if cfg.position != "rope":
             raise ConfigError(
-                f"model.position={cfg.position!r}: MLA uses decoupled RoPE; set model.position=rope"
+                f"model.position={cfg.position!r}: MLA uses decoupled RoPE; set model.position=rope "
+                "(or model.attention.mla.nope=true for MLA without RoPE)"
             )
         if cfg.rope.fraction != 1.0:
             raise ConfigError(
@@ -62,7 +65,7 @@ class MultiHeadLatentAttention(TokenMixer, QKClipHooks):
 
     @classmethod
     def rotary_dim_for(cls, cfg: ModelConfig) -> int:
-        return cfg.attention.mla.qk_rope_head_dim
+        return 0 if cfg.attention.mla.nope else cfg.attention.mla.qk_rope_head_dim
 
     @classmethod
     def build(cls, cfg: ModelConfig, layer_id: int = 0) -> MultiHeadLatentAttention:
@@ -70,9 +73,9 @@ class MultiHeadLatentAttention(TokenMixer, QKClipHooks):
 
     def __init__(self, a: AttentionConfig, dims: LayerDims) -> None:
         super().__init__()
-        if dims.rope is None:
-            raise ConfigError("MLA uses decoupled RoPE; set model.position=rope")
         m, bias, eps = a.mla, a.bias, dims.norm_eps
+        if dims.rope is None and not m.nope:
+            raise ConfigError("MLA uses decoupled RoPE; set model.position=rope (or mla.nope=true)")
         self.n_heads, self.kv_rank = a.n_heads, m.kv_lora_rank
         self.nope_dim, self.rope_dim, self.v_dim = (
             m.qk_nope_head_dim,
@@ -80,7 +83,7 @@ class MultiHeadLatentAttention(TokenMixer, QKClipHooks):
             m.v_head_dim,
         )
         C, H, qk_dim = dims.d_model, self.n_heads, self.nope_dim + self.rope_dim
-        self.rotary_dim = self.rope_dim
+        self.rotary_dim = 0 if m.nope or dims.rope is None else self.rope_dim
         self.window = a.sliding_window
         # queries: full rank (q_proj) or through a normalized bottleneck (q_a_proj -> q_b_proj)
         low_rank_q = m.q_lora_rank > 0
@@ -92,8 +95,10 @@ class MultiHeadLatentAttention(TokenMixer, QKClipHooks):
         self.kv_a_norm = RMSNorm(self.kv_rank, eps)
         self.kv_b_proj = nn.Linear(self.kv_rank, H * (self.nope_dim + self.v_dim), bias=False)
         self.o_proj = nn.Linear(H * self.v_dim, C, bias=bias)
-        self.apply_rope = ROPE_PAIRINGS.get(dims.rope.pairing)
-        self.scale = (a.softmax_scale or qk_dim**-0.5) * softmax_multiplier(dims.rope)
+        rotate = self.rotary_dim > 0
+        self.apply_rope = ROPE_PAIRINGS.get(dims.rope.pairing) if rotate else None
+        multiplier = softmax_multiplier(dims.rope) if rotate else 1.0
+        self.scale = (a.softmax_scale or qk_dim**-0.5) * multiplier
 
     def qk_clip_row_scales(self, gamma: Tensor) -> list[tuple[Tensor, Tensor]]:
         """QK-clip rows for gamma (H,): q_nope and k_nope rows by sqrt(gamma), the per-head
@@ -120,8 +125,9 @@ class MultiHeadLatentAttention(TokenMixer, QKClipHooks):
         c, k_rope = self.kv_a_proj(x).split([self.kv_rank, self.rope_dim], dim=-1)
         c = self.kv_a_norm(c)  # (B, T, R)
         rot = ctx.rotations(self.rotary_dim)
-        q_rope = self.apply_rope(q_rope, rot)  # (B, T, H, Dr)
-        k_rope = self.apply_rope(k_rope[:, :, None, :], rot)[:, :, 0]  # (B, T, Dr)
+        if rot is not None:  # (NoPE: the rope part stays as projected)
+            q_rope = self.apply_rope(q_rope, rot)  # (B, T, H, Dr)
+            k_rope = self.apply_rope(k_rope[:, :, None, :], rot)[:, :, 0]  # (B, T, Dr)
         if state is not None:
             c, k_rope = state.update(c, k_rope, ctx.start)  # (B, S, R), (B, S, Dr)
         attend = self._expanded if T > 1 else self._absorbed
@@ -206,8 +212,8 @@ class MultiHeadLatentAttention(TokenMixer, QKClipHooks):
 
     def describe(self) -> str:
         return (
-            f"MLA: {self.n_heads} x ({self.nope_dim}+{self.rope_dim} qk, {self.v_dim} v), "
-            f"latent {self.kv_rank}"
+            f"MLA{' (NoPE)' if self.rotary_dim == 0 else ''}: {self.n_heads} x "
+            f"({self.nope_dim}+{self.rope_dim} qk, {self.v_dim} v), latent {self.kv_rank}"
         )
 
     def new_state(

@@ -350,3 +350,29 @@ def test_the_kda_layer_equals_transformers_kimi_linear_delta_attention():
     )
     with torch.no_grad():
         torch.testing.assert_close(ours(x, ctx), theirs(x), rtol=1e-5, atol=1e-5)
+
+
+def test_tiny_kda_uses_mla_without_rope_and_decodes_like_a_full_forward():
+    from model.presets import load_preset
+
+    cfg = load_preset(
+        "tiny_kda",
+        {
+            "d_model": 64,
+            "kda.head_dim": 16,
+            "kda.chunk_size": 8,
+            "ffn.hidden": 96,
+            "vocab_size": 64,
+        },
+    )
+    model = build_model(cfg, seed=0).double().eval()
+    assert model.rotary_dims == [] and "MLA (NoPE)" in model.layers["3"].attn.describe()
+    tokens = torch.randint(0, 64, (2, 18), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        full = model(tokens)
+        cache = model.new_cache(2, 18, dtype=torch.float64)
+        torch.testing.assert_close(model(tokens[:, :10], cache=cache), full[:, :10], **F64)
+        for t in range(10, 18):  # MLA decodes through its absorbed path
+            torch.testing.assert_close(
+                model(tokens[:, t : t + 1], cache=cache)[:, 0], full[:, t], rtol=1e-9, atol=1e-10
+            )
