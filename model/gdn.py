@@ -48,18 +48,36 @@ def causal_conv(
     if past is None:
         past = x.new_zeros(B, K - 1, D)
     full = torch.cat([past.to(x.dtype), x], dim=1)  # (B, K-1+T, D)
-    y = x.new_zeros(B, T, D)
+    wide = torch.promote_types(x.dtype, torch.float32)  # taps summed in fp32, like nn.Conv1d
+    y = x.new_zeros(B, T, D, dtype=wide)
     for i in range(K):  # tap i reads the input K-1-i steps back
-        tap = full[:, i : i + T] * weight[:, i].to(x.dtype)
+        tap = full[:, i : i + T].to(wide) * weight[:, i].to(wide)
         if positions is not None:
-            tap = tap * (positions >= K - 1 - i).to(x.dtype)[..., None]
+            tap = tap * (positions >= K - 1 - i).to(wide)[..., None]
         y = y + tap
-    return y, full[:, T:]
+    return y.to(x.dtype), full[:, T:]
 
 
 def state_dtype(dtype: torch.dtype) -> torch.dtype:
     """The delta rule's compute and state dtype: fp32, or the model's when wider (fp64 tests)."""
     return torch.promote_types(dtype, torch.float32)
+
+
+def delta_rule(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    initial: Tensor | None,
+    ctx: AttentionContext,
+    chunk: int,
+    state: RecurrentState | None,
+) -> tuple[Tensor, Tensor]:
+    """The recurrent form for one decoded token (T == 1 with a state), else the chunked one."""
+    if state is not None and q.shape[2] == 1:
+        return recurrent_gated_delta_rule(q, k, v, g, beta, initial)
+    return chunk_gated_delta_rule(q, k, v, g, beta, initial, ctx.doc_starts, chunk)
 
 
 def l2_normalize(x: Tensor, eps: float = 1e-6) -> Tensor:
@@ -130,12 +148,8 @@ class GatedDeltaNet(TokenMixer):
         g = -self.A_log.to(dt).exp() * F.softplus(self.a_proj(x).to(dt) + self.dt_bias.to(dt))
         beta, g = beta.transpose(1, 2), g.transpose(1, 2)  # (B, H, T)
         initial = state.state if state is not None else None
-        if state is not None and T == 1:
-            o, final = recurrent_gated_delta_rule(q, k, v_heads, g, beta, initial)
-        else:
-            o, final = chunk_gated_delta_rule(
-                q, k, v_heads, g, beta, initial, ctx.doc_starts, self.chunk
-            )
+        with torch.autocast(x.device.type, enabled=False):  # the rule's matmuls stay fp32
+            o, final = delta_rule(q, k, v_heads, g, beta, initial, ctx, self.chunk, state)
         if state is not None:
             state.conv.copy_(last_inputs)
             state.state.copy_(final)

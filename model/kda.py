@@ -24,8 +24,7 @@ from torch import Tensor, nn
 
 from model import roles
 from model.config import KDAConfig, ModelConfig
-from model.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
-from model.gdn import GatedDeltaNet, causal_conv, l2_normalize, state_dtype
+from model.gdn import GatedDeltaNet, causal_conv, delta_rule, l2_normalize, state_dtype
 from model.init import InitStds, init_linear, trunc_normal_
 from model.kv_cache import RecurrentState
 from model.masks import AttentionContext
@@ -89,12 +88,8 @@ class KimiDeltaAttention(TokenMixer):
         q, k, g = (t.transpose(1, 2) for t in (q, k, g))  # (B, H, T, D)
         v_heads, beta = v.to(dt).view(B, T, H, D).transpose(1, 2), beta.transpose(1, 2)
         initial = state.state if state is not None else None
-        if state is not None and T == 1:
-            o, final = recurrent_gated_delta_rule(q, k, v_heads, g, beta, initial)
-        else:
-            o, final = chunk_gated_delta_rule(
-                q, k, v_heads, g, beta, initial, ctx.doc_starts, self.chunk
-            )
+        with torch.autocast(x.device.type, enabled=False):  # the rule's matmuls stay fp32
+            o, final = delta_rule(q, k, v_heads, g, beta, initial, ctx, self.chunk, state)
         if state is not None:
             state.conv.copy_(last_inputs)
             state.state.copy_(final)
@@ -104,9 +99,8 @@ class KimiDeltaAttention(TokenMixer):
 
     @torch.no_grad()
     def init_weights(self, stds: InitStds) -> None:
-        for linear in (self.q_proj, self.k_proj, self.b_proj, self.f_a_proj, self.g_a_proj):
-            init_linear(linear, stds.inner)
-        for linear in (self.f_b_proj, self.g_b_proj):
+        gates = (self.b_proj, self.f_a_proj, self.f_b_proj, self.g_a_proj, self.g_b_proj)
+        for linear in (self.q_proj, self.k_proj, *gates):
             init_linear(linear, stds.inner)
         init_linear(self.v_proj, stds.value)
         init_linear(self.o_proj, stds.out)

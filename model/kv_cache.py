@@ -1,8 +1,8 @@
 """Generation state: one state object per layer, preallocated, filled in place by prefill and decode.
 
 Each token mixer makes its own (`TokenMixer.new_state`, model/mixer.py); `Cache` holds one per
-layer and the number of tokens seen. Kinds so far, all per-token caches (a recurrent mixer's
-state would be fixed-size: its recurrent state plus a conv window):
+layer and the number of tokens seen. Per-token caches grow with the context; `RecurrentState`
+(Gated DeltaNet, KDA) is fixed-size: the conv's last K-1 inputs and the fp32 delta-rule state.
 
 Shapes: B batch, Tmax cache capacity, K kv heads, D head dims, R MLA latent width, Dr rope dims.
   KVCache      k (B, K, Tmax, D), v (B, K, Tmax, Dv)        GQA stores only its K kv heads

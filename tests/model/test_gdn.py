@@ -176,9 +176,16 @@ def test_accounting_counts_a_fixed_state_and_the_chunked_flops():
     conv_dim = 2 * 2 * 8 + 4 * 6
     assert kv.fixed_bytes == 3 * (conv_dim * 3 * 2 + 4 * 8 * 6 * 4)  # conv (bf16) + state (fp32)
     layer = model.layers["0"].attn
-    C, Dk, Dv = 8, 8, 6
-    per_head = 2 * C * Dk + C * (Dk + Dv) / 2 + C * Dv + 3 * Dk * Dv
-    assert layer.mixing_flops_per_token(32) == 2 * (4 * per_head + conv_dim * 4)
+    # the matmuls of the chunked form, counted by torch, plus the two triangular solves (which
+    # the counter does not see: C (Dk + Dv) / 2 multiply-adds per token) and the conv's taps
+    from torch.utils.flop_counter import FlopCounterMode
+
+    q, k, v, g, beta = inputs(B=1, H=4, T=32, Dk=8, Dv=6, dtype=torch.float32)
+    with FlopCounterMode(display=False) as counter:
+        chunk_gated_delta_rule(q, k, v, g, beta, chunk=8)
+    solves = 2 * 4 * 32 * 8 * (8 + 6) / 2
+    conv = 2 * 32 * conv_dim * 4
+    assert 32 * layer.mixing_flops_per_token(32) == counter.get_total_flops() + solves + conv
     flops = training_flops_per_token(model, 32)
     assert flops.attention > 3 * 3 * layer.mixing_flops_per_token(32)  # the GDN layers are in it
 
@@ -208,11 +215,9 @@ def test_the_layer_equals_transformers_qwen3_next_gated_deltanet():
     with torch.no_grad():
         for p in theirs.parameters():
             p.copy_(torch.randn_like(p) * 0.3)
-    ours = GatedDeltaNet.build(
-        small_cfg(
-            norm_eps=1e-6, gdn=GDNConfig(n_heads=nk, n_v_heads=nv, head_dim=dk, v_head_dim=dv)
-        )
-    )
+    # our chunks of 8 (theirs: 64): the result must not depend on the chunk size
+    gdn = GDNConfig(n_heads=nk, n_v_heads=nv, head_dim=dk, v_head_dim=dv, chunk_size=8)
+    ours = GatedDeltaNet.build(small_cfg(norm_eps=1e-6, gdn=gdn))
     group = nv // nk
     qkvz = theirs.in_proj_qkvz.weight.view(nk, 2 * dk + 2 * group * dv, C)
     q, k, v, z = qkvz.split([dk, dk, group * dv, group * dv], dim=1)
@@ -291,6 +296,7 @@ def test_a_kda_stack_prefills_decodes_and_keeps_documents_apart():
             )
         docs = torch.tensor([[0] * 7 + [1] * 13] * 2)
         packed = model(tokens, doc_ids=docs)
+        torch.testing.assert_close(packed[:, :7], model(tokens[:, :7]), **F32_ROPE)
         torch.testing.assert_close(packed[:, 7:], model(tokens[:, 7:]), **F32_ROPE)
     roles = param_roles(model)
     assert roles["layers.0.attn.dt_bias"] == roles["layers.0.attn.A_log"] == "decay"
@@ -325,7 +331,9 @@ def test_the_kda_layer_equals_transformers_kimi_linear_delta_attention():
     with torch.no_grad():
         for p in theirs.parameters():
             p.copy_(torch.randn_like(p) * 0.3)
-    ours = KimiDeltaAttention.build(small_cfg(norm_eps=1e-6, kda=KDAConfig(n_heads=H, head_dim=D)))
+    ours = KimiDeltaAttention.build(  # our chunks of 8 (theirs: 64)
+        small_cfg(norm_eps=1e-6, kda=KDAConfig(n_heads=H, head_dim=D, chunk_size=8))
+    )
     gate = theirs.forget_gate
     with torch.no_grad():
         for mine, w in (
@@ -376,3 +384,52 @@ def test_tiny_kda_uses_mla_without_rope_and_decodes_like_a_full_forward():
             torch.testing.assert_close(
                 model(tokens[:, t : t + 1], cache=cache)[:, 0], full[:, t], rtol=1e-9, atol=1e-10
             )
+
+
+def test_a_layer_continues_a_prefill_in_pieces_shorter_than_its_conv():
+    """Prefill 5, then 2 (fewer than the conv's K-1 = 3), then 6 tokens, then decode: the state
+    (conv inputs and delta state) carries, equal to one pass over all of them."""
+    from model.kv_cache import RecurrentState  # noqa: F401  (the state under test)
+
+    layer = GatedDeltaNet.build(small_cfg()).double()
+    layer.init_weights(__import__("model.init", fromlist=["InitStds"]).InitStds(0.2, 0.2, 0.2))
+    x = torch.randn(2, 16, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+
+    def ctx(start: int, T: int) -> AttentionContext:
+        return AttentionContext(
+            positions=torch.arange(start, start + T)[None],
+            rope=None,
+            mask=None,
+            is_causal=True,
+            start=start,
+        )
+
+    with torch.no_grad():
+        whole = layer(x, ctx(0, 16))
+        state = layer.new_state(2, 16, torch.float64, torch.device("cpu"))
+        pieces, start = [], 0
+        for T in (5, 2, 6, 1, 1, 1):
+            pieces.append(layer(x[:, start : start + T], ctx(start, T), state))
+            start += T
+    torch.testing.assert_close(torch.cat(pieces, dim=1), whole, **F64)
+
+
+def test_under_bf16_autocast_the_rule_still_runs_in_fp32(monkeypatch):
+    """Autocast would turn the rule's matmuls and solves into bf16 (errors of 1e-2 in the state);
+    the layers keep it in fp32, so prefill (chunked) and decode (recurrent) agree."""
+    import model.gdn as gdn
+
+    seen = []
+    original = gdn.chunk_gated_delta_rule
+
+    def recording(*args, **kwargs):
+        o, s = original(*args, **kwargs)
+        seen.append((o.dtype, s.dtype))
+        return o, s
+
+    monkeypatch.setattr(gdn, "chunk_gated_delta_rule", recording)
+    model = build_model(small_cfg(), seed=0)
+    tokens = torch.randint(0, 64, (2, 20), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        model(tokens)
+    assert seen and set(seen) == {(torch.float32, torch.float32)}
