@@ -80,6 +80,18 @@ def delta_rule(
     return chunk_gated_delta_rule(q, k, v, g, beta, initial, ctx.doc_starts, chunk)
 
 
+def conv_qkv(
+    layer: nn.Module, x: Tensor, ctx: AttentionContext, state: RecurrentState | None
+) -> tuple[Tensor, Tensor]:
+    """SiLU(causal conv([W_q x | W_k x | W_v x])) of a delta-rule layer (B, T, 2 Hk Dk + H Dv),
+    restarting at documents and continuing `state`'s conv inputs; and the last K-1 inputs."""
+    mixed = torch.cat([layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)], dim=-1)
+    positions = ctx.positions if ctx.doc_starts is not None else None
+    past = state.conv if state is not None else None
+    mixed, last_inputs = causal_conv(mixed, layer.conv.weight[:, 0], past, positions)
+    return F.silu(mixed), last_inputs
+
+
 def l2_normalize(x: Tensor, eps: float = 1e-6) -> Tensor:
     """x / sqrt(sum x^2 + eps) over the last dim (FLA's convention)."""
     return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + eps)
@@ -134,11 +146,8 @@ class GatedDeltaNet(TokenMixer):
     ) -> Tensor:
         B, T, _ = x.shape
         H, Hk, Dk, Dv = self.n_heads, self.n_k_heads, self.k_dim, self.v_dim
-        mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        positions = ctx.positions if ctx.doc_starts is not None else None
-        past = state.conv if state is not None else None
-        mixed, last_inputs = causal_conv(mixed, self.conv.weight[:, 0], past, positions)
-        q, k, v = F.silu(mixed).split([Hk * Dk, Hk * Dk, H * Dv], dim=-1)
+        mixed, last_inputs = conv_qkv(self, x, ctx, state)
+        q, k, v = mixed.split([Hk * Dk, Hk * Dk, H * Dv], dim=-1)
         group, dt = H // Hk, state_dtype(x.dtype)  # the rule runs in fp32 (fp64 for fp64 models)
         q = l2_normalize(q.to(dt).view(B, T, Hk, Dk)) * Dk**-0.5
         k = l2_normalize(k.to(dt).view(B, T, Hk, Dk))

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from model import roles
 from model.config import KDAConfig, ModelConfig
-from model.gdn import GatedDeltaNet, causal_conv, delta_rule, l2_normalize, state_dtype
+from model.gdn import GatedDeltaNet, conv_qkv, delta_rule, l2_normalize, state_dtype
 from model.init import InitStds, init_linear, trunc_normal_
 from model.kv_cache import RecurrentState
 from model.masks import AttentionContext
@@ -74,11 +74,8 @@ class KimiDeltaAttention(TokenMixer):
     ) -> Tensor:
         B, T, _ = x.shape
         H, D = self.n_heads, self.head_dim
-        mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        positions = ctx.positions if ctx.doc_starts is not None else None
-        past = state.conv if state is not None else None
-        mixed, last_inputs = causal_conv(mixed, self.conv.weight[:, 0], past, positions)
-        q, k, v = F.silu(mixed).split(H * D, dim=-1)
+        mixed, last_inputs = conv_qkv(self, x, ctx, state)
+        q, k, v = mixed.split(H * D, dim=-1)
         dt = state_dtype(x.dtype)
         q = l2_normalize(q.to(dt).view(B, T, H, D)) * D**-0.5
         k = l2_normalize(k.to(dt).view(B, T, H, D))
