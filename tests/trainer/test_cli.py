@@ -136,7 +136,10 @@ def test_sigterm_saves_and_exits_then_resume_finishes(dataset, tmp_path):
         (["model.vocab_size=100"], "model.vocab_size=100 is smaller than the tokenizer's 300 ids"),
         (["trainer.precision=fp16"], "trainer.precision='fp16' is not one of"),
         (["parallel.engine=deepspeed"], "unknown training engine (parallel.engine) 'deepspeed'"),
-        (["model.layer_pattern=[gqa,gdn]"], "model.layer_pattern='gdn' is not a known token mixer"),
+        (
+            ["model.layer_pattern=[gqa,mamba]"],
+            "model.layer_pattern='mamba' is not a known token mixer",
+        ),
     ],
 )
 def test_config_errors_stop_before_training(dataset, tmp_path, overrides, message):
