@@ -48,3 +48,20 @@ def test_qk_clip_skips_the_linear_layers():
     model = build_model(hybrid(), seed=0)
     enable_qk_clip(model)
     assert [name for name, _ in clip_layers(model)] == ["layers.3.attn"]
+
+
+def hybrid_moe():
+    """The hybrid with MoE FFNs after the first layer (4 experts, top-2, 1 shared)."""
+    moe = {"moe.n_routed_experts": 4, "moe.top_k": 2, "moe.n_shared_experts": 1}
+    moe |= {"moe.first_k_dense": 1, "moe.expert_hidden": 32, "moe.aux_loss_coef": 0.01}
+    return load_preset("tiny_hybrid", HYBRID | {"n_layers": 4, "ffn.hidden": 96} | moe)
+
+
+@pytest.mark.distributed
+def test_the_hybrid_with_moe_ffns_under_expert_parallelism_matches_one_process() -> None:
+    single = train(0, hybrid_moe(), {}, 3)
+    got = run_ranks(2, train, hybrid_moe(), {"ep": 2}, 3)[0]
+    # the tolerance of tests/parallel/test_expert_parallel.py (per-rank balance losses)
+    torch.testing.assert_close(got["losses"], single["losses"], rtol=1e-4, atol=1e-5)
+    assert got["placements"]["layers.1.ffn.experts.w_up"] != "local"  # the experts are split
+    assert [k for k in single["stats"][-1] if k.startswith("moe/")]  # routing statistics came
