@@ -97,8 +97,53 @@ def l2_normalize(x: Tensor, eps: float = 1e-6) -> Tensor:
     return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + eps)
 
 
+class DeltaRuleMixer(TokenMixer):
+    """What Gated DeltaNet and KDA share: decay parameters, the short conv, and a fixed-size
+    generation state (subclasses set n_heads, k_dim, v_dim, conv, A_log, dt_bias)."""
+
+    n_heads: int
+    k_dim: int
+    v_dim: int
+
+    def param_roles(self) -> dict[str, str]:
+        return {"A_log": roles.DECAY, "dt_bias": roles.DECAY}
+
+    def init_conv_and_decay(self, a_min: float, a_max: float) -> None:
+        """Conv taps std 1/sqrt(K); exp(A_log) ~ U(a_min, a_max); softplus(dt_bias) log-uniform
+        in [DT_MIN, DT_MAX]."""
+        trunc_normal_(self.conv.weight, 1.0 / math.sqrt(self.conv.weight.shape[-1]))
+        self.A_log.copy_(torch.empty_like(self.A_log).uniform_(a_min, a_max).log())
+        dt = torch.empty_like(self.dt_bias).uniform_(math.log(DT_MIN), math.log(DT_MAX)).exp()
+        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
+
+    @staticmethod
+    def save_state(state: RecurrentState | None, last_inputs: Tensor, final: Tensor) -> None:
+        if state is not None:
+            state.conv.copy_(last_inputs)
+            state.state.copy_(final)
+
+    def state_size(self) -> StateSize:
+        """Fixed per sequence: the conv's K-1 inputs and the fp32 delta-rule state."""
+        conv_dim, K = self.conv.weight.shape[0], self.conv.weight.shape[-1]
+        return StateSize(
+            per_token=0,
+            fixed=conv_dim * (K - 1),
+            fixed_fp32=self.n_heads * self.k_dim * self.v_dim,
+        )
+
+    def new_state(
+        self, batch: int, capacity: int, dtype: torch.dtype, device: torch.device
+    ) -> RecurrentState:
+        conv_dim, K = self.conv.weight.shape[0], self.conv.weight.shape[-1]
+        shape = (batch, self.n_heads, self.k_dim, self.v_dim)
+        return RecurrentState(
+            torch.zeros(batch, K - 1, conv_dim, dtype=dtype, device=device),
+            torch.zeros(shape, dtype=state_dtype(dtype), device=device),
+        )
+
+
 @MIXERS.register("gdn")
-class GatedDeltaNet(TokenMixer):
+class GatedDeltaNet(DeltaRuleMixer):
     kind = "gdn"
 
     @classmethod
@@ -138,9 +183,6 @@ class GatedDeltaNet(TokenMixer):
         self.norm = GatedRMSNorm(self.v_dim, dims.norm_eps)
         self.o_proj = nn.Linear(value_width, C, bias=False)
 
-    def param_roles(self) -> dict[str, str]:
-        return {"A_log": roles.DECAY, "dt_bias": roles.DECAY}
-
     def forward(
         self, x: Tensor, ctx: AttentionContext, state: RecurrentState | None = None
     ) -> Tensor:
@@ -159,9 +201,7 @@ class GatedDeltaNet(TokenMixer):
         initial = state.state if state is not None else None
         with torch.autocast(x.device.type, enabled=False):  # the rule's matmuls stay fp32
             o, final = delta_rule(q, k, v_heads, g, beta, initial, ctx, self.chunk, state)
-        if state is not None:
-            state.conv.copy_(last_inputs)
-            state.state.copy_(final)
+        self.save_state(state, last_inputs, final)
         o = o.transpose(1, 2).to(v.dtype)  # (B, T, H, Dv)
         gate = self.z_proj(x).view(B, T, H, Dv)
         return self.o_proj(self.norm(o, gate).reshape(B, T, H * Dv))
@@ -172,11 +212,7 @@ class GatedDeltaNet(TokenMixer):
             init_linear(linear, stds.inner)
         init_linear(self.v_proj, stds.value)
         init_linear(self.o_proj, stds.out)
-        fan_in = self.conv.weight.shape[-1]  # depthwise: K inputs per output channel
-        trunc_normal_(self.conv.weight, 1.0 / math.sqrt(fan_in))
-        self.A_log.copy_(torch.empty_like(self.A_log).uniform_(A_MIN, A_MAX).log())
-        dt = torch.empty_like(self.dt_bias).uniform_(math.log(DT_MIN), math.log(DT_MAX)).exp()
-        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
+        self.init_conv_and_decay(A_MIN, A_MAX)
         self.norm.init_weights()
 
     # ---- accounting and generation ------------------------------------------------------------
@@ -189,26 +225,6 @@ class GatedDeltaNet(TokenMixer):
         per_head = 2 * C * Dk + C * (Dk + Dv) / 2 + C * Dv + 3 * Dk * Dv
         conv = self.conv.weight.shape[0] * self.conv.weight.shape[-1]
         return 2.0 * (self.n_heads * per_head + conv)
-
-    def state_size(self) -> StateSize:
-        """Fixed per sequence: the conv's K-1 inputs and the fp32 delta-rule state."""
-        conv_dim, K = self.conv.weight.shape[0], self.conv.weight.shape[-1]
-        return StateSize(
-            per_token=0,
-            fixed=conv_dim * (K - 1),
-            fixed_fp32=self.n_heads * self.k_dim * self.v_dim,
-        )
-
-    def new_state(
-        self, batch: int, capacity: int, dtype: torch.dtype, device: torch.device
-    ) -> RecurrentState:
-        conv_dim, K = self.conv.weight.shape[0], self.conv.weight.shape[-1]
-        return RecurrentState(
-            torch.zeros(batch, K - 1, conv_dim, dtype=dtype, device=device),
-            torch.zeros(
-                batch, self.n_heads, self.k_dim, self.v_dim, dtype=state_dtype(dtype), device=device
-            ),
-        )
 
     def describe(self) -> str:
         return (

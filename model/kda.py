@@ -16,28 +16,31 @@ Gated DeltaNet does (model/gdn.py, whose conv and normalization this layer share
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from model import roles
 from model.config import KDAConfig, ModelConfig
-from model.gdn import GatedDeltaNet, conv_qkv, delta_rule, l2_normalize, state_dtype
-from model.init import InitStds, init_linear, trunc_normal_
+from model.gdn import (
+    DeltaRuleMixer,
+    GatedDeltaNet,
+    conv_qkv,
+    delta_rule,
+    l2_normalize,
+    state_dtype,
+)
+from model.init import InitStds, init_linear
 from model.kv_cache import RecurrentState
 from model.masks import AttentionContext
-from model.mixer import LayerDims, StateSize, TokenMixer
+from model.mixer import LayerDims
 from model.norms import GatedRMSNorm
 from model.registry import MIXERS
 
-DT_MIN, DT_MAX = 1e-3, 1e-1  # initial time steps softplus(dt_bias), log-uniform
 A_MIN, A_MAX = 1.0, 16.0  # initial decay rates exp(A_log), uniform (Kimi Linear)
 
 
 @MIXERS.register("kda")
-class KimiDeltaAttention(TokenMixer):
+class KimiDeltaAttention(DeltaRuleMixer):
     kind = "kda"
 
     @classmethod
@@ -51,6 +54,7 @@ class KimiDeltaAttention(TokenMixer):
     def __init__(self, k: KDAConfig, dims: LayerDims) -> None:
         super().__init__()
         self.n_heads, self.head_dim, self.chunk = k.n_heads, k.head_dim, k.chunk_size
+        self.k_dim = self.v_dim = k.head_dim
         C, H, D = dims.d_model, k.n_heads, k.head_dim
         self.q_proj = nn.Linear(C, H * D, bias=False)
         self.k_proj = nn.Linear(C, H * D, bias=False)
@@ -65,9 +69,6 @@ class KimiDeltaAttention(TokenMixer):
         self.g_b_proj = nn.Linear(D, H * D, bias=False)
         self.norm = GatedRMSNorm(D, dims.norm_eps, activation="sigmoid", strict_fp32=True)
         self.o_proj = nn.Linear(H * D, C, bias=False)
-
-    def param_roles(self) -> dict[str, str]:
-        return {"A_log": roles.DECAY, "dt_bias": roles.DECAY}
 
     def forward(
         self, x: Tensor, ctx: AttentionContext, state: RecurrentState | None = None
@@ -87,9 +88,7 @@ class KimiDeltaAttention(TokenMixer):
         initial = state.state if state is not None else None
         with torch.autocast(x.device.type, enabled=False):  # the rule's matmuls stay fp32
             o, final = delta_rule(q, k, v_heads, g, beta, initial, ctx, self.chunk, state)
-        if state is not None:
-            state.conv.copy_(last_inputs)
-            state.state.copy_(final)
+        self.save_state(state, last_inputs, final)
         o = o.transpose(1, 2).to(v.dtype)  # (B, T, H, D)
         gate = self.g_b_proj(self.g_a_proj(x)).view(B, T, H, D)
         return self.o_proj(self.norm(o, gate).reshape(B, T, H * D))
@@ -101,10 +100,7 @@ class KimiDeltaAttention(TokenMixer):
             init_linear(linear, stds.inner)
         init_linear(self.v_proj, stds.value)
         init_linear(self.o_proj, stds.out)
-        trunc_normal_(self.conv.weight, 1.0 / math.sqrt(self.conv.weight.shape[-1]))
-        self.A_log.copy_(torch.empty_like(self.A_log).uniform_(A_MIN, A_MAX).log())
-        dt = torch.empty_like(self.dt_bias).uniform_(math.log(DT_MIN), math.log(DT_MAX)).exp()
-        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
+        self.init_conv_and_decay(A_MIN, A_MAX)
         self.norm.init_weights()
 
     # ---- accounting and generation ------------------------------------------------------------
@@ -118,22 +114,6 @@ class KimiDeltaAttention(TokenMixer):
         per_head = 4 * C * D + C * D + C * D + 3 * D * D
         conv = self.conv.weight.shape[0] * self.conv.weight.shape[-1]
         return 2.0 * (self.n_heads * per_head + conv)
-
-    def state_size(self) -> StateSize:
-        conv_dim, K = self.conv.weight.shape[0], self.conv.weight.shape[-1]
-        return StateSize(
-            per_token=0, fixed=conv_dim * (K - 1), fixed_fp32=self.n_heads * self.head_dim**2
-        )
-
-    def new_state(
-        self, batch: int, capacity: int, dtype: torch.dtype, device: torch.device
-    ) -> RecurrentState:
-        conv_dim, K = self.conv.weight.shape[0], self.conv.weight.shape[-1]
-        shape = (batch, self.n_heads, self.head_dim, self.head_dim)
-        return RecurrentState(
-            torch.zeros(batch, K - 1, conv_dim, dtype=dtype, device=device),
-            torch.zeros(shape, dtype=state_dtype(dtype), device=device),
-        )
 
     def describe(self) -> str:
         return f"KDA: {self.n_heads} x {self.head_dim}, conv {self.conv.weight.shape[-1]}"
