@@ -174,6 +174,16 @@ class AttentionConfig:
         ATTENTIONS.get(self.kind).check_section(self)  # the kind's own rules on this section
 
 
+DELTA_RULE_KERNELS = ("auto", "torch", "fla")
+
+
+def _check_kernel(section: str, kernel: str) -> None:
+    _require(
+        kernel in DELTA_RULE_KERNELS,
+        f"model.{section}.kernel={kernel!r}; choose one of: {', '.join(DELTA_RULE_KERNELS)}",
+    )
+
+
 @dataclass(kw_only=True)
 class GDNConfig:
     """Gated DeltaNet layers (layer kind `gdn`, model/gdn.py): linear-time delta-rule mixing."""
@@ -187,10 +197,12 @@ class GDNConfig:
     conv_kernel: int = 4  # short causal depthwise convolution over q, k, v
     allow_neg_eigval: bool = False  # beta in (0, 2) instead of (0, 1) (the OLMo-hybrid variant)
     chunk_size: int = 64  # tokens per chunk of the parallel form (results do not depend on it)
+    kernel: str = "auto"  # auto (fla-core's Triton kernels on CUDA when installed) | torch | fla
 
     def __post_init__(self) -> None:
         for name in ("n_heads", "head_dim", "conv_kernel", "chunk_size"):
             _require(getattr(self, name) > 0, f"model.gdn.{name}={getattr(self, name)} must be > 0")
+        _check_kernel("gdn", self.kernel)
         for name in ("n_v_heads", "v_head_dim"):
             _require(
                 getattr(self, name) >= 0, f"model.gdn.{name}={getattr(self, name)} must be >= 0"
@@ -210,10 +222,12 @@ class KDAConfig:
     head_dim: int = 64  # dims per head; also the rank of the forget and output gates
     conv_kernel: int = 4  # short causal depthwise convolution over q, k, v
     chunk_size: int = 64  # tokens per chunk of the parallel form (results do not depend on it)
+    kernel: str = "auto"  # auto (fla-core's Triton kernels on CUDA when installed) | torch | fla
 
     def __post_init__(self) -> None:
         for name in ("n_heads", "head_dim", "conv_kernel", "chunk_size"):
             _require(getattr(self, name) > 0, f"model.kda.{name}={getattr(self, name)} must be > 0")
+        _check_kernel("kda", self.kernel)
 
 
 @dataclass(kw_only=True)

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from model import roles
 from model.config import ConfigError, GDNConfig, ModelConfig
 from model.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from model.fla_ops import fla_gated_delta_rule, use_fla
 from model.init import InitStds, init_linear, trunc_normal_
 from model.kv_cache import RecurrentState
 from model.masks import AttentionContext
@@ -73,9 +74,15 @@ def delta_rule(
     ctx: AttentionContext,
     chunk: int,
     state: RecurrentState | None,
+    kernel: str = "torch",
 ) -> tuple[Tensor, Tensor]:
-    """The recurrent form for one decoded token (T == 1 with a state), else the chunked one."""
-    if state is not None and q.shape[2] == 1:
+    """The recurrent form for one decoded token (T == 1 with a state), else the chunked one; on
+    fla-core's Triton kernels when `kernel` ("auto" | "torch" | "fla") picks them
+    (model/fla_ops.py), else in torch (model/delta_rule.py)."""
+    decoding = state is not None and q.shape[2] == 1
+    if use_fla(kernel, q):
+        return fla_gated_delta_rule(q, k, v, g, beta, initial, None if decoding else ctx.doc_starts)
+    if decoding:
         return recurrent_gated_delta_rule(q, k, v, g, beta, initial)
     return chunk_gated_delta_rule(q, k, v, g, beta, initial, ctx.doc_starts, chunk)
 
@@ -163,6 +170,7 @@ class GatedDeltaNet(DeltaRuleMixer):
         self.n_k_heads, self.n_heads = g.n_heads, g.n_v_heads or g.n_heads
         self.k_dim, self.v_dim = g.head_dim, g.v_head_dim or g.head_dim
         self.chunk, self.neg_eigval = g.chunk_size, g.allow_neg_eigval
+        self.kernel = g.kernel  # auto | torch | fla (model/fla_ops.py)
         C, H = dims.d_model, self.n_heads
         key_width, value_width = self.n_k_heads * self.k_dim, H * self.v_dim
         self.q_proj = nn.Linear(C, key_width, bias=False)
@@ -200,7 +208,9 @@ class GatedDeltaNet(DeltaRuleMixer):
         beta, g = beta.transpose(1, 2), g.transpose(1, 2)  # (B, H, T)
         initial = state.state if state is not None else None
         with torch.autocast(x.device.type, enabled=False):  # the rule's matmuls stay fp32
-            o, final = delta_rule(q, k, v_heads, g, beta, initial, ctx, self.chunk, state)
+            o, final = delta_rule(
+                q, k, v_heads, g, beta, initial, ctx, self.chunk, state, self.kernel
+            )
         self.save_state(state, last_inputs, final)
         o = o.transpose(1, 2).to(v.dtype)  # (B, T, H, Dv)
         gate = self.z_proj(x).view(B, T, H, Dv)

@@ -54,6 +54,7 @@ class KimiDeltaAttention(DeltaRuleMixer):
     def __init__(self, k: KDAConfig, dims: LayerDims) -> None:
         super().__init__()
         self.n_heads, self.head_dim, self.chunk = k.n_heads, k.head_dim, k.chunk_size
+        self.kernel = k.kernel  # auto | torch | fla (model/fla_ops.py)
         self.k_dim = self.v_dim = k.head_dim
         C, H, D = dims.d_model, k.n_heads, k.head_dim
         self.q_proj = nn.Linear(C, H * D, bias=False)
@@ -87,7 +88,9 @@ class KimiDeltaAttention(DeltaRuleMixer):
         v_heads, beta = v.to(dt).view(B, T, H, D).transpose(1, 2), beta.transpose(1, 2)
         initial = state.state if state is not None else None
         with torch.autocast(x.device.type, enabled=False):  # the rule's matmuls stay fp32
-            o, final = delta_rule(q, k, v_heads, g, beta, initial, ctx, self.chunk, state)
+            o, final = delta_rule(
+                q, k, v_heads, g, beta, initial, ctx, self.chunk, state, self.kernel
+            )
         self.save_state(state, last_inputs, final)
         o = o.transpose(1, 2).to(v.dtype)  # (B, T, H, D)
         gate = self.g_b_proj(self.g_a_proj(x)).view(B, T, H, D)

@@ -16,6 +16,8 @@ from typing import Any
 from model.config import ModelConfig
 from optim.config import OptimConfig
 
+# model fields that choose how a result is computed, not what it is: free to change on resume
+COMPUTE_ONLY = frozenset({"gdn.chunk_size", "gdn.kernel", "kda.chunk_size", "kda.kernel"})
 # optimizers with the same state (muonclip is muon plus a weight rescale after each step)
 OPTIMIZER_FAMILY = {"muonclip": "muon"}
 
@@ -60,6 +62,8 @@ class Fingerprint:
             if group == "model":  # a field newer than the checkpoint had its default there
                 theirs = _model_defaults() | theirs
             for key in sorted(set(mine) | set(theirs)):
+                if group == "model" and key in COMPUTE_ONLY:
+                    continue
                 if _flat(theirs.get(key)) != _flat(mine.get(key)):
                     then, now = theirs.get(key, "<absent>"), mine.get(key, "<absent>")
                     out.append(f"{group}.{key}={then} in the checkpoint, {now} now")

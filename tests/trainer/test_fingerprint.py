@@ -26,3 +26,12 @@ def test_a_new_field_set_away_from_its_default_is_a_difference():
     assert mixed.differences(saved) == [
         "model.layer_pattern=[] in the checkpoint, ['gqa', 'mla'] now"
     ]
+
+
+def test_how_the_delta_rule_is_computed_may_change_on_resume():
+    saved = {"fingerprint": Fingerprint.of(load_preset("tiny_hybrid"), OptimConfig()).to_dict()}
+    other = {"gdn.chunk_size": 16, "gdn.kernel": "torch", "kda.kernel": "fla"}
+    now = Fingerprint.of(load_preset("tiny_hybrid", other), OptimConfig())
+    assert now.differences(saved) == []
+    wider = Fingerprint.of(load_preset("tiny_hybrid", {"gdn.head_dim": 32}), OptimConfig())
+    assert wider.differences(saved) == ["model.gdn.head_dim=64 in the checkpoint, 32 now"]

@@ -1,0 +1,427 @@
+"""The prepared checks a GPU session runs once: a list of named checks, each a function that
+returns a dict (its numbers, or why it was skipped), run one by one with any error recorded, all
+saved in one JSON file with the machine description.
+
+Checks:
+  delta_rule_fla_vs_torch  the gated delta rule on fla-core's Triton kernels (model/fla_ops.py)
+      vs our torch chunked form (model/delta_rule.py): Gated DeltaNet (B 2, T 4096, 16 value
+      heads, Dk = Dv = 128, per-head decay) and KDA (16 heads of 128, per-channel decay); forward
+      and forward + backward time and peak memory, the max abs difference of outputs, final
+      states and gradients (fp32 and bf16 inputs; an fp64 torch reference for fp32), packed
+      documents with initial states (fla's varlen path), one decoded token, and the layers with
+      kernel=fla vs kernel=torch. Skipped, with the reason, without CUDA or fla-core.
+
+    python bench/gpu_check.py [--out PATH] [--only NAME ...] [--budget-s 170] [--list]
+On CUDA writes bench/results/gpu_check.json (or --out); on CPU prints only, unless --out is given.
+Exits 0 unless --strict and a check raised.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from bench.machine import machine
+from model.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from model.fla_ops import fla_available, fla_gated_delta_rule
+from model.gdn import l2_normalize
+
+DEFAULT_OUT = ROOT / "bench" / "results" / "gpu_check.json"
+Check = Callable[["Budget"], dict]
+CHECKS: dict[str, Check] = {}
+
+
+def check(name: str) -> Callable[[Check], Check]:
+    """Registers a check under `name` (run in registration order)."""
+
+    def register(fn: Check) -> Check:
+        CHECKS[name] = fn
+        return fn
+
+    return register
+
+
+class Budget:
+    """The wall-clock time left to the whole run: checks skip their optional parts when it runs
+    out, so one slow compile does not cost the session its device time."""
+
+    def __init__(self, seconds: float) -> None:
+        self.deadline = time.monotonic() + seconds
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def allows(self, seconds: float) -> bool:
+        return self.left() > seconds
+
+
+def cuda_skip_reason(need_fla: bool = False) -> str | None:
+    if not torch.cuda.is_available():
+        return "no CUDA (torch.cuda.is_available() is False)"
+    if need_fla and not fla_available():
+        return "fla-core is not installed (pip install lmforge[fla])"
+    return None
+
+
+def sub_case(results: dict, name: str, fn: Callable[[], dict], budget: Budget, need_s: float):
+    """results[name] = fn(), or why not (time budget, an error); a CUDA OOM frees the cache."""
+    if not budget.allows(need_s):
+        results[name] = {"skipped": f"time budget: {budget.left():.0f} s left, needs ~{need_s} s"}
+        return
+    start = time.monotonic()
+    try:
+        results[name] = fn()
+    except Exception as error:  # recorded: the other sub-cases still run
+        results[name] = {"error": f"{type(error).__name__}: {error}"[:2000]}
+        traceback.print_exc()
+    finally:
+        torch.cuda.empty_cache()
+    results[name]["seconds"] = round(time.monotonic() - start, 2)
+    print(f"  {name}: {json.dumps(results[name])[:400]}", flush=True)
+
+
+# ---- delta_rule_fla_vs_torch ----------------------------------------------------------------
+
+DEVICE = "cuda"  # a dry run of the code paths may set "cpu" (with a stand-in for fla)
+B, T, H, D = 2, 4096, 16, 128  # the rule's benchmark shape
+LAYER_T, LAYER_HEADS = 1024, 8  # tokens and value heads (of D) of the layer comparison
+
+
+def delta_inputs(per_channel: bool, seed: int = 0) -> dict[str, torch.Tensor]:
+    """fp32 inputs as the layers prepare them: q, k L2-normalized (q x D^-1/2), decays like
+    -exp(A_log) softplus(a + dt_bias) (rates 1..16 as KDA, time steps around 0.01), beta in (0, 1)."""
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    kw = dict(device=DEVICE, generator=gen)
+    q = l2_normalize(torch.randn(B, H, T, D, **kw)) * D**-0.5
+    k = l2_normalize(torch.randn(B, H, T, D, **kw))
+    v = torch.randn(B, H, T, D, **kw)
+    shape = (B, H, T, D) if per_channel else (B, H, T)
+    rate = 1.0 + 15.0 * torch.rand(H, 1, *((1,) if per_channel else ()), **kw)
+    g = -rate * F.softplus(torch.randn(shape, **kw) - 4.6)  # softplus(-4.6) ~ 0.01
+    beta = torch.sigmoid(torch.randn(B, H, T, **kw))
+    return dict(q=q, k=k, v=v, g=g, beta=beta)
+
+
+def torch_rule(q, k, v, g, beta, initial=None, doc_starts=None):
+    return chunk_gated_delta_rule(q, k, v, g, beta, initial, doc_starts, chunk=64)
+
+
+def fwd_bwd(rule, x: dict, cotangents: tuple | None, extra: tuple = ()):
+    """(o, final, grads of (o . do + final . dS) w.r.t. every leaf in x) or, without
+    cotangents, a no-grad forward."""
+    if cotangents is None:
+        with torch.no_grad():
+            return (*rule(*x.values(), *extra), None)
+    leaves = [t.detach().requires_grad_() for t in x.values()]
+    extra = tuple(
+        t.detach().requires_grad_() if torch.is_tensor(t) and t.is_floating_point() else t
+        for t in extra
+    )
+    o, final = rule(*leaves, *extra)
+    do, dS = cotangents
+    loss = (o.to(do.dtype) * do).sum() + (final.to(dS.dtype) * dS).sum()
+    wrt = leaves + [t for t in extra if torch.is_tensor(t) and t.requires_grad]
+    return o.detach(), final.detach(), torch.autograd.grad(loss, wrt)
+
+
+def timed(fn: Callable[[], object], warmup: int = 2, repeats: int = 5) -> dict:
+    """Median and min wall time of fn after warm-up (each synchronized), and the peak memory
+    it allocates above what was allocated before it."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    return {
+        "median_ms": round(1e3 * statistics.median(times), 3),
+        "min_ms": round(1e3 * min(times), 3),
+        "peak_mib": round(peak / 2**20, 1),
+    }
+
+
+def differences(got: tuple, ref: tuple, names: list[str]) -> dict:
+    """Max abs difference per tensor, and relative to the reference's max abs value."""
+    out = {}
+    for name, a, b in zip(names, got, ref):
+        a, b = a.double(), b.double()
+        diff = (a - b).abs().max().item()
+        scale = b.abs().max().item()
+        out[name] = {"max_abs": diff, "rel_to_max": diff / scale if scale else math.inf}
+    out["worst_rel"] = max(v["rel_to_max"] for v in out.values())
+    return out
+
+
+def flat(result: tuple) -> tuple:
+    o, final, grads = result
+    return (o, final, *(grads or ()))
+
+
+def grad_names(x: dict, extra: tuple = ()) -> list[str]:
+    return (
+        ["o", "final"]
+        + [f"d{n}" for n in x]
+        + ["dinitial"] * any(torch.is_tensor(t) and t.is_floating_point() for t in extra)
+    )
+
+
+def delta_rule_cases(per_channel: bool, results: dict) -> dict[str, tuple[Callable, float]]:
+    """The sub-cases of one decay kind: name -> (function returning its dict, rough seconds it
+    needs on an H200 with fla's kernels still to compile); the shape goes into results."""
+    results["shape"] = {
+        "B": B,
+        "T": T,
+        "H": H,
+        "Dk": D,
+        "Dv": D,
+        "decay": "per channel" if per_channel else "per head",
+    }
+    x = delta_inputs(per_channel)
+    gen = torch.Generator(device=DEVICE).manual_seed(1)
+    cot = (
+        torch.randn(B, H, T, D, device=DEVICE, generator=gen),
+        torch.randn(B, H, D, D, device=DEVICE, generator=gen),
+    )
+    names = grad_names(x)
+    keep: dict = {}
+
+    def fp32() -> dict:
+        ref = fwd_bwd(torch_rule, x, cot)
+        got = fwd_bwd(fla_gated_delta_rule, x, cot)
+        keep["torch_fp32"], keep["fla_fp32"] = ref, got
+        return {
+            "torch": timed(lambda: fwd_bwd(torch_rule, x, cot)),
+            "fla": timed(lambda: fwd_bwd(fla_gated_delta_rule, x, cot)),
+            "torch_forward": timed(lambda: fwd_bwd(torch_rule, x, None)),
+            "fla_forward": timed(lambda: fwd_bwd(fla_gated_delta_rule, x, None)),
+            "fla_vs_torch": differences(flat(got), flat(ref), names),
+        }
+
+    def bf16() -> dict:
+        """fla on bf16 q, k, v (g, beta fp32, as the layers compute them) vs torch on the same
+        values in fp32."""
+        xb = {n: (t.bfloat16() if n in "qkv" else t) for n, t in x.items()}
+        xr = {n: t.float() for n, t in xb.items()}
+        ref = fwd_bwd(torch_rule, xr, cot)
+        got = fwd_bwd(fla_gated_delta_rule, xb, cot)
+        return {
+            "inputs": "q, k, v bf16; g, beta fp32",
+            "torch": timed(lambda: fwd_bwd(torch_rule, xr, cot)),
+            "fla": timed(lambda: fwd_bwd(fla_gated_delta_rule, xb, cot)),
+            "fla_vs_torch": differences(flat(got), flat(ref), names),
+        }
+
+    def fp64_reference() -> dict:
+        """How far each fp32 result is from the fp64 torch chunked form."""
+        if "fla_fp32" not in keep:
+            return {"skipped": "the fp32 case did not finish"}
+        ref = flat(
+            fwd_bwd(
+                torch_rule, {n: t.double() for n, t in x.items()}, tuple(c.double() for c in cot)
+            )
+        )
+        return {
+            "torch_fp32_vs_fp64": differences(flat(keep["torch_fp32"]), ref, names),
+            "fla_fp32_vs_fp64": differences(flat(keep["fla_fp32"]), ref, names),
+        }
+
+    def documents() -> dict:
+        """fla's varlen path: packed documents, a random initial state per row, row 1 continuing
+        its state into its first document (no start at t = 0); fp32, forward + backward."""
+        starts = torch.zeros(B, T, dtype=torch.bool, device=DEVICE)
+        at = [round(T * f) for f in (0.17, 0.49, 0.977, 0.366, 0.814)]
+        starts[0, [0, at[0], at[0] + 1, at[1], at[2]]] = True  # a document of one token
+        starts[1, [at[3], at[4]]] = True
+        initial = 0.1 * torch.randn(B, H, D, D, device=DEVICE, generator=gen)
+        extra = (initial, starts)
+        ref = fwd_bwd(torch_rule, x, cot, extra)
+        got = fwd_bwd(fla_gated_delta_rule, x, cot, extra)
+        return {
+            "documents": {
+                "row 0": starts[0].nonzero().flatten().tolist(),
+                "row 1": starts[1].nonzero().flatten().tolist(),
+            },
+            "fla_vs_torch": differences(flat(got), flat(ref), grad_names(x, extra)),
+            "torch": timed(lambda: fwd_bwd(torch_rule, x, cot, extra), 1, 3),
+            "fla": timed(lambda: fwd_bwd(fla_gated_delta_rule, x, cot, extra), 1, 3),
+        }
+
+    def decode() -> dict:
+        """One token with a state: fla's fused recurrent op vs our recurrent form."""
+        x1 = {n: t[:, :, :1].contiguous() for n, t in x.items()}
+        initial = 0.1 * torch.randn(B, H, D, D, device=DEVICE, generator=gen)
+        with torch.no_grad():
+            ref = recurrent_gated_delta_rule(*x1.values(), initial)
+            got = fla_gated_delta_rule(*x1.values(), initial)
+            step = {
+                "torch": timed(lambda: recurrent_gated_delta_rule(*x1.values(), initial), 3, 20),
+                "fla": timed(lambda: fla_gated_delta_rule(*x1.values(), initial), 3, 20),
+            }
+        return {"fla_vs_torch": differences(got, ref, ["o", "final"]), **step}
+
+    return {
+        "fp32": (fp32, 20),
+        "documents_initial_state": (documents, 20),
+        "decode": (decode, 10),
+        "bf16": (bf16, 20),
+        "fp64_reference": (fp64_reference, 15),
+    }
+
+
+def layer_case(kind: str) -> dict:
+    """A layer with kernel=fla vs kernel=torch (same weights, fp32, d_model 1024 = 8 value heads
+    of 128; GDN with 4 query/key heads): three packed documents in a batch of 2, forward and
+    backward (the parameters' gradients), then a prefill of 64 and 4 decoded tokens with a state."""
+    from model.config import GDNConfig, KDAConfig
+    from model.gdn import GatedDeltaNet
+    from model.init import InitStds
+    from model.kda import KimiDeltaAttention
+    from model.masks import AttentionContext, document_starts, positions_in_documents
+    from model.mixer import LayerDims
+
+    width = LAYER_HEADS * D
+    dims = LayerDims(width, 1e-6, None)
+    layers = []
+    for kernel in ("torch", "fla"):
+        torch.manual_seed(0)
+        if kind == "gdn":
+            cfg = GDNConfig(
+                n_heads=LAYER_HEADS // 2, n_v_heads=LAYER_HEADS, head_dim=D, kernel=kernel
+            )
+            layer = GatedDeltaNet(cfg, dims)
+        else:
+            cfg = KDAConfig(n_heads=LAYER_HEADS, head_dim=D, kernel=kernel)
+            layer = KimiDeltaAttention(cfg, dims)
+        layer = layer.to(DEVICE)
+        with torch.no_grad():
+            layer.init_weights(InitStds(0.02, 0.02, 0.02))
+        layers.append(layer)
+    layers[1].load_state_dict(layers[0].state_dict())
+    Tl = LAYER_T
+    doc_ids = torch.zeros(2, Tl, dtype=torch.long, device=DEVICE)
+    doc_ids[0, Tl * 3 // 10 :] = 1
+    doc_ids[0, Tl * 9 // 10 :] = 2
+    doc_ids[1, Tl // 2 :] = 1
+    ctx = AttentionContext(
+        positions_in_documents(doc_ids), None, None, True, 0, doc_starts=document_starts(doc_ids)
+    )
+    x = torch.randn(2, Tl, width, device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(2))
+    outs, grads = [], []
+    for layer in layers:
+        y = layer(x, ctx)
+        y.square().mean().backward()
+        outs.append(y.detach())
+        grads.append(torch.cat([p.grad.flatten() for p in layer.parameters()]))
+    result = {
+        "documents_forward": differences(outs[1:], outs[:1], ["y"]),
+        "documents_param_grads": differences(grads[1:], grads[:1], ["grads"]),
+    }
+    with torch.no_grad():
+        states = [layer.new_state(2, 0, torch.float32, torch.device(DEVICE)) for layer in layers]
+        steps = []
+        for t, width in ((0, 64), (64, 1), (65, 1), (66, 1), (67, 1)):
+            pos = torch.arange(t, t + width, device=DEVICE)[None].expand(2, -1)
+            c = AttentionContext(pos, None, None, t == 0, t)
+            ys = [layer(x[:, t : t + width], c, s) for layer, s in zip(layers, states)]
+            steps.append(differences(ys[1:], ys[:1], ["y"])["worst_rel"])
+        result["prefill_then_decode_worst_rel"] = steps
+        result["final_state"] = differences([states[1].state], [states[0].state], ["state"])
+    return result
+
+
+@check("delta_rule_fla_vs_torch")
+def delta_rule_fla_vs_torch(budget: Budget) -> dict:
+    reason = cuda_skip_reason(need_fla=True)
+    if reason:
+        return {"skipped": reason}
+    import importlib.metadata
+
+    results: dict = {"fla_core": importlib.metadata.version("fla-core"), "gdn": {}, "kda": {}}
+    plans = {
+        "gdn": delta_rule_cases(False, results["gdn"]),
+        "kda": delta_rule_cases(True, results["kda"]),
+    }
+    for name in plans["gdn"]:  # by priority, both kinds before the next sub-case
+        for kind, plan in plans.items():
+            print(f" {kind}:", flush=True)
+            fn, need_s = plan[name]
+            sub_case(results[kind], name, fn, budget, need_s)
+    del plans  # the kept tensors
+    for kind in ("gdn", "kda"):
+        sub_case(results[kind], "layer", lambda k=kind: layer_case(k), budget, 15)
+    return results
+
+
+# ---- the runner -----------------------------------------------------------------------------
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=None, help=f"default {DEFAULT_OUT} on CUDA")
+    parser.add_argument("--only", nargs="+", choices=sorted(CHECKS), default=None)
+    parser.add_argument("--budget-s", type=float, default=170.0, help="total wall-clock budget")
+    parser.add_argument("--list", action="store_true", help="print the checks' names and exit")
+    parser.add_argument("--strict", action="store_true", help="exit 1 if a check raised")
+    args = parser.parse_args()
+    if args.list:
+        print("\n".join(CHECKS))
+        return 0
+    budget = Budget(args.budget_s)
+    cuda = torch.cuda.is_available()
+    extra = {}
+    if cuda:
+        extra = {"gpu": torch.cuda.get_device_name(), "cuda": torch.version.cuda}
+    report = {
+        "benchmark": "gpu_check",
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "machine": machine(("torch", "triton", "fla-core"), **extra),
+        "checks": {},
+    }
+    failed = False
+    for name in args.only or CHECKS:
+        print(f"{name}:", flush=True)
+        start = time.monotonic()
+        try:
+            result = CHECKS[name](budget)
+        except Exception as error:
+            failed = True
+            traceback.print_exc()
+            result = {"error": f"{type(error).__name__}: {error}"[:2000]}
+        result["seconds"] = round(time.monotonic() - start, 2)
+        report["checks"][name] = result
+        print(f"{name}: {json.dumps(result)[:300]}", flush=True)
+    text = json.dumps(report, indent=2) + "\n"
+    out = args.out or (DEFAULT_OUT if cuda else None)
+    if out is None:
+        print(text, end="")
+        print("no CUDA: printed only (pass --out PATH to write a file)")
+    else:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
+        print(f"wrote {out}")
+    return 1 if failed and args.strict else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

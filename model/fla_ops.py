@@ -1,0 +1,137 @@
+"""fla-core's Triton kernels for the gated delta rule (`model.gdn.kernel` / `model.kda.kernel`):
+the same (o, final state) as model/delta_rule.py, in our layout, on CUDA when fla-core is installed
+(`pip install lmforge[fla]`).
+
+Our layout (model/delta_rule.py): q, k (B, H, T, Dk) L2-normalized, q already x Dk^-1/2, repeated
+to the H value heads; v (B, H, T, Dv); log-decay g (B, H, T) per head (Gated DeltaNet) or
+(B, H, T, Dk) per key channel (KDA); beta (B, H, T); state (B, H, Dk, Dv). fla's: [B, T, H, K],
+g [B, T, HV] or [B, T, HV, K] in natural-log space, beta [B, T, HV], state [N, HV, K, V] (K-first,
+`state_v_first=False`), `scale=None` meaning K^-1/2 (so we pass 1.0), varlen as B = 1 with
+`cu_seqlens` [N + 1] (N sequences, one state each).
+
+Ops (fla-core 0.4 - 0.6, every argument passed by name): per-head g ->
+`fla.ops.gated_delta_rule.chunk_gated_delta_rule` (training, prefill) /
+`fused_recurrent_gated_delta_rule` (one decoded token, no autograd); per-channel g ->
+`fla.ops.kda.chunk_kda` / `fused_recurrent_kda`.
+
+Packed documents: fla restarts the state only at `cu_seqlens` boundaries, so the batch is
+flattened into one row cut at every row start and every document start; a row's initial state
+goes to its first segment (unless a document starts at its first token), its final state is
+its last segment's. Finding the cuts reads the document starts on the host (one device sync).
+
+Nothing here imports fla or triton at module load: CPU installs never see them.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import torch
+from torch import Tensor
+
+from model.errors import ConfigError
+
+KERNEL_KEYS = "model.gdn.kernel=fla (or model.kda.kernel=fla)"
+FLA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what "auto" hands to the kernels
+MAX_HEAD_DIM = 256  # fla's chunk kernels assert K <= 256 (fla/ops/common/chunk_delta_h.py)
+
+
+@functools.cache
+def fla_available() -> bool:
+    """fla-core and triton are installed (found, not imported)."""
+    try:
+        return all(importlib.util.find_spec(name) is not None for name in ("fla", "triton"))
+    except (ImportError, ValueError):  # a broken install, or a module without a spec
+        return False
+
+
+def use_fla(kernel: str, x: Tensor) -> bool:
+    """Whether a delta-rule layer with `kernel` ("auto" | "torch" | "fla") runs fla's kernels on
+    `x` (its q): "torch" never; "auto" on CUDA when fla-core is installed (and the dtype and head
+    dim are ones the kernels take); "fla" always, raising when it cannot."""
+    if kernel == "torch":
+        return False
+    if kernel == "auto":
+        return (
+            x.is_cuda and x.dtype in FLA_DTYPES and x.shape[-1] <= MAX_HEAD_DIM and fla_available()
+        )
+    if kernel == "fla":
+        if not fla_available():
+            raise ConfigError(
+                f"{KERNEL_KEYS} needs fla-core (and triton): pip install lmforge[fla], "
+                "or set the kernel to auto or torch"
+            )
+        if not x.is_cuda:
+            raise ConfigError(
+                f"{KERNEL_KEYS} runs fla-core's Triton kernels on CUDA only, but this layer runs "
+                f"on {x.device.type}; set the kernel to auto or torch"
+            )
+        return True
+    raise ConfigError(f"delta-rule kernel={kernel!r}; choose one of: auto, torch, fla")
+
+
+def _op(per_channel: bool, recurrent: bool):
+    """The fla function for a per-head or per-channel decay, chunked or token by token."""
+    if per_channel:
+        from fla.ops.kda import chunk_kda, fused_recurrent_kda
+
+        return fused_recurrent_kda if recurrent else chunk_kda
+    from fla.ops.gated_delta_rule import (
+        chunk_gated_delta_rule,
+        fused_recurrent_gated_delta_rule,
+    )
+
+    return fused_recurrent_gated_delta_rule if recurrent else chunk_gated_delta_rule
+
+
+def _needs_grad(*tensors: Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _segments(doc_starts: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The flattened batch's segments: (cu_seqlens [N + 1] int64, each row's first segment (B,),
+    each row's last segment (B,)). A segment begins at every row start and document start."""
+    B, T = doc_starts.shape
+    starts = doc_starts.clone()
+    starts[:, 0] = True
+    flat = starts.reshape(-1)
+    bounds = flat.nonzero().squeeze(1)  # (N,) int64: the host learns N here
+    cu_seqlens = torch.cat([bounds, bounds.new_tensor([B * T])])
+    first = flat.long().cumsum(0)[::T] - 1  # the segment a row's first token belongs to
+    last = torch.cat([first[1:] - 1, first.new_tensor([bounds.numel() - 1])])
+    return cu_seqlens, first, last
+
+
+def fla_gated_delta_rule(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    initial: Tensor | None = None,
+    doc_starts: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """`chunk_gated_delta_rule(q, k, v, g, beta, initial, doc_starts)` (model/delta_rule.py) on
+    fla's kernels: (o (B, H, T, Dv), final state (B, H, Dk, Dv)). The fused recurrent op serves
+    T == 1 when no gradient is needed (it has no backward); everything else uses the chunk op."""
+    B, _, T, _ = q.shape
+    per_channel = g.dim() == 4
+    op = _op(per_channel, recurrent=T == 1 and not _needs_grad(q, k, v, g, beta, initial))
+    q, k, v, g, beta = (x.transpose(1, 2).contiguous() for x in (q, k, v, g, beta))
+    common = dict(scale=1.0, output_final_state=True, use_qk_l2norm_in_kernel=False)
+    if doc_starts is None:  # one sequence per row: the batch as it is
+        o, final = op(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial, **common)
+        return o.transpose(1, 2), final
+
+    cu_seqlens, first, last = _segments(doc_starts)
+    seg_initial = None
+    if initial is not None:  # a row's state enters its first segment, unless a document starts
+        carried = initial * (~doc_starts[:, 0]).to(initial.dtype)[:, None, None, None]
+        seg_initial = initial.new_zeros(cu_seqlens.numel() - 1, *initial.shape[1:])
+        seg_initial = seg_initial.index_copy(0, first, carried)
+    q, k, v, g, beta = (x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g, beta))
+    o, final = op(
+        q=q, k=k, v=v, g=g, beta=beta, initial_state=seg_initial, cu_seqlens=cu_seqlens, **common
+    )
+    return o.reshape(B, T, *o.shape[2:]).transpose(1, 2), final[last]
