@@ -122,8 +122,10 @@ class MLAConfig:
     # NoPE: the rope part of queries and the shared key is not rotated (Kimi Linear's full
     # layers; order then comes from the causal mask and the linear layers)
     nope: bool = False
+    norm_eps: float = 0.0  # eps of the q/kv latent RMSNorms; 0 = model.norm_eps (HF's: 1e-6)
 
     def __post_init__(self) -> None:
+        _require(self.norm_eps >= 0, f"model.attention.mla.norm_eps={self.norm_eps} must be >= 0")
         for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
             value = getattr(self, name)
             _require(value > 0, f"model.attention.mla.{name}={value} must be > 0")
@@ -259,6 +261,8 @@ class MoEConfig:
     top_k: int = 2  # routed experts per token
     expert_hidden: int = 0  # hidden width of each routed expert; 0 = the model's ffn_hidden
     shared_hidden: int = 0  # hidden width of each shared expert; 0 = expert_hidden
+    # scale the shared experts' output by sigmoid(w . x), one learned w (C,) (Qwen2/3-Next MoE)
+    shared_expert_gate: bool = False
     first_k_dense: int = 0  # the first k layers keep the dense FFN (width ffn_hidden)
     score_func: str = "softmax"  # softmax | sigmoid (DeepSeek-V3): expert scores from router logits
     norm_topk_prob: bool = True  # renormalize the k selected scores to sum to 1
@@ -295,6 +299,10 @@ class MoEConfig:
         _require(self.route_scale > 0, f"model.moe.route_scale={self.route_scale} must be > 0")
         if self.n_routed_experts == 0:
             return  # dense: the other fields are not used
+        _require(
+            not self.shared_expert_gate or self.n_shared_experts > 0,
+            "model.moe.shared_expert_gate=true needs model.moe.n_shared_experts > 0 (it gates them)",
+        )
         E = self.n_routed_experts
         _require(self.top_k >= 1, f"model.moe.top_k={self.top_k} must be >= 1")
         _require(

@@ -73,7 +73,8 @@ class MultiHeadLatentAttention(TokenMixer, QKClipHooks):
 
     def __init__(self, a: AttentionConfig, dims: LayerDims) -> None:
         super().__init__()
-        m, bias, eps = a.mla, a.bias, dims.norm_eps
+        m, bias = a.mla, a.bias
+        eps = m.norm_eps or dims.norm_eps
         if dims.rope is None and not m.nope:
             raise ConfigError("MLA uses decoupled RoPE; set model.position=rope (or mla.nope=true)")
         self.n_heads, self.kv_rank = a.n_heads, m.kv_lora_rank

@@ -3,10 +3,15 @@
 A directory is `config.json` plus safetensors weights (one `model.safetensors`, or shards with a
 `model.safetensors.index.json`), loadable by `transformers.AutoModelForCausalLM`. Families are
 adapter files registered in `HF_FAMILIES` (model/hf/family.py):
-  llama   LlamaForCausalLM   pre-RMSNorm, SwiGLU, RoPE on every head dim, optional biases
-  qwen3   Qwen3ForCausalLM   the same plus per-head QK-norm (chosen when attention.qk_norm is on)
-To add a family, write model/hf/<family>.py with an `HFFamily` subclass registered under its
-name, and import it below. MoE models have no family yet and are refused with a ConfigError.
+  llama        LlamaForCausalLM      pre-RMSNorm, SwiGLU, RoPE on every head dim, optional biases
+  qwen3        Qwen3ForCausalLM      the same plus per-head QK-norm (chosen when attention.qk_norm is on)
+  qwen3_next   Qwen3NextForCausalLM  GDN + gated attention hybrids with MoE (model/hf/qwen3_next.py)
+  qwen3_5      Qwen3_5ForCausalLM    the same, dense (Qwen3.5's text model)
+  kimi_linear  KimiLinearForCausalLM KDA + MLA NoPE hybrids, dense or MoE (model/hf/kimi_linear.py)
+To add a family, write model/hf/<family>.py with an `HFFamily` subclass (or a `LayeredFamily`,
+model/hf/layered.py, for per-layer conversion) registered under its name, and import it below.
+Dense and MoE softmax-attention models without a hybrid layer (Qwen3-MoE, DeepSeek-V3) have no
+family yet and are refused with a ConfigError naming the option.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import torch
 from torch import Tensor
 
 from model.config import ConfigError, ModelConfig
-from model.hf import llama  # noqa: F401  (registers the llama and qwen3 families)
+from model.hf import kimi_linear, llama, qwen3_next  # noqa: F401  (register the families)
 from model.hf.family import HF_FAMILIES, HFFamily, family_for_config, family_for_hf
 from model.hf.files import MAX_SHARD_BYTES, read_hf_state_dict, write_hf_dir
 from model.transformer import Transformer, build_model
@@ -57,27 +62,16 @@ def config_from_hf(hf: dict[str, Any], rope_pairing: str = "half") -> ModelConfi
 
 
 def to_hf_state_dict(model: Transformer) -> dict[str, Tensor]:
-    cfg = model.cfg
-    family = family_for_config(cfg)
-    return {
-        family.to_hf_name(name): family.to_hf_tensor(name, tensor, cfg)
-        for name, tensor in model.state_dict().items()
-    }
+    return family_for_config(model.cfg).to_hf_state(dict(model.state_dict()), model.cfg)
 
 
 def from_hf_state_dict(
     hf_state: dict[str, Tensor], cfg: ModelConfig, family: HFFamily | None = None
 ) -> dict[str, Tensor]:
     family = family or family_for_config(cfg)
-    out, unknown = {}, []
-    for hf_name, tensor in hf_state.items():
-        if hf_name.endswith("rotary_emb.inv_freq"):
-            continue  # old checkpoints saved RoPE frequencies; we recompute them
-        name = family.from_hf_name(hf_name)
-        if name is None:
-            unknown.append(hf_name)
-            continue
-        out[name] = family.from_hf_tensor(name, tensor, cfg)
+    # old checkpoints saved RoPE frequencies; we recompute them
+    kept = {n: t for n, t in hf_state.items() if not n.endswith("rotary_emb.inv_freq")}
+    out, unknown = family.from_hf_state(kept, cfg)
     if unknown:
         raise ConfigError(f"unexpected tensors in the checkpoint: {', '.join(unknown[:5])}")
     if cfg.tie_embeddings:
@@ -128,4 +122,13 @@ def load_hf(
         raise ConfigError(
             f"checkpoint does not match the config: missing {missing[:5]}, unexpected {unexpected[:5]}"
         )
+    _zero_statistics(model)
     return model.to(device=device, dtype=dtype) if dtype else model.to(device)
+
+
+def _zero_statistics(model: Transformer) -> None:
+    """Non-persistent buffers (MoE load statistics) are not in checkpoints: start them at zero."""
+    for module in model.modules():
+        for name, buf in module.named_buffers(recurse=False):
+            if buf.is_meta:
+                module._buffers[name] = torch.zeros(buf.shape, dtype=buf.dtype)

@@ -35,6 +35,7 @@ class HFFamily:
     """Base class of a family adapter (subclasses fill the tables and the config mapping)."""
 
     model_types: tuple[str, ...] = ()  # HF `model_type` values this adapter imports
+    fallback = False  # the family whose errors are reported when no family claims a config
     to_hf_names: NameTable = ()  # our parameter names -> HF names
     from_hf_names: NameTable = ()  # HF names -> ours
 
@@ -59,6 +60,24 @@ class HFFamily:
     def from_hf_tensor(self, name: str, tensor: Tensor, cfg: ModelConfig) -> Tensor:
         return tensor
 
+    def to_hf_state(self, state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
+        """Our state dict -> HF's. Default: tensor by tensor through the name table and
+        `to_hf_tensor`; families with fused or split tensors regroup them around this."""
+        return {self.to_hf_name(n): self.to_hf_tensor(n, t, cfg) for n, t in state.items()}
+
+    def from_hf_state(
+        self, hf_state: dict[str, Tensor], cfg: ModelConfig
+    ) -> tuple[dict[str, Tensor], list[str]]:
+        """HF's state dict -> (ours, the HF names with no counterpart)."""
+        out, unknown = {}, []
+        for hf_name, tensor in hf_state.items():
+            name = self.from_hf_name(hf_name)
+            if name is None:
+                unknown.append(hf_name)
+            else:
+                out[name] = self.from_hf_tensor(name, tensor, cfg)
+        return out, unknown
+
     def to_hf_name(self, name: str) -> str:
         hf_name = rename(name, self.to_hf_names)
         if hf_name is None:
@@ -73,9 +92,9 @@ def family_for_config(cfg: ModelConfig) -> HFFamily:
     """The family that can express `cfg`; else a ConfigError naming why the family it is meant
     for (the first that claims it) cannot."""
     families = [HF_FAMILIES.get(name)() for name in HF_FAMILIES.names()]
-    candidates = [f for f in families if f.claims(cfg)] or families
+    candidates = [f for f in families if f.claims(cfg)] or [f for f in families if f.fallback]
     reasons = []
-    for family in candidates:
+    for family in candidates or families:
         reason = family.unsupported(cfg)
         if reason is None:
             return family

@@ -66,6 +66,11 @@ def _common_unsupported(cfg: ModelConfig) -> str | None:
     return next((describe() for bad, describe in checks if bad), None)
 
 
+def _all_attention(cfg: ModelConfig) -> bool:
+    """Every layer is softmax attention (hybrid stacks belong to the hybrid families)."""
+    return all(kind in LLAMA_MIXERS for kind in cfg.mixer_kinds())
+
+
 class LlamaLike(HFFamily):
     """What Llama and Qwen3 share: names, config fields, the RoPE pairing fix."""
 
@@ -188,9 +193,10 @@ class LlamaLike(HFFamily):
 class Llama(LlamaLike):
     model_types = ("llama",)
     architecture = "LlamaForCausalLM"
+    fallback = True  # a model no family claims is reported as a Llama that cannot be
 
     def claims(self, cfg: ModelConfig) -> bool:
-        return not cfg.attention.qk_norm
+        return _all_attention(cfg) and not cfg.attention.qk_norm
 
     def _family_unsupported(self, cfg: ModelConfig) -> str | None:
         if cfg.attention.qk_norm:
@@ -208,7 +214,7 @@ class Qwen3(LlamaLike):
     qk_norm = True
 
     def claims(self, cfg: ModelConfig) -> bool:
-        return cfg.attention.qk_norm
+        return _all_attention(cfg) and cfg.attention.qk_norm
 
     def _family_unsupported(self, cfg: ModelConfig) -> str | None:
         if not cfg.attention.qk_norm:

@@ -58,9 +58,19 @@ def rope_scaling(rope: RopeConfig) -> dict[str, Any] | None:
     return out
 
 
-def rope_from_hf(hf: dict[str, Any], pairing: str) -> tuple[RopeConfig, int]:
+def rope_from_hf(
+    hf: dict[str, Any], pairing: str, partial: bool = False, ignored: tuple[str, ...] = ()
+) -> tuple[RopeConfig, int]:
+    """(RopeConfig, max_seq_len). `partial`: the family rotates part of each head
+    (`partial_rotary_factor`, top level or in the rope parameters); `ignored`: keys that do
+    not change a text model's rotation (Qwen3.5's multimodal `mrope_section`)."""
     params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     theta = params.pop("rope_theta", None) or hf.get("rope_theta", 10000.0)
+    fraction = 1.0
+    if partial:
+        fraction = params.pop("partial_rotary_factor", None) or hf.get("partial_rotary_factor", 1.0)
+    for key in ignored:
+        params.pop(key, None)
     kind = params.pop("rope_type", params.pop("type", "default"))
     scaling = {v: k for k, v in ROPE_TYPES.items()}.get(kind)
     if scaling is None:
@@ -81,4 +91,7 @@ def rope_from_hf(hf: dict[str, Any], pairing: str) -> tuple[RopeConfig, int]:
     max_seq_len = hf["max_position_embeddings"]
     if scaling == "dynamic_ntk":  # HF's max_position_embeddings is the original length here
         fields["original_max_seq_len"] = max_seq_len
-    return RopeConfig(theta=float(theta), pairing=pairing, scaling=scaling, **fields), max_seq_len
+    rope = RopeConfig(
+        theta=float(theta), pairing=pairing, scaling=scaling, fraction=float(fraction), **fields
+    )
+    return rope, max_seq_len

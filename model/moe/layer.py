@@ -8,7 +8,8 @@ Shapes: B batch, T time, N = B T tokens, C d_model, E routed experts, k top_k, M
     order     = stable argsort of topk_idx.flatten()      slots grouped by expert, tokens in order
     counts    = bincount over all E experts               (E,) int64
     y_sorted  = dispatch(flat[order // k], counts, experts)   (M, C)
-    out[t]    = sum_j weight[t, j] y[slot t k + j]  + shared(flat)[t]
+    out[t]    = sum_j weight[t, j] y[slot t k + j]  + shared(flat)[t]   (x sigmoid(w_s . x_t)
+                                                        with moe.shared_expert_gate, Qwen3-Next)
 
 `dispatch` is the only place routed tokens meet the experts: the default runs the local experts;
 expert parallelism replaces `moe.dispatch` with an all-to-all version (same signature, global
@@ -27,8 +28,9 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from model import roles
 from model.config import ModelConfig
-from model.init import InitStds
+from model.init import InitStds, init_linear
 from model.moe.buffers import Fp32Buffers
 from model.moe.experts import GroupedExperts
 from model.moe.losses import router_z_loss, sequence_balance_loss, switch_balance_loss
@@ -119,6 +121,8 @@ class MoE(Fp32Buffers):
         self.shared = (
             FFNS.get(cfg.ffn.kind)(cfg.d_model, cfg.shared_hidden) if moe.n_shared_experts else None
         )
+        gated = self.shared is not None and moe.shared_expert_gate
+        self.shared_gate = nn.Linear(cfg.d_model, 1, bias=False) if gated else None
         self.dispatch: Dispatch = local_dispatch
         self.register_buffer(
             "tokens_per_expert", torch.zeros(self.n_experts, dtype=torch.float32), persistent=False
@@ -151,7 +155,10 @@ class MoE(Fp32Buffers):
         y_sorted = y_sorted * weights.to(y_sorted.dtype)[:, None]
         out = _Combine.apply(y_sorted, order, inverse, k)  # (N, C)
         if self.shared is not None:
-            out = out + self.shared(flat)
+            shared = self.shared(flat)
+            if self.shared_gate is not None:
+                shared = shared * torch.sigmoid(self.shared_gate(flat))
+            out = out + shared
         self._account(routing, counts, dropped, B)
         return out.view(B, T, C).to(out_dtype)
 
@@ -195,6 +202,10 @@ class MoE(Fp32Buffers):
             )
             self.last_losses = logged
 
+    def param_roles(self) -> dict[str, str]:
+        # a (1, C) gate: AdamW, never Muon (an orthogonalized single row is just its sign pattern)
+        return {"shared_gate.weight": roles.MIXING} if self.shared_gate is not None else {}
+
     def pop_aux_losses(self) -> list[Tensor]:
         """The weighted balance losses kept since the last pop (one per training forward)."""
         losses, self._aux_losses = self._aux_losses, []
@@ -213,6 +224,8 @@ class MoE(Fp32Buffers):
             shared = sum(
                 m.weight.numel() for m in self.shared.modules() if isinstance(m, nn.Linear)
             )
+        if self.shared_gate is not None:
+            shared += self.shared_gate.weight.numel()
         return self.router.gate.weight.numel() + shared + self.top_k * self._expert_params()
 
     def inactive_params_per_token(self) -> int:
@@ -223,6 +236,8 @@ class MoE(Fp32Buffers):
         self.experts.init_weights(stds)
         if self.shared is not None:
             self.shared.init_weights(stds)
+        if self.shared_gate is not None:
+            init_linear(self.shared_gate, stds.inner)
         nn.init.zeros_(self.tokens_per_expert)
         nn.init.zeros_(self.dropped_tokens)
         self._aux_losses = []

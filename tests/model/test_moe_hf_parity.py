@@ -114,3 +114,40 @@ def test_matches_deepseek_v3_moe(n_groups, topk_groups, top_k, n_shared):
         torch.testing.assert_close(y, theirs(x), atol=ATOL, rtol=RTOL)
         theirs.gate.e_score_correction_bias.zero_()  # the bias matters: without it, outputs change
         assert (y - theirs(x)).abs().max() > 1e-2
+
+
+def test_the_gated_shared_expert_matches_qwen3_next_sparse_block():
+    """Qwen3-Next's MoE: softmax top-k plus one shared expert scaled by sigmoid(w . x)."""
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextSparseMoeBlock
+
+    layer = ours(
+        2,
+        n_routed_experts=8,
+        top_k=2,
+        expert_hidden=32,
+        n_shared_experts=1,
+        shared_hidden=24,
+        shared_expert_gate=True,
+    )
+    assert layer.param_roles() == {"shared_gate.weight": "mixing"}  # AdamW, never Muon
+    hf_cfg = transformers.Qwen3NextConfig(
+        hidden_size=C,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=24,
+        num_experts=8,
+        num_experts_per_tok=2,
+        num_hidden_layers=1,
+    )
+    theirs = Qwen3NextSparseMoeBlock(hf_cfg).eval()
+    with torch.no_grad():
+        theirs.gate.weight.copy_(layer.router.gate.weight)
+        theirs.shared_expert_gate.weight.copy_(layer.shared_gate.weight)
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            getattr(theirs.shared_expert, name).weight.copy_(getattr(layer.shared, name).weight)
+    copy_experts(layer, theirs.experts)
+    x = torch.randn(3, 10, C)
+    with torch.no_grad():
+        y = layer(x)
+        torch.testing.assert_close(y, theirs(x), atol=ATOL, rtol=RTOL)
+        theirs.shared_expert_gate.weight.fill_(50.0)  # the gate matters: near 1 vs near 0
+        assert (y - theirs(x)).abs().max() > 1e-2

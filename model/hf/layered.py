@@ -1,0 +1,207 @@
+"""A base for families whose layers differ (hybrid stacks, MoE): weights convert layer by layer
+through per-mixer and per-FFN converters, so fused tensors (Qwen3-Next's in_proj_qkvz,
+transformers' fused expert stacks) are built from and split into our separate ones.
+
+A converter maps the parameters of one of our modules (names relative to it, e.g. `q_proj.weight`)
+to the HF module's (relative to it, e.g. `in_proj_qkvz.weight`) and back. The HF layout of a layer:
+    model.layers.{i}.input_layernorm, .<mixer module>.*, .post_attention_layernorm, .mlp.*
+    model.embed_tokens, model.norm, lm_head
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from model.config import ConfigError, ModelConfig
+from model.hf.family import HFFamily
+
+Params = dict[str, Tensor]
+
+
+def take(state: Params, prefix: str) -> Params:
+    """Remove and return the tensors under `prefix`, named relative to it."""
+    names = [n for n in state if n.startswith(prefix)]
+    return {n[len(prefix) :]: state.pop(n) for n in names}
+
+
+def put(prefix: str, params: Params) -> Params:
+    return {prefix + n: t for n, t in params.items()}
+
+
+def pop(params: Params, name: str, where: str = "") -> Tensor:
+    """`params[name]`, removed; a ConfigError naming it when the checkpoint lacks it."""
+    if name not in params:
+        raise ConfigError(f"the checkpoint has no tensor {where}{name}")
+    return params.pop(name)
+
+
+def rename(params: Params, table: dict[str, str], where: str = "") -> Params:
+    """The tensors of `table`'s keys under its values' names (all must be present)."""
+    return {new: pop(params, old, where) for old, new in table.items()}
+
+
+def optional_rename(params: Params, table: dict[str, str]) -> Params:
+    """Like `rename`, for tensors that exist only with some options (biases)."""
+    return {new: params.pop(old) for old, new in table.items() if old in params}
+
+
+def interleave_groups(parts: list[Tensor], groups: int) -> Tensor:
+    """Rows of several projections, interleaved per group: each part (groups * r_i, ...) ->
+    (groups * sum r_i, ...) with group g's rows of every part together (HF's fused layouts)."""
+    viewed = [p.reshape(groups, -1, *p.shape[1:]) for p in parts]
+    merged = torch.cat(viewed, dim=1)
+    return merged.reshape(-1, *parts[0].shape[1:])
+
+
+def split_groups(fused: Tensor, groups: int, rows: list[int]) -> list[Tensor]:
+    """The inverse of `interleave_groups`: rows[i] = rows of part i per group."""
+    viewed = fused.reshape(groups, sum(rows), *fused.shape[1:])
+    return [p.reshape(-1, *fused.shape[1:]) for p in viewed.split(rows, dim=1)]
+
+
+def experts_to_hf(params: Params, names: tuple[str, str, str]) -> Params:
+    """Our (E, C, F) w_gate / w_up and (E, F, C) w_down -> one (out, in) matrix per expert, as
+    checkpoints store them: experts.{j}.{gate | up | down name}.weight."""
+    stacks = [pop(params, f"experts.{n}") for n in ("w_gate", "w_up", "w_down")]
+    return {
+        f"experts.{j}.{name}.weight": stack[j].T
+        for j in range(stacks[0].shape[0])
+        for name, stack in zip(names, stacks, strict=True)
+    }
+
+
+def experts_from_hf(params: Params, names: tuple[str, str, str], E: int, where: str) -> Params:
+    """The inverse of `experts_to_hf`; also reads transformers 5's fused runtime layout,
+    gate_up_proj (E, 2F, C) = [W_gate; W_up] per expert and down_proj (E, C, F)."""
+    if "experts.gate_up_proj" in params:
+        gate, up = pop(params, "experts.gate_up_proj").transpose(1, 2).chunk(2, dim=2)
+        down = pop(params, "experts.down_proj", where).transpose(1, 2)
+    else:
+        gate, up, down = (
+            torch.stack([pop(params, f"experts.{j}.{name}.weight", where).T for j in range(E)])
+            for name in names
+        )
+    return {"experts.w_gate": gate, "experts.w_up": up, "experts.w_down": down}
+
+
+DENSE_FFN = ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
+
+
+class LayeredFamily(HFFamily):
+    """Per-layer conversion; subclasses give the mixer modules and converters."""
+
+    mixer_modules: ClassVar[
+        dict[str, str]
+    ] = {}  # our mixer kind -> HF module name in a decoder layer
+    # our FFN kind (dense | moe) -> HF module names in a decoder layer (export writes the first)
+    ffn_modules: ClassVar[dict[str, tuple[str, ...]]] = {"dense": ("mlp",), "moe": ("mlp",)}
+    ties_on_load = True  # transformers ties lm_head to the embedding when the config says so
+    zero_centred = False  # HF's decoder norms compute x_hat * (1 + w) (Qwen3-Next), ours x_hat * w
+
+    # ---- converters (subclasses) ----------------------------------------------------------------
+
+    def mixer_to_hf(self, kind: str, params: Params, cfg: ModelConfig) -> Params:
+        raise NotImplementedError
+
+    def mixer_from_hf(self, kind: str, params: Params, cfg: ModelConfig, where: str) -> Params:
+        raise NotImplementedError
+
+    def ffn_to_hf(self, kind: str, params: Params, cfg: ModelConfig) -> Params:
+        raise NotImplementedError
+
+    def ffn_from_hf(self, kind: str, params: Params, cfg: ModelConfig, where: str) -> Params:
+        raise NotImplementedError
+
+    def gain_to_hf(self, w: Tensor) -> Tensor:
+        return w - 1 if self.zero_centred else w
+
+    def gain_from_hf(self, w: Tensor) -> Tensor:
+        return w + 1 if self.zero_centred else w
+
+    # ---- the whole model ------------------------------------------------------------------------
+
+    def to_hf_state(self, state: Params, cfg: ModelConfig) -> Params:
+        s = dict(state)
+        out = {
+            "model.embed_tokens.weight": pop(s, "embed.weight"),
+            "model.norm.weight": self.gain_to_hf(pop(s, "norm.weight")),
+        }
+        if not cfg.tie_embeddings:
+            out["lm_head.weight"] = pop(s, "head.weight")
+        elif not self.ties_on_load:  # a copy: safetensors refuses two names for one storage
+            out["lm_head.weight"] = out["model.embed_tokens.weight"].clone()
+        s.pop("head.weight", None)  # tied: the embedding itself
+        for spec in cfg.layer_specs():
+            ours, theirs = f"layers.{spec.index}.", f"model.layers.{spec.index}."
+            out[theirs + "input_layernorm.weight"] = self.gain_to_hf(
+                pop(s, ours + "attn_norm.weight")
+            )
+            out[theirs + "post_attention_layernorm.weight"] = self.gain_to_hf(
+                pop(s, ours + "ffn_norm.weight")
+            )
+            mixer = take(s, ours + "attn.")
+            module = theirs + self.mixer_modules[spec.mixer] + "."
+            converted = self.mixer_to_hf(spec.mixer, mixer, cfg)
+            out |= put(module, self._all_used(converted, mixer, ours + "attn."))
+            ffn = take(s, ours + "ffn.")
+            converted = self.ffn_to_hf(spec.ffn, ffn, cfg)
+            mlp = theirs + self.ffn_modules[spec.ffn][0] + "."
+            out |= put(mlp, self._all_used(converted, ffn, ours + "ffn."))
+        if s:
+            raise ConfigError(
+                f"parameters with no Hugging Face counterpart: {', '.join(list(s)[:5])}"
+            )
+        return out
+
+    def from_hf_state(self, hf_state: Params, cfg: ModelConfig) -> tuple[Params, list[str]]:
+        s = dict(hf_state)
+        out = {
+            "embed.weight": pop(s, "model.embed_tokens.weight"),
+            "norm.weight": self.gain_from_hf(pop(s, "model.norm.weight")),
+        }
+        head = s.pop("lm_head.weight", None)
+        out["head.weight"] = head if head is not None else out["embed.weight"]
+        for spec in cfg.layer_specs():
+            ours, theirs = f"layers.{spec.index}.", f"model.layers.{spec.index}."
+            out[ours + "attn_norm.weight"] = self.gain_from_hf(
+                pop(s, theirs + "input_layernorm.weight")
+            )
+            out[ours + "ffn_norm.weight"] = self.gain_from_hf(
+                pop(s, theirs + "post_attention_layernorm.weight")
+            )
+            module = theirs + self.mixer_modules[spec.mixer] + "."
+            mixer = take(s, module)
+            out |= put(ours + "attn.", self.mixer_from_hf(spec.mixer, mixer, cfg, module))
+            unknown = [module + n for n in mixer]
+            candidates = [theirs + m + "." for m in self.ffn_modules[spec.ffn]]
+            module = next(
+                (p for p in candidates if any(n.startswith(p) for n in s)),
+                candidates[0],
+            )
+            mlp = take(s, module)
+            out |= put(ours + "ffn.", self.ffn_from_hf(spec.ffn, mlp, cfg, module))
+            unknown += [module + n for n in mlp]
+            if unknown:
+                return out, unknown
+        return out, list(s)
+
+    @staticmethod
+    def _all_used(converted: Params, left: Params, prefix: str) -> Params:
+        if left:
+            names = ", ".join(prefix + n for n in left)
+            raise ConfigError(f"parameters with no Hugging Face counterpart: {names}")
+        return converted
+
+
+def layout_fields(kinds: list[str], default: str) -> dict[str, list[str]]:
+    """ModelConfig fields for a per-layer mixer list: nothing when every layer is `default`, the
+    shortest repeating `layer_pattern` when there is one, else the explicit `layer_types`."""
+    if all(kind == default for kind in kinds):
+        return {}
+    for period in range(1, len(kinds)):
+        if len(kinds) % period == 0 and kinds == kinds[:period] * (len(kinds) // period):
+            return {"layer_pattern": kinds[:period]}
+    return {"layer_types": list(kinds)}
