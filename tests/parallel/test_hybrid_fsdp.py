@@ -65,3 +65,20 @@ def test_the_hybrid_with_moe_ffns_under_expert_parallelism_matches_one_process()
     torch.testing.assert_close(got["losses"], single["losses"], rtol=1e-4, atol=1e-5)
     assert got["placements"]["layers.1.ffn.experts.w_up"] != "local"  # the experts are split
     assert [k for k in single["stats"][-1] if k.startswith("moe/")]  # routing statistics came
+
+
+@pytest.mark.distributed
+def test_the_hybrid_under_hsdp_saves_and_resumes_in_another_layout(tmp_path) -> None:
+    """HSDP 2 x 2 (4 gloo ranks) for 2 steps, a DCP checkpoint, then 2 more steps on 2 FSDP ranks:
+    the losses and final weights of one uninterrupted process (AdamW, fp32)."""
+    uninterrupted = train(0, hybrid(), {}, STEPS)
+    hsdp = {"dp_replicate": 2, "dp_shard": 2}
+    first = run_ranks(4, train, hybrid(), hsdp, 2, 1, "fp32", 1.0, "", str(tmp_path))[0]
+    placement = first["placements"]["layers.0.attn.conv.weight"]
+    assert placement == "(Replicate(), Shard(dim=0))"
+    checkpoint = tmp_path / "step_00000002"
+    second = run_ranks(2, train, hybrid(), {}, 2, 1, "fp32", 1.0, str(checkpoint), "")[0]
+    losses = first["losses"] + second["losses"]
+    torch.testing.assert_close(losses, uninterrupted["losses"], rtol=2e-5, atol=2e-6)
+    for name, tensor in uninterrupted["final"].items():
+        torch.testing.assert_close(second["final"][name], tensor, rtol=1e-4, atol=1e-5, msg=name)
