@@ -375,6 +375,10 @@ class ModelConfig:
     # a short list of mixer kinds repeated over the layers (e.g. [gdn, gdn, gdn, gqa]); [] = every
     # layer is attention.kind
     layer_pattern: list[str] = field(default_factory=list)
+    # Qwen3-Next's rule: layers N-1, 2N-1, ... are attention.kind and the others linear_mixer
+    # (full_attention_every=4: three linear layers, then one softmax layer); 0 = off
+    full_attention_every: int = 0
+    linear_mixer: str = "gdn"  # the other layers' kind under full_attention_every (gdn | kda)
 
     def __post_init__(self) -> None:
         for name in ("d_model", "n_layers", "max_seq_len"):
@@ -396,9 +400,18 @@ class ModelConfig:
         for key in ("layer_types", "layer_pattern"):
             for kind in getattr(self, key):
                 _check_choice(f"model.{key}", kind, MIXERS)
+        _check_choice("model.linear_mixer", self.linear_mixer, MIXERS)
+        given = [
+            k for k in ("layer_types", "layer_pattern", "full_attention_every") if getattr(self, k)
+        ]
         _require(
-            not (self.layer_types and self.layer_pattern),
-            "model.layer_types and model.layer_pattern are both set; give one of them",
+            len(given) <= 1,
+            f"model.{' and model.'.join(given)} are {'both' if len(given) == 2 else 'all'} set; "
+            "give one of them",
+        )
+        _require(
+            self.full_attention_every >= 0,
+            f"model.full_attention_every={self.full_attention_every} must be >= 0 (0 = off)",
         )
         _require(
             not self.layer_types or len(self.layer_types) == self.n_layers,
@@ -437,10 +450,12 @@ class ModelConfig:
 
     def mixer_kinds(self) -> list[str]:
         """The token mixer of every layer: layer_types, else layer_pattern repeated, else
-        attention.kind everywhere."""
+        full_attention_every's rule, else attention.kind everywhere."""
         if self.layer_types:
             return list(self.layer_types)
         pattern = self.layer_pattern or [self.attention.kind]
+        if self.full_attention_every:
+            pattern = [self.linear_mixer] * (self.full_attention_every - 1) + [self.attention.kind]
         return [pattern[i % len(pattern)] for i in range(self.n_layers)]
 
     def layout_summary(self) -> str:

@@ -67,6 +67,15 @@ def test_pattern_and_explicit_list_resolve_to_the_same_stack():
             "model.layer_types and model.layer_pattern are both set",
         ),
         (dict(position="alibi"), "MLA uses decoupled RoPE"),
+        (
+            dict(layer_pattern=["gqa"], full_attention_every=4),
+            "model.layer_pattern and model.full_attention_every are both set",
+        ),
+        (
+            dict(layer_pattern=[], full_attention_every=2, linear_mixer="rnn"),
+            "model.linear_mixer='rnn' is not a known token mixer",
+        ),
+        (dict(layer_pattern=[], full_attention_every=-1), "full_attention_every=-1 must be >= 0"),
     ],
 )
 def test_bad_layouts_fail_naming_the_field(overrides, message):
@@ -133,3 +142,22 @@ def test_inspect_prints_and_exports_the_resolved_layout(capsys):
     gqa = 2 * 2 * 64  # per layer: K x D keys and values
     mla = cfg.attention.mla.kv_lora_rank + cfg.attention.mla.qk_rope_head_dim
     assert row["kv_bytes_per_token"] == 2 * (4 * gqa + 2 * mla)  # bf16
+
+
+def test_full_attention_every_is_qwen3_next_rule():
+    """full_attention_every=4: layers 3, 7, 11 are softmax attention, the rest linear_mixer; the
+    same stack as transformers' `full_attention_interval` rule, (i + 1) % 4 == 0."""
+    from model import ModelConfig
+
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=12, full_attention_every=4)
+    full = [i for i, kind in enumerate(cfg.mixer_kinds()) if kind == "gqa"]
+    assert full == [3, 7, 11] == [i for i in range(12) if (i + 1) % 4 == 0]
+    assert set(cfg.mixer_kinds()) == {"gdn", "gqa"}
+    kda = ModelConfig(
+        vocab_size=64, d_model=32, n_layers=8, full_attention_every=4, linear_mixer="kda"
+    )
+    assert kda.mixer_kinds() == ["kda", "kda", "kda", "gqa"] * 2
+    pattern = ModelConfig(
+        vocab_size=64, d_model=32, n_layers=12, layer_pattern=["gdn"] * 3 + ["gqa"]
+    )
+    assert pattern.layer_specs() == cfg.layer_specs()
