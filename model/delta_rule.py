@@ -67,6 +67,9 @@ def _pad_time(x: Tensor, pad: int) -> Tensor:
     return F.pad(x, widths)
 
 
+SUB_CHUNK = 16  # per-channel decay: explicit (sub x sub x Dk) decay only within sub-chunks
+
+
 def _pair_products(a: Tensor, b: Tensor, gamma: Tensor, allowed: Tensor) -> tuple[Tensor, Tensor]:
     """(a_r . b_s Gamma_rs for every pair (r, s) of a chunk, exp(gamma)). gamma (..., C) is one
     log-decay per head (Gated DeltaNet) or (..., C, Dk) one per key channel (KDA), where
@@ -75,9 +78,36 @@ def _pair_products(a: Tensor, b: Tensor, gamma: Tensor, allowed: Tensor) -> tupl
         diff = gamma[..., :, None] - gamma[..., None, :]
         decay = torch.exp(diff.masked_fill(~allowed, -torch.inf))
         return (a @ b.transpose(-1, -2)) * decay, gamma.exp()[..., None]
-    diff = gamma[..., :, None, :] - gamma[..., None, :, :]  # (..., C, C, Dk)
-    decay = torch.exp(diff.masked_fill(~allowed[..., None], -torch.inf))
-    return torch.einsum("...rd,...sd,...rsd->...rs", a, b, decay), gamma.exp()
+    return _channel_pair_products(a, b, gamma).masked_fill(~allowed, 0.0), gamma.exp()
+
+
+def _channel_pair_products(a: Tensor, b: Tensor, gamma: Tensor) -> Tensor:
+    """sum_d a_rd b_sd exp(gamma_rd - gamma_sd) for s <= r (0 above the diagonal): a, b, gamma
+    (..., C, Dk) -> (..., C, C), without the (C, C, Dk) decay tensor of the direct form.
+
+    The chunk is cut into M sub-chunks of c tokens. Within a sub-chunk the decay is explicit
+    (..., M, c, c, Dk). A pair across sub-chunks (s before the start t_i of r's sub-chunk i)
+    factors through t_i: exp(gamma_r - gamma_t) exp(gamma_t - gamma_s), both factors <= 1
+    (gamma falls over time), so it is a matmul of scaled rows that cannot overflow; b is scaled
+    once per sub-chunk i, (..., M, C, Dk). Memory C Dk (c + M) instead of C^2 Dk."""
+    *lead, C, D = a.shape
+    c = next(size for size in (SUB_CHUNK, 8, 4, 2, 1) if C % size == 0)
+    M = C // c
+    a_, b_, g_ = (x.reshape(*lead, M, c, D) for x in (a, b, gamma))
+    within = torch.ones(c, c, dtype=torch.bool, device=a.device).tril()
+    diff = g_[..., :, None, :] - g_[..., None, :, :]  # (..., M, c, c, D)
+    decay = torch.exp(diff.masked_fill(~within[..., None], -torch.inf))
+    diagonal = torch.einsum("...mrd,...msd,...mrsd->...mrs", a_, b_, decay)  # (..., M, c, c)
+    start = g_[..., :, :1, :]  # (..., M, 1, D): gamma at each sub-chunk's first token
+    a_scaled = a_ * torch.exp(g_ - start)  # (..., M, c, D)
+    position = torch.arange(C, device=a.device)
+    before = position[None, :] < (position[::c][:, None])  # (M, C): s before sub-chunk i
+    exponent = (start - gamma[..., None, :, :]).masked_fill(~before[..., None], -torch.inf)
+    b_scaled = b[..., None, :, :] * torch.exp(exponent)  # (..., M, C, D)
+    across = a_scaled @ b_scaled.transpose(-1, -2)  # (..., M, c, C)
+    eye = torch.eye(M, dtype=a.dtype, device=a.device)
+    placed = torch.einsum("...mrs,mn->...mrns", diagonal, eye).reshape(*lead, M, c, C)
+    return (across + placed).reshape(*lead, C, C)
 
 
 def chunk_gated_delta_rule(

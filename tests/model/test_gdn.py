@@ -433,3 +433,26 @@ def test_under_bf16_autocast_the_rule_still_runs_in_fp32(monkeypatch):
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         model(tokens)
     assert seen and set(seen) == {(torch.float32, torch.float32)}
+
+
+@pytest.mark.parametrize("C", [64, 48, 16, 8])
+def test_per_channel_pair_products_by_sub_chunks_equal_the_direct_form(C):
+    """The sub-chunked per-channel decay products equal the (C, C, Dk) direct form, also for
+    decays strong enough that a direct factorization exp(gamma_r) exp(-gamma_s) would overflow."""
+    from model.delta_rule import _channel_pair_products
+
+    gen = torch.Generator().manual_seed(7)
+    a, b = (torch.randn(2, 3, C, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    for scale in (0.3, 40.0):  # per-token log-decays down to -40: gamma spans -2500 in a chunk
+        g = -torch.rand(2, 3, C, 8, generator=gen, dtype=torch.float64) * scale
+        gamma = g.cumsum(-2)
+        diff = gamma[..., :, None, :] - gamma[..., None, :, :]
+        lower = torch.ones(C, C, dtype=torch.bool).tril()
+        decay = torch.exp(diff.masked_fill(~lower[..., None], -torch.inf))
+        direct = torch.einsum("...rd,...sd,...rsd->...rs", a, b, decay)
+        got = _channel_pair_products(a, b, gamma)
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, direct, **F64)
+    gamma = (-torch.rand(1, 1, C, 8, generator=gen) * 40).cumsum(-2).requires_grad_()
+    _channel_pair_products(a[:1, :1].float(), b[:1, :1].float(), gamma).sum().backward()
+    assert torch.isfinite(gamma.grad).all()  # fp32 gradients stay finite under strong decay
