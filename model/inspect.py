@@ -151,7 +151,7 @@ LONG_CONTEXTS = (32768, 131072)
 def _long_context_state(cfg: ModelConfig, kv: Any, dtype: str) -> dict[str, int]:
     """Generation state of one sequence at 32k and 128k tokens, and of the all-attention twin
     (every layer attention.kind, the rest unchanged): what a hybrid's linear layers save."""
-    twin_cfg = dataclasses.replace(cfg, layer_types=[], layer_pattern=[])
+    twin_cfg = dataclasses.replace(cfg, layer_types=[], layer_pattern=[], full_attention_every=0)
     twin = kv_cache_size(build_model(twin_cfg, device="meta"), dtype)
     out = {}
     for tokens in LONG_CONTEXTS:

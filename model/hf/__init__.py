@@ -96,6 +96,7 @@ def save_hf(
         dtype=dtype,
         max_shard_bytes=max_shard_bytes,
         overwrite=overwrite,
+        keep_fp32=family_for_config(model.cfg).keep_fp32,
     )
 
 
@@ -123,7 +124,8 @@ def load_hf(
             f"checkpoint does not match the config: missing {missing[:5]}, unexpected {unexpected[:5]}"
         )
     _zero_statistics(model)
-    return model.to(device=device, dtype=dtype) if dtype else model.to(device)
+    # one dtype: the requested one, else the checkpoint's (zero-centred gains convert in fp32)
+    return model.to(device=device, dtype=dtype or state["embed.weight"].dtype)
 
 
 def _zero_statistics(model: Transformer) -> None:

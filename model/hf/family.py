@@ -36,6 +36,7 @@ class HFFamily:
 
     model_types: tuple[str, ...] = ()  # HF `model_type` values this adapter imports
     fallback = False  # the family whose errors are reported when no family claims a config
+    keep_fp32: tuple[str, ...] = ()  # HF name suffixes stored fp32 whatever the export dtype
     to_hf_names: NameTable = ()  # our parameter names -> HF names
     from_hf_names: NameTable = ()  # HF names -> ours
 

@@ -27,14 +27,19 @@ def write_hf_dir(
     dtype: torch.dtype | None = None,
     max_shard_bytes: int = MAX_SHARD_BYTES,
     overwrite: bool = False,
+    keep_fp32: tuple[str, ...] = (),
 ) -> Path:
     """Write config(dtype) + `state` (HF names) to `out_dir` atomically (a temporary sibling,
-    then rename)."""
+    then rename). Tensors whose names end with one of `keep_fp32` stay fp32 (a router's
+    selection bias rounded to bf16 would change which experts win near ties)."""
     out_dir = Path(out_dir)
     if out_dir.exists() and not overwrite:
         raise FileExistsError(f"{out_dir} exists; pass overwrite=True or choose another directory")
     dtype = dtype or next(iter(state.values())).dtype
-    state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in state.items()}
+    state = {
+        k: v.detach().to("cpu", torch.float32 if k.endswith(keep_fp32) else dtype).contiguous()
+        for k, v in state.items()
+    }
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:

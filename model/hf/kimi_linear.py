@@ -131,6 +131,8 @@ class KimiLinear(LayeredFamily):
     architecture = "KimiLinearForCausalLM"
     mixer_modules: ClassVar[dict[str, str]] = {"kda": "self_attn", "mla": "self_attn"}
     ties_on_load = False  # KimiLinearForCausalLM has no tied weights: lm_head is always stored
+    # transformers' _keep_in_fp32_modules_strict for Kimi Linear
+    keep_fp32 = ("e_score_correction_bias", "gate.weight", "dt_bias")
     ffn_modules: ClassVar[dict[str, tuple[str, ...]]] = {
         "dense": ("mlp", "block_sparse_moe"),
         "moe": ("block_sparse_moe", "mlp"),
@@ -186,6 +188,10 @@ class KimiLinear(LayeredFamily):
             "num_expert_group": moe.n_groups,
             "topk_group": moe.topk_groups,
             "moe_router_activation_func": "sigmoid",
+            # for Moonshot's own config class (vLLM, SGLang, trust_remote_code): the same layout
+            "first_k_dense_replace": moe.first_k_dense if moe.enabled else cfg.n_layers,
+            "moe_layer_freq": 1,
+            "use_grouped_topk": True,
             "torch_dtype": DTYPE_NAMES[dtype],
             "initializer_range": cfg.init.std,
             # KimiLinearConfig's defaults are Kimi's tokenizer ids (outside a smaller vocabulary)
@@ -241,7 +247,8 @@ class KimiLinear(LayeredFamily):
             ),
             ffn=FFNConfig(kind="swiglu", hidden=hf["intermediate_size"]),
             moe=_moe_from_hf(hf),
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            # KimiLinearForCausalLM never ties: its lm_head is its own (our tied export stores a copy)
+            tie_embeddings=False,
             init=InitConfig(std=float(hf.get("initializer_range", 0.02))),
         )
 

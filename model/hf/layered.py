@@ -116,10 +116,11 @@ class LayeredFamily(HFFamily):
         raise NotImplementedError
 
     def gain_to_hf(self, w: Tensor) -> Tensor:
-        return w - 1 if self.zero_centred else w
+        return (w.float() - 1).to(w.dtype) if self.zero_centred else w
 
     def gain_from_hf(self, w: Tensor) -> Tensor:
-        return w + 1 if self.zero_centred else w
+        """1 + w in fp32 (transformers' `1.0 + w.float()`; in bf16 the sum would round to 1/128)."""
+        return w.float() + 1 if self.zero_centred else w
 
     # ---- the whole model ------------------------------------------------------------------------
 
@@ -162,8 +163,10 @@ class LayeredFamily(HFFamily):
             "embed.weight": pop(s, "model.embed_tokens.weight"),
             "norm.weight": self.gain_from_hf(pop(s, "model.norm.weight")),
         }
-        head = s.pop("lm_head.weight", None)
-        out["head.weight"] = head if head is not None else out["embed.weight"]
+        if cfg.tie_embeddings:
+            s.pop("lm_head.weight", None)  # the embedding itself
+        else:
+            out["head.weight"] = pop(s, "lm_head.weight")
         for spec in cfg.layer_specs():
             ours, theirs = f"layers.{spec.index}.", f"model.layers.{spec.index}."
             out[ours + "attn_norm.weight"] = self.gain_from_hf(

@@ -10,7 +10,10 @@ Layout differences from ours, converted both ways (fp32 exact except the norm sh
   norms      the decoder, final and QK norms are zero-centred, x_hat (1 + w); ours store 1 + w.
   MoE        gate.weight (router), experts fused (transformers 5), shared_expert, shared_expert_gate.
 A `qwen3_5` directory (the multimodal checkpoint) imports its text model, as transformers'
-Qwen3_5ForCausalLM does: `model.language_model.*`, ignoring the vision tower and the MTP weights.
+Qwen3_5ForCausalLM does: `model.language_model.*`, ignoring the vision tower and the MTP weights
+(released Qwen3-Next checkpoints carry MTP weights too; they are skipped likewise).
+Export picks the family by the FFNs: MoE hybrids write Qwen3-Next, dense ones Qwen3.5 (so a dense
+Qwen3-Next checkpoint imports and re-exports as Qwen3_5ForCausalLM, with the same logits).
 """
 
 from __future__ import annotations
@@ -210,6 +213,14 @@ class QwenHybrid(LayeredFamily):
     def _moe_from_hf(self, hf: dict[str, Any]) -> MoEConfig:
         return MoEConfig()
 
+    def from_hf_state(self, hf_state: Params, cfg: ModelConfig) -> tuple[Params, list[str]]:
+        text = {}
+        for name, tensor in hf_state.items():
+            if name.startswith(("model.visual.", "mtp.")):
+                continue  # the vision tower and MTP head (transformers' text models skip them too)
+            text[name.replace("model.language_model.", "model.", 1)] = tensor
+        return super().from_hf_state(text, cfg)
+
     # ---- weights --------------------------------------------------------------------------------
 
     def mixer_to_hf(self, kind: str, params: Params, cfg: ModelConfig) -> Params:
@@ -223,7 +234,7 @@ class QwenHybrid(LayeredFamily):
             "k_proj.weight": k,
         }
         for name in ("q_norm.weight", "k_norm.weight"):
-            out[name] = _rope_layout(pop(params, name), cfg, interleaved_to_half) - 1
+            out[name] = self.gain_to_hf(_rope_layout(pop(params, name), cfg, interleaved_to_half))
         if "q_proj.bias" in params:
             q_bias = _rope_layout(pop(params, "q_proj.bias"), cfg, interleaved_to_half)
             out["q_proj.bias"] = interleave_groups([q_bias, pop(params, "gate_proj.bias")], H)
@@ -245,7 +256,8 @@ class QwenHybrid(LayeredFamily):
             ),
         }
         for name in ("q_norm.weight", "k_norm.weight"):
-            out[name] = _rope_layout(pop(params, name, where), cfg, half_to_interleaved) + 1
+            gain = _rope_layout(pop(params, name, where), cfg, half_to_interleaved)
+            out[name] = self.gain_from_hf(gain)
         if "q_proj.bias" in params:
             q_bias, gate_bias = split_groups(params.pop("q_proj.bias"), H, [D, D])
             out["q_proj.bias"] = _rope_layout(q_bias, cfg, half_to_interleaved)
@@ -265,7 +277,12 @@ class QwenHybrid(LayeredFamily):
     def ffn_to_hf(self, kind: str, params: Params, cfg: ModelConfig) -> Params:
         if kind == "dense":
             return rename(params, {n: n for n in DENSE_FFN})
-        params.pop("router.expert_bias", None)  # zero: export refuses bias_update_rate > 0
+        bias = params.pop("router.expert_bias", None)
+        if bias is not None and bias.any():  # the HF router has no selection bias
+            raise ConfigError(
+                "the routers' expert_bias (aux-loss-free balancing) is not zero: "
+                f"{self.architecture} routes without a selection bias"
+            )
         out = {"gate.weight": pop(params, "router.gate.weight")}
         out |= experts_to_hf(params, DENSE_NAMES)
         out |= rename(params, SHARED_EXPERT)
@@ -376,14 +393,6 @@ class Qwen3_5(QwenHybrid):
             text.setdefault("tie_word_embeddings", hf.get("tie_word_embeddings", False))
             hf = text
         return super().from_hf_config(hf, rope_pairing)
-
-    def from_hf_state(self, hf_state: Params, cfg: ModelConfig) -> tuple[Params, list[str]]:
-        text = {}
-        for name, tensor in hf_state.items():
-            if name.startswith(("model.visual.", "mtp.")):
-                continue  # the vision tower and MTP head (transformers' text model skips them too)
-            text[name.replace("model.language_model.", "model.", 1)] = tensor
-        return super().from_hf_state(text, cfg)
 
     def gdn_to_hf(self, params: Params, cfg: ModelConfig) -> Params:
         q, k, v = (pop(params, f"{n}_proj.weight") for n in "qkv")

@@ -467,3 +467,91 @@ def test_a_checkpoint_missing_a_tensor_names_it(tmp_path):
     save_file(state, file)
     with pytest.raises(ConfigError, match=r"model\.layers\.1\.self_attn\.k_conv1d\.weight"):
         load_hf(tmp_path / "hf")
+
+
+# ---- checkpoint details (review findings) ---------------------------------------------------------
+
+
+def test_qwen3_next_checkpoints_with_mtp_weights_import(tmp_path):
+    """Released Qwen3-Next checkpoints carry MTP weights; transformers' model ignores them."""
+    from safetensors.torch import load_file, save_file
+
+    cls, config = HF_MODELS["qwen3_next"]()
+    theirs = _hf_random(cls, config)
+    theirs.save_pretrained(tmp_path / "hf")
+    file = tmp_path / "hf" / "model.safetensors"
+    save_file(load_file(file) | {"mtp.fc.weight": torch.zeros(4, 4)}, file)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            load_hf(tmp_path / "hf")(_tokens()), theirs(_tokens()).logits, atol=ATOL, rtol=0
+        )
+
+
+def test_bf16_zero_centred_gains_convert_in_fp32(tmp_path):
+    """1 + w of a bf16 checkpoint's zero-centred gain, added in fp32 as transformers does (in
+    bf16 the sum would round to a step of 1/128)."""
+    cls, config = HF_MODELS["qwen3_5_text"]()
+    theirs = _hf_random(cls, config)
+    with torch.no_grad():
+        for name, p in theirs.named_parameters():
+            if name.endswith("norm.weight") and "linear_attn" not in name:
+                p.copy_(torch.randn_like(p) * 0.05)  # zero-centred: values near 0
+    theirs.to(torch.bfloat16).save_pretrained(tmp_path / "hf")
+    ours = load_hf(tmp_path / "hf", dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = theirs.float()(_tokens()).logits
+        torch.testing.assert_close(ours(_tokens()), ref, atol=ATOL, rtol=0)
+
+
+def test_kimi_keeps_its_router_and_decay_tensors_fp32_in_a_bf16_export(tmp_path):
+    from safetensors import safe_open
+
+    save_hf(_perturbed(ModelConfig(**KIMI, moe=KIMI_MOE)), tmp_path / "hf", dtype=torch.bfloat16)
+    with safe_open(tmp_path / "hf" / "model.safetensors", "pt") as f:
+        dtypes = {name: f.get_tensor(name).dtype for name in f.keys()}  # noqa: SIM118
+    fp32 = {n for n, d in dtypes.items() if d == torch.float32}
+    assert fp32 and all(
+        n.endswith(("e_score_correction_bias", "gate.weight", "dt_bias")) for n in fp32
+    )
+    assert "model.layers.1.block_sparse_moe.gate.e_score_correction_bias" in fp32
+    assert dtypes["model.layers.0.self_attn.q_proj.weight"] == torch.bfloat16
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["first_k_dense_replace"] == 1  # for Moonshot's own config class too
+
+
+def test_a_tied_kimi_config_still_uses_its_own_lm_head(tmp_path):
+    """KimiLinearForCausalLM never ties, whatever tie_word_embeddings says."""
+    cls, config = HF_MODELS["kimi_linear"]()
+    config.tie_word_embeddings = True
+    theirs = _hf_random(cls, config)
+    assert not torch.equal(theirs.lm_head.weight, theirs.model.embed_tokens.weight)
+    theirs.save_pretrained(tmp_path / "hf")
+    with torch.no_grad():
+        torch.testing.assert_close(
+            load_hf(tmp_path / "hf")(_tokens()), theirs(_tokens()).logits, atol=ATOL, rtol=0
+        )
+
+
+def test_qwen3_next_export_refuses_a_nonzero_selection_bias(tmp_path):
+    model = _perturbed(ModelConfig(**QWEN, moe=QWEN_MOE))
+    model.layers["1"].ffn.router.expert_bias.fill_(0.1)  # trained with aux-loss-free balancing
+    with pytest.raises(ConfigError, match="expert_bias .* is not zero"):
+        save_hf(model, tmp_path / "hf")
+
+
+def test_inspect_twin_of_a_full_attention_every_stack_is_all_attention(capsys):
+    from model.inspect import main
+
+    assert (
+        main(
+            [
+                "model=tiny_hybrid",
+                "model.layer_pattern=[]",
+                "model.full_attention_every=4",
+                "format=json",
+            ]
+        )
+        == 0
+    )
+    row = json.loads(capsys.readouterr().out)["tiny_hybrid"]
+    assert row["attention_twin_state_bytes_32k"] > 3 * row["state_bytes_32k"]
