@@ -34,8 +34,10 @@ from model.hf.layered import (
     DENSE_FFN,
     LayeredFamily,
     Params,
+    block_checks,
     experts_from_hf,
     experts_to_hf,
+    first_failing,
     layout_fields,
     optional_rename,
     pop,
@@ -68,24 +70,12 @@ SHARED = {f"shared.{n}": f"shared_experts.{n}" for n in DENSE_FFN}
 
 def _kimi_unsupported(cfg: ModelConfig) -> str | None:
     att, moe = cfg.attention, cfg.moe
-    other = next((kind for kind in cfg.mixer_kinds() if kind not in KIMI_MIXERS), None)
     latent_eps = att.mla.norm_eps or cfg.norm_eps
-    checks = [
-        (
-            other is not None,
-            lambda: (
-                f"layer_types/layer_pattern with {other!r} layers (Kimi Linear layers are kda or mla)"
-            ),
-        ),
+    checks = block_checks(cfg, "Kimi Linear", tuple(KIMI_MIXERS))
+    checks += [
         (att.kind != "mla", lambda: f"attention.kind={att.kind!r} (full layers are MLA)"),
         (cfg.position != "none", lambda: f"position={cfg.position!r} (Kimi Linear is NoPE)"),
-        (cfg.residual != "pre", lambda: f"residual={cfg.residual!r} (Kimi Linear is pre-norm)"),
-        (cfg.norm != "rms", lambda: f"norm={cfg.norm!r}"),
-        (cfg.ffn.kind != "swiglu", lambda: f"ffn.kind={cfg.ffn.kind!r} (SwiGLU only)"),
-        (cfg.ffn.bias, lambda: "ffn.bias=true"),
         (att.output_gate, lambda: "attention.output_gate=true"),
-        (att.sliding_window > 0, lambda: f"attention.sliding_window={att.sliding_window}"),
-        (att.softmax_scale > 0, lambda: f"attention.softmax_scale={att.softmax_scale}"),
         (
             latent_eps != LATENT_EPS,
             lambda: f"attention.mla.norm_eps={latent_eps:g} (its latent norms use {LATENT_EPS:g})",
@@ -102,7 +92,7 @@ def _kimi_unsupported(cfg: ModelConfig) -> str | None:
             (moe.shared_expert_gate, lambda: "moe.shared_expert_gate=true"),
             (moe.capacity_factor > 0, lambda: f"moe.capacity_factor={moe.capacity_factor}"),
         ]
-    return next((describe() for bad, describe in checks if bad), None)
+    return first_failing(checks)
 
 
 def _layer_types(hf: dict[str, Any]) -> list[str]:

@@ -10,6 +10,7 @@ to the HF module's (relative to it, e.g. `in_proj_qkvz.weight`) and back. The HF
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
@@ -85,6 +86,31 @@ def experts_from_hf(params: Params, names: tuple[str, str, str], E: int, where: 
             for name in names
         )
     return {"experts.w_gate": gate, "experts.w_up": up, "experts.w_down": down}
+
+
+Check = tuple[bool, Callable[[], str]]
+
+
+def block_checks(cfg: ModelConfig, family: str, mixers: tuple[str, ...]) -> list[Check]:
+    """What every layered family here shares: its layer kinds, pre-norm RMSNorm blocks with
+    SwiGLU FFNs and no FFN bias, no sliding window or custom softmax scale. (bad, describe)
+    pairs, in order; `describe()` gives `key=value (why)`."""
+    att = cfg.attention
+    other = next((kind for kind in cfg.mixer_kinds() if kind not in mixers), None)
+    layers = f"{family} layers are {' or '.join(mixers)}"
+    return [
+        (other is not None, lambda: f"layer_types/layer_pattern with {other!r} layers ({layers})"),
+        (cfg.residual != "pre", lambda: f"residual={cfg.residual!r} ({family} is pre-norm)"),
+        (cfg.norm != "rms", lambda: f"norm={cfg.norm!r}"),
+        (cfg.ffn.kind != "swiglu", lambda: f"ffn.kind={cfg.ffn.kind!r} (SwiGLU only)"),
+        (cfg.ffn.bias, lambda: "ffn.bias=true"),
+        (att.sliding_window > 0, lambda: f"attention.sliding_window={att.sliding_window}"),
+        (att.softmax_scale > 0, lambda: f"attention.softmax_scale={att.softmax_scale}"),
+    ]
+
+
+def first_failing(checks: list[Check]) -> str | None:
+    return next((describe() for bad, describe in checks if bad), None)
 
 
 DENSE_FFN = ("gate_proj.weight", "up_proj.weight", "down_proj.weight")

@@ -38,8 +38,10 @@ from model.hf.layered import (
     DENSE_FFN,
     LayeredFamily,
     Params,
+    block_checks,
     experts_from_hf,
     experts_to_hf,
+    first_failing,
     interleave_groups,
     layout_fields,
     optional_rename,
@@ -62,29 +64,17 @@ DENSE_NAMES = ("gate_proj", "up_proj", "down_proj")  # per-expert matrices in ch
 def _qwen_unsupported(cfg: ModelConfig) -> str | None:
     """The first option of `cfg` no Qwen3-Next / Qwen3.5 model has (`key=value (why)`), or None."""
     att, rope = cfg.attention, cfg.rope
-    other = next((kind for kind in cfg.mixer_kinds() if kind not in HYBRID_MIXERS), None)
-    checks = [
-        (
-            other is not None,
-            lambda: (
-                f"layer_types/layer_pattern with {other!r} layers (Qwen3-Next layers are gdn or gqa)"
-            ),
-        ),
+    checks = block_checks(cfg, "Qwen3-Next", tuple(HYBRID_MIXERS))
+    checks += [
         (att.kind != "gqa", lambda: f"attention.kind={att.kind!r} (full layers are gated GQA)"),
         (cfg.position != "rope", lambda: f"position={cfg.position!r} (Qwen3-Next uses RoPE)"),
-        (cfg.residual != "pre", lambda: f"residual={cfg.residual!r} (Qwen3-Next is pre-norm)"),
-        (cfg.norm != "rms", lambda: f"norm={cfg.norm!r}"),
-        (cfg.ffn.kind != "swiglu", lambda: f"ffn.kind={cfg.ffn.kind!r} (SwiGLU only)"),
-        (cfg.ffn.bias, lambda: "ffn.bias=true"),
         (not att.output_gate, lambda: "attention.output_gate=false (full layers are gated)"),
         (not att.qk_norm, lambda: "attention.qk_norm=false (full layers have QK-norm)"),
-        (att.sliding_window > 0, lambda: f"attention.sliding_window={att.sliding_window}"),
-        (att.softmax_scale > 0, lambda: f"attention.softmax_scale={att.softmax_scale}"),
         (rope.scaling == "ntk", lambda: "rope.scaling='ntk' (static NTK: raise rope.theta)"),
         (rope.mscale_all_dim > 0, lambda: f"rope.mscale_all_dim={rope.mscale_all_dim}"),
         (cfg.gdn.allow_neg_eigval, lambda: "gdn.allow_neg_eigval=true (OLMo-hybrid's variant)"),
     ]
-    return next((describe() for bad, describe in checks if bad), None)
+    return first_failing(checks)
 
 
 def _moe_unsupported(cfg: ModelConfig) -> str | None:
@@ -98,7 +88,7 @@ def _moe_unsupported(cfg: ModelConfig) -> str | None:
         (moe.bias_update_rate > 0, lambda: "moe.bias_update_rate>0 (the router has no bias)"),
         (moe.capacity_factor > 0, lambda: f"moe.capacity_factor={moe.capacity_factor}"),
     ]
-    return next((describe() for bad, describe in checks if bad), None)
+    return first_failing(checks)
 
 
 def _rope_layout(t: Tensor, cfg: ModelConfig, permutation) -> Tensor:
