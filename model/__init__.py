@@ -4,9 +4,22 @@ Importing the package registers every implementation (norms, residual streams, p
 mixers, FFNs) and loads the MoE layer (model.moe), so the config can validate registry keys.
 """
 
-from model import attention, ffn, gdn, kda, mla, moe, norms, positions, residual, rope  # noqa: F401  (fill the registries)
+from model import (  # noqa: F401  (fill the registries)
+    attention,
+    attnres,
+    ffn,
+    gdn,
+    kda,
+    mla,
+    moe,
+    norms,
+    positions,
+    residual,
+    rope,
+)
 from model.config import (
     AttentionConfig,
+    AttnResConfig,
     ConfigError,
     FFNConfig,
     GDNConfig,
@@ -23,6 +36,7 @@ from model.transformer import Transformer, build_model
 
 __all__ = [
     "AttentionConfig",
+    "AttnResConfig",
     "ConfigError",
     "FFNConfig",
     "GDNConfig",

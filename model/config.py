@@ -233,6 +233,21 @@ class KDAConfig:
 
 
 @dataclass(kw_only=True)
+class AttnResConfig:
+    """Attention Residuals (`model.residual=attnres`, model/attnres.py)."""
+
+    # layers per block of Block AttnRes (the sublayers see the completed block sums and the
+    # running one); 0 = Full AttnRes (every earlier sublayer output is a source)
+    block_layers: int = 0
+
+    def __post_init__(self) -> None:
+        _require(
+            self.block_layers >= 0,
+            f"model.attnres.block_layers={self.block_layers} must be >= 0 (0 = Full AttnRes)",
+        )
+
+
+@dataclass(kw_only=True)
 class FFNConfig:
     """The position-wise feed-forward network."""
 
@@ -358,7 +373,9 @@ class ModelConfig:
     max_seq_len: int = 2048
     norm: str = "rms"  # rms | layer
     norm_eps: float = 1e-5  # epsilon of every norm
-    residual: str = "pre"  # pre | post | deepnorm (post-norm with alpha-scaled residual, beta init)
+    # pre | post | deepnorm (post-norm with alpha-scaled residual, beta init) | attnres (Attention
+    # Residuals: softmax over depth of the earlier sublayer outputs, model.attnres)
+    residual: str = "pre"
     position: str = "rope"  # rope | alibi | sinusoidal | learned | none
     rope: RopeConfig = field(default_factory=RopeConfig)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
@@ -370,6 +387,7 @@ class ModelConfig:
     moe: MoEConfig = field(default_factory=MoEConfig)  # n_routed_experts = 0: dense FFNs only
     gdn: GDNConfig = field(default_factory=GDNConfig)  # layers of kind gdn
     kda: KDAConfig = field(default_factory=KDAConfig)  # layers of kind kda
+    attnres: AttnResConfig = field(default_factory=AttnResConfig)  # with residual=attnres
     # the token mixer (model.mixer MIXERS key) of each layer, one per layer; [] = layer_pattern
     layer_types: list[str] = field(default_factory=list)
     # a short list of mixer kinds repeated over the layers (e.g. [gdn, gdn, gdn, gqa]); [] = every

@@ -79,6 +79,10 @@ class ResidualStream(nn.Module):
     def init_weights(self) -> None:
         """Parameter-free streams have nothing to initialize."""
 
+    def stats(self, model: nn.Module) -> dict[str, float]:
+        """Metrics of what the stream did in the last training forward (logged with the step)."""
+        return {}
+
 
 class _PreNorm(Connection):
     def forward(self, x: Tensor, sublayer: Sublayer, norm: nn.Module) -> Tensor:

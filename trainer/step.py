@@ -99,6 +99,9 @@ def train_step(
     elif tau > 0:
         pop_max_logits(model)  # a skipped step's logits are not acted on
     stats |= _update_expert_biases(model, apply=not reason)
+    stream = getattr(model, "stream", None)
+    if stream is not None:
+        stats |= stream.stats(model)  # e.g. Attention Residuals' depth weights (attnres/...)
     engine.zero_grad()
     return StepResult(loss_value, norm_value, reason, stats, kind)
 

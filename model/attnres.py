@@ -1,0 +1,219 @@
+"""Attention Residuals (Kimi, arXiv 2603.15031; `model.residual=attnres`): every sublayer reads a
+softmax over depth of the earlier sources instead of their plain sum.
+
+Shapes: B batch, T tokens, C d_model, N sources. Sublayers are the attention and the FFN of each
+layer (2L in all). For sublayer l with its pseudo-query w_l (C,) and key-norm gain g_l (C,), both
+fp32, w_l zero-initialized:
+
+    h_l = sum_n alpha_n v_n,   alpha = softmax_n( w_l . RMSNorm_{g_l}(v_n) )   (no 1/sqrt(C))
+
+over the sources v_n (B, T, C) (values unnormalized), then f_l(norm(h_l)) as in pre-norm. A last
+aggregation with its own query feeds the final norm.
+
+Sources (`attnres.block_layers` = k):
+  k = 0 (Full AttnRes)  the embedding and every earlier sublayer output;
+  k > 0 (Block AttnRes) layers in blocks of k: the embedding b_0, the completed block sums
+        b_1 .. b_{n-1} and the running sum of the current block. A block starts at the attention
+        sublayer of layer l (1-based) when (l - 1) % k == 0, so the first sublayer of a block sees
+        only completed blocks, and the head sees floor((L - 1) / k) + 2 sources (Megatron-LM's
+        bookkeeping of the reference pseudocode).
+The stream state is (completed sources: a tuple, running sum or None). With zero queries every
+alpha is 1/N, h_l is the pre-norm stream divided by N, and RMSNorm removes the scale: at
+initialization the model computes what the pre-norm model with the same sublayer weights does.
+
+The aggregation is one autograd Function in fp32 that saves only per-token statistics (N, B, T)
+beside the sources themselves (already kept by the sublayers) and recomputes the rest in
+backward, instead of autograd's fp32 copies of every normalized source per sublayer.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from model import roles
+from model.config import ModelConfig
+from model.registry import RESIDUALS
+from model.residual import Connection, ResidualStream, State, Sublayer
+
+
+class _DepthAttention(torch.autograd.Function):
+    """h = sum_n softmax_n((v_n . q) rstd_n) v_n with q = w * g and rstd_n = rsqrt(mean v_n^2 + eps)
+    (the same as w . RMSNorm_g(v_n)), in fp32; sources in their own dtype."""
+
+    @staticmethod
+    def forward(ctx, query: Tensor, gain: Tensor, eps: float, *sources: Tensor) -> Tensor:
+        wide = _wide(sources[0])
+        with torch.autocast(sources[0].device.type, enabled=False):
+            q = query.to(wide) * gain.to(wide)
+            dot = torch.stack([(v.to(wide) * q).sum(-1) for v in sources])  # (N, B, T)
+            rstd = torch.stack([torch.rsqrt(v.to(wide).square().mean(-1) + eps) for v in sources])
+            alpha = torch.softmax(dot * rstd, dim=0)
+            h = alpha[0, ..., None] * sources[0].to(wide)
+            for n in range(1, len(sources)):
+                h = h + alpha[n, ..., None] * sources[n].to(wide)
+        ctx.eps = eps
+        ctx.save_for_backward(query, gain, alpha, dot, rstd, *sources)
+        ctx.mark_non_differentiable(alpha)
+        return h.to(sources[0].dtype), alpha
+
+    @staticmethod
+    def backward(ctx, grad: Tensor, _: Tensor | None = None) -> tuple[Tensor | None, ...]:
+        query, gain, alpha, dot, rstd, *sources = ctx.saved_tensors
+        wide = _wide(grad)
+        with torch.autocast(grad.device.type, enabled=False):
+            q, dh = query.to(wide) * gain.to(wide), grad.to(wide)
+            width = dh.shape[-1]
+            dalpha = torch.stack([(dh * v.to(wide)).sum(-1) for v in sources])  # (N, B, T)
+            dlogit = alpha * (dalpha - (alpha * dalpha).sum(0, keepdim=True))  # softmax backward
+            dq = torch.zeros_like(q)
+            grads = []
+            for n, v in enumerate(sources):
+                v32, r, dl = v.to(wide), rstd[n, ..., None], dlogit[n, ..., None]
+                # logit = (v . q) rstd(v), d rstd / dv = -rstd^3 v / C
+                dv = alpha[n, ..., None] * dh + dl * (
+                    q * r - (dot[n, ..., None] * r**3 / width) * v32
+                )
+                grads.append(dv.to(v.dtype))
+                dq = dq + (dl * r * v32).reshape(-1, width).sum(0)
+        dquery, dgain = dq * gain.to(wide), dq * query.to(wide)
+        return dquery.to(query.dtype), dgain.to(gain.dtype), None, *grads
+
+
+def _wide(x: Tensor) -> torch.dtype:
+    """fp32, or the input's dtype when wider (fp64 tests)."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def depth_attention(sources: list[Tensor], query: Tensor, gain: Tensor, eps: float) -> Tensor:
+    """The aggregation over `sources` (each (B, T, C)) for one pseudo-query (see the module doc)."""
+    return _DepthAttention.apply(query, gain, eps, *sources)[0]
+
+
+def reference_depth_attention(
+    sources: list[Tensor], query: Tensor, gain: Tensor, eps: float
+) -> Tensor:
+    """The obvious form through autograd (tests): keys = RMSNorm_g(v), softmax over depth."""
+    wide = _wide(sources[0])
+    V = torch.stack([v.to(wide) for v in sources])  # (N, B, T, C)
+    keys = V * torch.rsqrt(V.square().mean(-1, keepdim=True) + eps) * gain.to(wide)
+    alpha = torch.softmax((keys * query.to(wide)).sum(-1), dim=0)
+    return (alpha[..., None] * V).sum(0).to(sources[0].dtype)
+
+
+class DepthQuery(nn.Module):
+    """One aggregation's parameters: the pseudo-query (zeros) and the key-norm gain (ones), fp32."""
+
+    def __init__(self, width: int, eps: float) -> None:
+        super().__init__()
+        self.query = nn.Parameter(torch.zeros(width))
+        self.gain = nn.Parameter(torch.ones(width))
+        self.eps = eps
+        self.last_weights: Tensor | None = None  # alpha (N,) over the last training forward
+
+    def param_roles(self) -> dict[str, str]:
+        return {"query": roles.MIXING, "gain": roles.GAIN}  # AdamW, no weight decay, never Muon
+
+    def forward(self, sources: list[Tensor]) -> Tensor:
+        h, alpha = _DepthAttention.apply(self.query, self.gain, self.eps, *sources)
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            self.last_weights = alpha.detach().mean(dim=(1, 2))  # (N,) for the metrics
+        return h
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        self.query.zero_()
+        self.gain.fill_(1.0)
+
+
+class AttnResConnection(Connection):
+    """One sublayer: (completed sources, running sum) -> the same with this sublayer's output."""
+
+    def __init__(self, width: int, eps: float, starts_block: bool, full: bool) -> None:
+        super().__init__()
+        self.depth = DepthQuery(width, eps)
+        self.starts_block, self.full = starts_block, full
+
+    def forward(self, state: State, sublayer: Sublayer, norm: nn.Module) -> State:
+        completed, partial = state
+        if (self.full or self.starts_block) and partial is not None:
+            completed, partial = (*completed, partial), None
+        sources = [*completed, *(() if partial is None else (partial,))]
+        out = sublayer(norm(self.depth(sources)))
+        return completed, out if partial is None else partial + out
+
+    def init_weights(self) -> None:
+        self.depth.init_weights()
+
+
+@RESIDUALS.register("attnres")
+class AttentionResiduals(ResidualStream):
+    """The stream kind: the embedding as the first source; a final aggregation before the norm."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg)
+        self.head = DepthQuery(cfg.d_model, cfg.norm_eps)  # the last aggregation's query
+
+    @classmethod
+    def connection(cls, cfg: ModelConfig, layer_id: int, sublayer: str) -> Connection:
+        k = cfg.attnres.block_layers
+        starts = sublayer == "attn" and k > 0 and layer_id % k == 0  # layer_id is 0-based
+        return AttnResConnection(cfg.d_model, cfg.norm_eps, starts, full=k == 0)
+
+    def expand(self, h: Tensor) -> State:
+        return (), h  # the embedding: the running sum until the first block start takes it
+
+    def collapse(self, state: State) -> Tensor:
+        completed, partial = state
+        return self.head([*completed, *(() if partial is None else (partial,))])
+
+    def init_weights(self) -> None:
+        self.head.init_weights()
+
+    def stats(self, model: nn.Module) -> dict[str, float]:
+        """What the depth weights of the last training forward (this rank's tokens) do, per layer
+        (mean of its two sublayers) and overall:
+          attnres/layer{i}/entropy       entropy of alpha over the sources / log(sources) (1 = uniform)
+          attnres/layer{i}/embed_weight  alpha on the embedding (the first source)
+          attnres/entropy, attnres/embed_weight, attnres/head_embed_weight (the final aggregation)"""
+        layers, summaries = [], []
+        for name, module in model.named_modules():
+            if isinstance(module, AttnResConnection) and module.depth.last_weights is not None:
+                layers.append(int(name.split("layers.")[-1].split(".")[0]))
+                summaries.append(_summary(module.depth.last_weights))
+        if not summaries:
+            return {}
+        if self.head.last_weights is not None:
+            summaries.append(_summary(self.head.last_weights))
+        values = torch.stack(summaries).tolist()  # one device sync for all of them
+        per_layer: dict[int, list[list[float]]] = {}
+        for layer, row in zip(layers, values, strict=False):
+            per_layer.setdefault(layer, []).append(row)
+        out = {}
+        for layer, rows in sorted(per_layer.items()):
+            out[f"attnres/layer{layer}/entropy"] = sum(r[0] for r in rows) / len(rows)
+            out[f"attnres/layer{layer}/embed_weight"] = sum(r[1] for r in rows) / len(rows)
+        rows = values[: len(layers)]
+        out["attnres/entropy"] = sum(r[0] for r in rows) / len(rows)
+        out["attnres/embed_weight"] = sum(r[1] for r in rows) / len(rows)
+        if len(values) > len(layers):
+            out["attnres/head_embed_weight"] = values[-1][1]
+        return out
+
+
+def _summary(alpha: Tensor) -> Tensor:
+    """[normalized entropy, weight on the first source] of one aggregation's alpha (N,)."""
+    n = alpha.numel()
+    entropy = (
+        -(alpha * alpha.clamp_min(1e-12).log()).sum() / math.log(n) if n > 1 else alpha.new_ones(())
+    )
+    return torch.stack([entropy.float(), alpha[0].float()])
+
+
+def head_sources(n_layers: int, block_layers: int) -> int:
+    """Sources the final aggregation sees: 2L + 1 (Full), floor((L - 1) / k) + 2 (Block)."""
+    if block_layers == 0:
+        return 2 * n_layers + 1
+    return math.floor((n_layers - 1) / block_layers) + 2
