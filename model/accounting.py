@@ -11,7 +11,8 @@ Conventions
   (query, key) pair in the forward (QK^T and AV), times 3 for forward + backward. With causal
   masking a query at index i sees i + 1 keys (or at most the sliding window), so the average
   context is (T + 1) / 2 for full causal attention, not T.
-  Each token mixer reports its own part (`mixing_flops_per_token`, model/mixer.py).
+  Each token mixer reports its own part (`mixing_flops_per_token`, model/mixer.py); a residual
+  stream with mixing of its own (Attention Residuals) reports it (`flops_per_token`).
 - Generation state = sum over layers of what each mixer keeps (`state_size`): per token 2 x K x D
   for GQA/MHA/MQA, R + Dr for MLA, plus any fixed-size recurrent state; the MHA equivalent (every
   query head with its own key and value) is H x (Dqk + Dv) per attention layer.
@@ -70,10 +71,11 @@ class FlopsPerToken:
     matmul: float  # 6 x matmul weights (forward 2, backward 4)
     attention: float  # 6 x sum over layers of H (Dqk + Dv) x average context
     seq_len: int
+    residual: float = 0.0  # 3 x the residual stream's own mixing (Attention Residuals, mHC)
 
     @property
     def total(self) -> float:
-        return self.matmul + self.attention
+        return self.matmul + self.attention + self.residual
 
     @property
     def forward(self) -> float:
@@ -84,7 +86,10 @@ def training_flops_per_token(model: Transformer, seq_len: int) -> FlopsPerToken:
     matmul = sum(matmul_params_per_token(block) for block in model.layers.values())
     matmul += model.head_weight.numel()  # the head is a matmul even when tied
     mixing = sum(block.attn.mixing_flops_per_token(seq_len) for block in model.layers.values())
-    return FlopsPerToken(matmul=6.0 * matmul, attention=3.0 * mixing, seq_len=seq_len)
+    stream = model.stream.flops_per_token()
+    return FlopsPerToken(
+        matmul=6.0 * matmul, attention=3.0 * mixing, seq_len=seq_len, residual=3.0 * stream
+    )
 
 
 @dataclass(frozen=True)

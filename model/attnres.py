@@ -17,7 +17,11 @@ Sources (`attnres.block_layers` = k):
         sublayer of layer l (1-based) when (l - 1) % k == 0, so the first sublayer of a block sees
         only completed blocks, and the head sees floor((L - 1) / k) + 2 sources (Megatron-LM's
         bookkeeping of the reference pseudocode).
-The stream state is (completed sources: a tuple, running sum or None). With zero queries every
+The stream state is (completed sources: a `DepthSources`, running sum or None). The completed
+sources sit in an opaque object, not a tuple, so that FSDP2 sees only the running sum as a block's
+input and output: a source passed through a block as a tensor output would take that block's
+backward hooks (FSDP2 would reshard or reduce its gradients while later blocks still send
+gradient through them: wrong gradients, tested on 2 ranks). With zero queries every
 alpha is 1/N, h_l is the pre-norm stream divided by N, and RMSNorm removes the scale: at
 initialization the model computes what the pre-norm model with the same sublayer weights does.
 
@@ -128,6 +132,19 @@ class DepthQuery(nn.Module):
         self.gain.fill_(1.0)
 
 
+class DepthSources:
+    """The completed sources (an immutable tuple of (B, T, C) tensors) as one opaque value: pytrees,
+    FSDP2's hooks and activation checkpointing pass it through without touching its tensors."""
+
+    __slots__ = ("tensors",)
+
+    def __init__(self, tensors: tuple[Tensor, ...] = ()) -> None:
+        self.tensors = tensors
+
+    def plus(self, source: Tensor) -> DepthSources:
+        return DepthSources((*self.tensors, source))
+
+
 class AttnResConnection(Connection):
     """One sublayer: (completed sources, running sum) -> the same with this sublayer's output."""
 
@@ -139,8 +156,8 @@ class AttnResConnection(Connection):
     def forward(self, state: State, sublayer: Sublayer, norm: nn.Module) -> State:
         completed, partial = state
         if (self.full or self.starts_block) and partial is not None:
-            completed, partial = (*completed, partial), None
-        sources = [*completed, *(() if partial is None else (partial,))]
+            completed, partial = completed.plus(partial), None
+        sources = [*completed.tensors, *(() if partial is None else (partial,))]
         out = sublayer(norm(self.depth(sources)))
         return completed, out if partial is None else partial + out
 
@@ -155,6 +172,7 @@ class AttentionResiduals(ResidualStream):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)
         self.head = DepthQuery(cfg.d_model, cfg.norm_eps)  # the last aggregation's query
+        self.width, self.block_layers = cfg.d_model, cfg.attnres.block_layers
 
     @classmethod
     def connection(cls, cfg: ModelConfig, layer_id: int, sublayer: str) -> Connection:
@@ -163,14 +181,33 @@ class AttentionResiduals(ResidualStream):
         return AttnResConnection(cfg.d_model, cfg.norm_eps, starts, full=k == 0)
 
     def expand(self, h: Tensor) -> State:
-        return (), h  # the embedding: the running sum until the first block start takes it
+        return DepthSources(), h  # the embedding: the running sum until the first block start
 
     def collapse(self, state: State) -> Tensor:
         completed, partial = state
-        return self.head([*completed, *(() if partial is None else (partial,))])
+        return self.head([*completed.tensors, *(() if partial is None else (partial,))])
 
     def init_weights(self) -> None:
         self.head.init_weights()
+
+    def flops_per_token(self) -> float:
+        """Per aggregation over N sources of width C: the dot with the query, the squares for the
+        RMS and the weighted sum, 2 C each per source (6 N C); summed over the 2L sublayers and
+        the head (the softmax over N is negligible)."""
+        counts = self.source_counts()
+        return 6.0 * self.width * sum(counts)
+
+    def source_counts(self) -> list[int]:
+        """N of every aggregation in order: each sublayer's, then the head's."""
+        L, k = self.n_layers, self.block_layers
+        counts, completed, partial = [], 0, True  # the embedding starts as the running sum
+        for layer in range(L):
+            for sublayer in ("attn", "ffn"):
+                if (k == 0 or (sublayer == "attn" and layer % k == 0)) and partial:
+                    completed, partial = completed + 1, False
+                counts.append(completed + partial)
+                partial = True
+        return [*counts, completed + partial]
 
     def stats(self, model: nn.Module) -> dict[str, float]:
         """What the depth weights of the last training forward (this rank's tokens) do, per layer

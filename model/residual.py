@@ -79,6 +79,10 @@ class ResidualStream(nn.Module):
     def init_weights(self) -> None:
         """Parameter-free streams have nothing to initialize."""
 
+    def flops_per_token(self) -> float:
+        """Forward FLOPs per token of the stream's own mixing, beyond the sublayers' (none)."""
+        return 0.0
+
     def stats(self, model: nn.Module) -> dict[str, float]:
         """Metrics of what the stream did in the last training forward (logged with the step)."""
         return {}

@@ -75,8 +75,10 @@ def literal(model, tokens: torch.Tensor, k: int) -> torch.Tensor:
     h = model.embed(tokens)
     ctx = model._context(tokens, torch.arange(tokens.shape[1]).expand_as(tokens), 0, None, h.dtype)
     blocks, partial = [], h
+    seen = []  # sources per aggregation, in order
 
     def aggregate(depth, srcs):
+        seen.append(len(srcs))
         return reference_depth_attention(srcs, depth.query, depth.gain, depth.eps)
 
     for number, block in enumerate(model.layers.values(), start=1):
@@ -90,7 +92,9 @@ def literal(model, tokens: torch.Tensor, k: int) -> torch.Tensor:
             partial = out if partial is None else partial + out
     final = [*blocks, partial]
     assert len(final) == head_sources(len(model.layers), k)
-    return model.norm(aggregate(model.stream.head, final))
+    out = model.norm(aggregate(model.stream.head, final))
+    assert seen == model.stream.source_counts()  # what inspect's FLOPs count
+    return out
 
 
 @pytest.mark.parametrize(("n_layers", "k"), [(5, 0), (5, 1), (5, 2), (6, 2), (7, 3), (4, 4)])
@@ -115,6 +119,18 @@ def _run_blocks(model, tokens):
     for block in model.layers.values():
         state = block(state, ctx)
     return state
+
+
+def test_inspect_counts_the_aggregation_flops():
+    from model.accounting import training_flops_per_token
+
+    model = build_model(cfg(2, 5), device="meta")
+    flops = training_flops_per_token(model, 64)
+    counts = model.stream.source_counts()  # [1, 2, 2, 2, 2, 3, 3, 3, 3, 4, 4]
+    assert sum(counts) == 29 and flops.residual == 3 * 6 * 32 * 29
+    pre = ModelConfig(**{**vars(cfg(2, 5)), "residual": "pre"})
+    plain = training_flops_per_token(build_model(pre, device="meta"), 64)
+    assert flops.total == plain.total + flops.residual and plain.residual == 0
 
 
 def test_the_head_sees_the_reference_number_of_sources():
@@ -181,3 +197,25 @@ def test_bad_block_size_names_the_field():
 
     with pytest.raises(ConfigError, match="model.attnres.block_layers=-1"):
         AttnResConfig(block_layers=-1)
+
+
+def test_compiled_blocks_match_eager():
+    """parallel.activation.compile_model compiles each block with the custom aggregation inside."""
+    from parallel.activation import compile_model
+
+    eager, compiled = (build_model(cfg(1, 2), seed=0) for _ in range(2))
+    with torch.no_grad():
+        for (name, p), q in zip(eager.named_parameters(), compiled.parameters(), strict=True):
+            if name.endswith(".query"):
+                p.copy_(torch.randn_like(p))
+                q.copy_(p)
+    compile_model(compiled)
+    tokens, targets = (
+        torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(s)) for s in (5, 6)
+    )
+    a, b = eager(tokens, targets), compiled(tokens, targets)
+    a.backward()
+    b.backward()
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    for p, q in zip(eager.parameters(), compiled.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5)
