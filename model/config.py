@@ -247,6 +247,31 @@ class AttnResConfig:
         )
 
 
+MHC_COLLAPSES = ("learned", "mean")
+
+
+@dataclass(kw_only=True)
+class MHCConfig:
+    """mHC, manifold-constrained hyper-connections (`model.residual=mhc`, model/mhc.py)."""
+
+    streams: int = 4  # parallel residual streams n
+    sinkhorn_iters: int = 20  # Sinkhorn-Knopp steps projecting each mixing matrix
+    eps: float = 1e-6  # transformers' hc_eps: added to pre, comb and every Sinkhorn denominator
+    collapse: str = "learned"  # learned (DeepSeek-V4's HyperHead) | mean
+    recompute_maps: bool = True  # recompute the maps in backward instead of keeping Sinkhorn steps
+
+    def __post_init__(self) -> None:
+        for name in ("streams", "sinkhorn_iters"):
+            _require(
+                getattr(self, name) >= 1, f"model.mhc.{name}={getattr(self, name)} must be >= 1"
+            )
+        _require(self.eps >= 0, f"model.mhc.eps={self.eps} must be >= 0")
+        _require(
+            self.collapse in MHC_COLLAPSES,
+            f"model.mhc.collapse={self.collapse!r}; choose one of: {', '.join(MHC_COLLAPSES)}",
+        )
+
+
 @dataclass(kw_only=True)
 class FFNConfig:
     """The position-wise feed-forward network."""
@@ -374,7 +399,8 @@ class ModelConfig:
     norm: str = "rms"  # rms | layer
     norm_eps: float = 1e-5  # epsilon of every norm
     # pre | post | deepnorm (post-norm with alpha-scaled residual, beta init) | attnres (Attention
-    # Residuals: softmax over depth of the earlier sublayer outputs, model.attnres)
+    # Residuals: softmax over depth of the earlier sublayer outputs, model.attnres) | mhc (n
+    # residual streams mixed by Sinkhorn-projected matrices, model.mhc)
     residual: str = "pre"
     position: str = "rope"  # rope | alibi | sinusoidal | learned | none
     rope: RopeConfig = field(default_factory=RopeConfig)
@@ -388,6 +414,7 @@ class ModelConfig:
     gdn: GDNConfig = field(default_factory=GDNConfig)  # layers of kind gdn
     kda: KDAConfig = field(default_factory=KDAConfig)  # layers of kind kda
     attnres: AttnResConfig = field(default_factory=AttnResConfig)  # with residual=attnres
+    mhc: MHCConfig = field(default_factory=MHCConfig)  # with residual=mhc
     # the token mixer (model.mixer MIXERS key) of each layer, one per layer; [] = layer_pattern
     layer_types: list[str] = field(default_factory=list)
     # a short list of mixer kinds repeated over the layers (e.g. [gdn, gdn, gdn, gqa]); [] = every

@@ -1,4 +1,4 @@
-"""Attention Residuals under FSDP2 (2 gloo ranks, with and without activation checkpointing) and
+"""Attention Residuals and mHC under FSDP2 (2 gloo ranks, with and without activation checkpointing) and
 HSDP + a DCP resume in another layout train like one process; the zero-initialized pseudo-queries
 get gradients on every rank (no "did not run forward before backward")."""
 
@@ -50,3 +50,32 @@ def test_full_attnres_under_hsdp_resumes_in_another_layout(tmp_path) -> None:
     torch.testing.assert_close(losses, uninterrupted["losses"], rtol=2e-5, atol=2e-6)
     for name, tensor in uninterrupted["final"].items():
         torch.testing.assert_close(second["final"][name], tensor, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def mhc():
+    return small_model("tiny_mhc", n_layers=3)
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "full"])
+def test_mhc_under_fsdp2_matches_one_process(checkpointing: str) -> None:
+    single = train(0, mhc(), {}, STEPS)
+    got = run_ranks(2, train, mhc(), {"activation_checkpoint": checkpointing}, STEPS)[0]
+    torch.testing.assert_close(got["losses"], single["losses"], rtol=2e-5, atol=2e-6)
+    torch.testing.assert_close(got["norms"], single["norms"], rtol=1e-5, atol=0)
+    for name, tensor in single["final"].items():
+        torch.testing.assert_close(got["final"][name], tensor, rtol=1e-4, atol=5e-5, msg=name)
+    assert got["placements"]["layers.1.ffn_residual.fn"] == "(Shard(dim=0),)"
+    for name in ("layers.1.ffn_residual.fn", "layers.0.attn_residual.base", "stream.head.hc_fn"):
+        assert not torch.equal(single["final"][name], single["initial"][name]), name  # trained
+
+
+@pytest.mark.parametrize("preset", ["tiny_attnres", "tiny_mhc"])
+def test_the_streams_with_moe_ffns_under_expert_parallelism_match_one_process(preset: str) -> None:
+    moe = {"moe.n_routed_experts": 4, "moe.top_k": 2, "moe.n_shared_experts": 1}
+    moe |= {"moe.first_k_dense": 1, "moe.expert_hidden": 32, "moe.aux_loss_coef": 0.01}
+    model = small_model(preset, n_layers=3, **moe)
+    single = train(0, model, {}, 3)
+    got = run_ranks(2, train, model, {"ep": 2}, 3)[0]
+    # the tolerance of tests/parallel/test_expert_parallel.py (per-rank balance losses)
+    torch.testing.assert_close(got["losses"], single["losses"], rtol=1e-4, atol=1e-5)
+    assert got["placements"]["layers.1.ffn.experts.w_up"] != "local"  # the experts are split
