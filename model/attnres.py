@@ -36,11 +36,12 @@ import math
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 
 from model import roles
 from model.config import ModelConfig
 from model.registry import RESIDUALS
-from model.residual import Connection, ResidualStream, State, Sublayer
+from model.residual import Connection, Fp32Parameters, ResidualStream, State, Sublayer
 
 
 class _DepthAttention(torch.autograd.Function):
@@ -64,6 +65,7 @@ class _DepthAttention(torch.autograd.Function):
         return h.to(sources[0].dtype), alpha
 
     @staticmethod
+    @once_differentiable  # alpha, dot and rstd are saved as constants: no double backward
     def backward(ctx, grad: Tensor, _: Tensor | None = None) -> tuple[Tensor | None, ...]:
         query, gain, alpha, dot, rstd, *sources = ctx.saved_tensors
         wide = _wide(grad)
@@ -107,7 +109,7 @@ def reference_depth_attention(
     return (alpha[..., None] * V).sum(0).to(sources[0].dtype)
 
 
-class DepthQuery(nn.Module):
+class DepthQuery(Fp32Parameters):
     """One aggregation's parameters: the pseudo-query (zeros) and the key-norm gain (ones), fp32."""
 
     def __init__(self, width: int, eps: float) -> None:
@@ -159,7 +161,9 @@ class AttnResConnection(Connection):
             completed, partial = completed.plus(partial), None
         sources = [*completed.tensors, *(() if partial is None else (partial,))]
         out = sublayer(norm(self.depth(sources)))
-        return completed, out if partial is None else partial + out
+        if partial is None:  # a new running sum, kept in the stream's dtype (fp32 under autocast)
+            return completed, out.to(completed.tensors[0].dtype)
+        return completed, partial + out
 
     def init_weights(self) -> None:
         self.depth.init_weights()
@@ -209,20 +213,24 @@ class AttentionResiduals(ResidualStream):
                 partial = True
         return [*counts, completed + partial]
 
+    compile_whole_blocks = False  # the source count differs per block: compile the sublayers
+
     def stats(self, model: nn.Module) -> dict[str, float]:
         """What the depth weights of the last training forward (this rank's tokens) do, per layer
         (mean of its two sublayers) and overall:
-          attnres/layer{i}/entropy       entropy of alpha over the sources / log(sources) (1 = uniform)
+          attnres/layer{i}/entropy       entropy of alpha over the sources / log(sources) (1 = uniform;
+                                         aggregations over one source are left out)
           attnres/layer{i}/embed_weight  alpha on the embedding (the first source)
           attnres/entropy, attnres/embed_weight, attnres/head_embed_weight (the final aggregation)"""
         layers, summaries = [], []
         for name, module in model.named_modules():
-            if isinstance(module, AttnResConnection) and module.depth.last_weights is not None:
+            weights = module.depth.last_weights if isinstance(module, AttnResConnection) else None
+            if weights is not None and weights.numel() > 1:
                 layers.append(int(name.split("layers.")[-1].split(".")[0]))
-                summaries.append(_summary(module.depth.last_weights))
+                summaries.append(_summary(weights))
         if not summaries:
             return {}
-        if self.head.last_weights is not None:
+        if self.head.last_weights is not None and self.head.last_weights.numel() > 1:
             summaries.append(_summary(self.head.last_weights))
         values = torch.stack(summaries).tolist()  # one device sync for all of them
         per_layer: dict[int, list[list[float]]] = {}

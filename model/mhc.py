@@ -18,10 +18,12 @@ after the last step, the rows to within a few percent): tests check this recipe,
 property. The streams collapse before the final norm: learned (DeepseekV4HyperHead:
 sum_j (sigmoid(RMSNorm(flatten(x)) . hc_fn_j hc_scale + hc_base_j) + eps) x_j) or their mean.
 
-Initialization (chosen): transformers' DeepSeek-V4 one, near-uniform: fn ~ N(0, init.std),
-base 0, scale 1, so at the start pre ~ 1/2 and post ~ 1 per stream and comb ~ 1/n: since the
-streams start equal, out_k ~ x + F(norm(x)), the pre-norm update, with fn's noise breaking the
-symmetry between streams (with fn = 0 the streams would stay equal forever).
+Initialization (chosen): near-uniform at any width: fn ~ N(0, init.std) and base 0 as
+transformers' DeepSeek-V4 init, but the scales at Megatron-LM's gating factor 0.01 instead of 1
+(with scale 1 the logits' std is init.std x sqrt(n C): 3.4 at DeepSeek-V3's width, where post
+already spans 7e-5 .. 2). At the start pre ~ 1/2 and post ~ 1 per stream and comb ~ 1/n: since
+the streams start equal, out_k ~ x + F(norm(x)), the pre-norm update, with fn's noise breaking
+the symmetry between streams (with fn = 0 they would stay equal forever).
 
 Memory: the maps are small per token ((2 + n) n numbers) but the Sinkhorn steps keep 2 iters
 (B, T, n, n) tensors for backward, more than the (B, T, n C) streams themselves at n = 4 and
@@ -38,7 +40,7 @@ from torch.utils.checkpoint import checkpoint
 from model import roles
 from model.config import ModelConfig
 from model.registry import RESIDUALS
-from model.residual import Connection, ResidualStream, State, Sublayer
+from model.residual import Connection, Fp32Parameters, ResidualStream, State, Sublayer
 
 
 def sinkhorn(logits: Tensor, iters: int, eps: float) -> Tensor:
@@ -57,13 +59,16 @@ def _wide(x: Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
 
 
+INIT_SCALE = 0.01  # Megatron-LM's mhc_init_gating_factor: the maps start near-uniform
+
+
 def _flat_norm(x: Tensor, eps: float) -> Tensor:
     """The unweighted RMSNorm of the flattened streams, fp32: (B, T, n, C) -> (B, T, n C)."""
     flat = x.flatten(2).to(_wide(x))
     return flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + eps)
 
 
-class HyperConnection(Connection):
+class HyperConnection(Connection, Fp32Parameters):
     """One sublayer's mHC map and update (transformers: DeepseekV4HyperConnection)."""
 
     def __init__(
@@ -81,7 +86,11 @@ class HyperConnection(Connection):
         self.base = nn.Parameter(torch.empty((2 + n) * n))
         self.scale = nn.Parameter(torch.empty(3))
         self.init_std = 0.02
-        self.last: dict[str, Tensor] = {}  # what the last training forward did (metrics)
+        # what the last training forward did, for the metrics: written in place, so that a
+        # compiled block keeps them (mean diagonal of comb, RMS of each stream, a written flag)
+        self.register_buffer("last_diag", torch.zeros(()), persistent=False)
+        self.register_buffer("last_rms", torch.zeros(n), persistent=False)
+        self.register_buffer("recorded", torch.zeros(()), persistent=False)
 
     def param_roles(self) -> dict[str, str]:
         return {name: roles.MIXING for name in ("fn", "base", "scale")}  # AdamW, no decay
@@ -105,25 +114,31 @@ class HyperConnection(Connection):
             pre, post, comb = checkpoint(self.maps, x, use_reentrant=False)
         else:
             pre, post, comb = self.maps(x)
-        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            with torch.no_grad():  # small summaries only: keeping x would hold every stream
-                self.last = {
-                    "diag": comb.diagonal(dim1=-2, dim2=-1).mean(),
-                    "rms": x.float().square().mean(dim=(0, 1, 3)).sqrt(),  # (n,)
-                }
+        if torch.is_grad_enabled():
+            self._record(comb, x)
         collapsed = (pre.unsqueeze(-1) * x).sum(dim=2).to(x.dtype)  # (B, T, C)
         out = sublayer(norm(collapsed))
         mixed = torch.matmul(comb.to(x.dtype).transpose(-1, -2), x)  # sum_j comb_jk x_j
         return post.to(x.dtype).unsqueeze(-1) * out.unsqueeze(-2) + mixed
 
     @torch.no_grad()
+    def _record(self, comb: Tensor, x: Tensor) -> None:
+        """Small summaries only (keeping x would hold every stream until the next step)."""
+        self.last_diag.copy_(comb.diagonal(dim1=-2, dim2=-1).mean())
+        norms = torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32)  # (B, T, n), no fp32 copy
+        self.last_rms.copy_(norms.square().mean(dim=(0, 1)).div(x.shape[-1]).sqrt())
+        self.recorded.fill_(1.0)
+
+    @torch.no_grad()
     def init_weights(self) -> None:
         nn.init.normal_(self.fn, std=self.init_std)
         nn.init.zeros_(self.base)
-        nn.init.ones_(self.scale)
+        nn.init.constant_(self.scale, INIT_SCALE)
+        for buffer in (self.last_diag, self.last_rms, self.recorded):
+            buffer.zero_()
 
 
-class HyperHead(nn.Module):
+class HyperHead(Fp32Parameters):
     """The learned collapse before the final norm (transformers: DeepseekV4HyperHead)."""
 
     def __init__(self, width: int, n: int, eps: float, norm_eps: float) -> None:
@@ -148,7 +163,7 @@ class HyperHead(nn.Module):
     def init_weights(self) -> None:
         nn.init.normal_(self.hc_fn, std=self.init_std)
         nn.init.zeros_(self.hc_base)
-        nn.init.ones_(self.hc_scale)
+        nn.init.constant_(self.hc_scale, INIT_SCALE)
 
 
 @RESIDUALS.register("mhc")
@@ -200,13 +215,16 @@ class ManifoldHyperConnections(ResidualStream):
           mhc/layer{i}/stream_spread  max / min stream RMS (1 = equal streams)"""
         layers, rows = [], []
         for name, module in model.named_modules():
-            if isinstance(module, HyperConnection) and module.last:
-                diag, rms = module.last["diag"], module.last["rms"]
-                rows.append(torch.stack([diag, rms.mean(), rms.max() / rms.min().clamp_min(1e-12)]))
+            if isinstance(module, HyperConnection):
+                diag, rms, done = module.last_diag, module.last_rms, module.recorded
+                spread = rms.max() / rms.min().clamp_min(1e-12)
+                rows.append(torch.stack([diag, rms.mean(), spread, done]))
                 layers.append(int(name.split("layers.")[-1].split(".")[0]))
         if not rows:
             return {}
         values = torch.stack(rows).tolist()  # one device sync
+        if not all(row[3] == 1.0 for row in values):
+            return {}  # no training forward yet (an evaluation-only model)
         out: dict[str, float] = {}
         per_layer: dict[int, list[list[float]]] = {}
         for layer, row in zip(layers, values, strict=True):

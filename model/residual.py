@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, ClassVar
 
+import torch
 from torch import Tensor, nn
 
 from model.config import ModelConfig
@@ -41,6 +42,24 @@ def deepnorm_beta(n_layers: int) -> float:
     return (8 * n_layers) ** -0.25
 
 
+class Fp32Parameters(nn.Module):
+    """A module whose own parameters stay fp32 when the model is cast (`model.to(bf16)`, as
+    trainer.precision=bf16_master does) and that FSDP2 shards as its own unit computing in fp32
+    (parallel/fsdp.py reads `keep_fp32`): zero-initialized pseudo-queries and stream maps whose
+    small values bf16 would round (Megatron-LM and transformers keep them fp32 too)."""
+
+    keep_fp32: ClassVar[bool] = True
+
+    def _apply(self, fn, recurse: bool = True):  # type: ignore[override]
+        before = {name: p.data for name, p in self._parameters.items() if p is not None}
+        super()._apply(fn, recurse)
+        for name, old in before.items():
+            new = self._parameters[name]
+            if old.dtype == torch.float32 and new is not None and new.dtype != torch.float32:
+                new.data = old.to(new.device)  # the fp32 values, unrounded
+        return self
+
+
 class Connection(nn.Module):
     """One sublayer's residual connection: state -> state."""
 
@@ -55,6 +74,10 @@ class ResidualStream(nn.Module):
     """Base class of a stream kind (see the module docstring)."""
 
     final_norm: ClassVar[bool] = True  # whether the model needs a norm after the last block
+    # trainer.compile compiles each block whole; a stream whose state differs in structure from
+    # block to block (a growing number of sources) compiles the sublayers instead, so that one
+    # graph serves every block (Dynamo's recompile limit is 8 per code object)
+    compile_whole_blocks: ClassVar[bool] = True
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()

@@ -62,11 +62,17 @@ def apply_activation_checkpointing(model: Transformer, mode: str) -> None:
 
 
 def compile_model(model: Transformer) -> None:
-    """Compile each block on its own (FSDP2's gather/reduce hooks run between blocks), and the
+    """Compile each block on its own (FSDP2's gather/reduce hooks run between blocks; or its two
+    sublayers, for residual streams that ask for it), and the
     fused head + cross-entropy as a function (inside the root's forward, so under FSDP2 too).
     On one CPU process this matches compiling the whole model as one graph (bench/
     train_throughput.py: *_compiled vs *_compiled_whole_model)."""
+    whole = model.stream.compile_whole_blocks
     for block in model.layers.values():
         assert isinstance(block, nn.Module)
-        block.compile()
+        if whole:
+            block.compile()
+        else:  # the stream's connections stay eager (model/residual.py: compile_whole_blocks)
+            block.attn.compile()
+            block.ffn.compile()
     model.loss_fn = torch.compile(model.loss_fn)

@@ -10,6 +10,7 @@ not by the expert mesh alone: otherwise expert gradients would grow with the EP 
 from __future__ import annotations
 
 import torch
+from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
@@ -22,10 +23,25 @@ def mixed_precision(param_dtype: torch.dtype) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
 
 
+FP32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+
+
+def _shard_fp32_parts(module: nn.Module, mesh, reshard_after_forward: bool) -> None:
+    """Modules that keep their parameters fp32 (`keep_fp32`: AttnRes' pseudo-queries, mHC's maps)
+    become FSDP2 units of their own that gather and compute in fp32 under any param_dtype."""
+    for part in module.modules():
+        if getattr(part, "keep_fp32", False) and any(True for _ in part.parameters(recurse=False)):
+            fully_shard(
+                part, mesh=mesh, mp_policy=FP32, reshard_after_forward=reshard_after_forward
+            )
+
+
 def apply_fsdp(
     model: Transformer, meshes: Meshes, mp: MixedPrecisionPolicy, reshard_after_forward: bool
 ) -> None:
     for block in model.layers.values():
+        if mp.param_dtype not in (None, torch.float32):
+            _shard_fp32_parts(block, meshes.dense, reshard_after_forward)
         experts = getattr(block.ffn, "experts", None)
         if experts is not None and meshes.experts is not None:
             fully_shard(
@@ -44,6 +60,8 @@ def apply_fsdp(
         fully_shard(
             block, mesh=meshes.dense, mp_policy=mp, reshard_after_forward=reshard_after_forward
         )
+    if mp.param_dtype not in (None, torch.float32):
+        _shard_fp32_parts(model.stream, meshes.dense, reshard_after_forward=False)
     # the root's weights (embedding, head) are needed again at once by the loss: keep them
     fully_shard(model, mesh=meshes.dense, mp_policy=mp, reshard_after_forward=False)
 

@@ -17,7 +17,9 @@ from model.config import ModelConfig
 from optim.config import OptimConfig
 
 # model fields that choose how a result is computed, not what it is: free to change on resume
-COMPUTE_ONLY = frozenset({"gdn.chunk_size", "gdn.kernel", "kda.chunk_size", "kda.kernel"})
+COMPUTE_ONLY = frozenset(
+    {"gdn.chunk_size", "gdn.kernel", "kda.chunk_size", "kda.kernel", "mhc.recompute_maps"}
+)
 # optimizers with the same state (muonclip is muon plus a weight rescale after each step)
 OPTIMIZER_FAMILY = {"muonclip": "muon"}
 

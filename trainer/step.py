@@ -91,6 +91,9 @@ def train_step(
     loss_value, norm_value = _mean_over_ranks(loss_sum / n), float(norm)
     kind, reason = _bad_step_reason(loss_value, norm_value, tracker)
     stats: dict[str, float] = {}
+    stream = getattr(model, "stream", None)
+    if stream is not None:  # here, after the norm's sync: reading the small summaries costs nothing
+        stats |= stream.stats(model)  # e.g. Attention Residuals' depth weights (attnres/...)
     tau = settings.qk_clip_tau
     if not reason:
         clip = (lambda masters: stats.update(_qk_clip(model, masters, tau))) if tau > 0 else None
@@ -99,9 +102,6 @@ def train_step(
     elif tau > 0:
         pop_max_logits(model)  # a skipped step's logits are not acted on
     stats |= _update_expert_biases(model, apply=not reason)
-    stream = getattr(model, "stream", None)
-    if stream is not None:
-        stats |= stream.stats(model)  # e.g. Attention Residuals' depth weights (attnres/...)
     engine.zero_grad()
     return StepResult(loss_value, norm_value, reason, stats, kind)
 

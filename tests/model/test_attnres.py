@@ -199,23 +199,45 @@ def test_bad_block_size_names_the_field():
         AttnResConfig(block_layers=-1)
 
 
-def test_compiled_blocks_match_eager():
-    """parallel.activation.compile_model compiles each block with the custom aggregation inside."""
+def test_compiled_sublayers_match_eager_with_more_blocks_than_dynamos_recompile_limit():
+    """parallel.activation.compile_model compiles the sublayers for AttnRes (each block sees
+    another number of sources; whole blocks would recompile per block and fall back to eager
+    after 8): 10 layers, one graph per sublayer kind, no recompile-limit hit; the stream's
+    metrics survive (its connections stay eager)."""
+    import torch._dynamo
+
     from parallel.activation import compile_model
 
-    eager, compiled = (build_model(cfg(1, 2), seed=0) for _ in range(2))
+    small = dict(d_model=16, attention=AttentionConfig(n_heads=2), ffn=FFNConfig(hidden=16))
+    config = ModelConfig(**{**vars(cfg(1, 10)), **small})
+    eager, compiled = (build_model(config, seed=0) for _ in range(2))
     with torch.no_grad():
         for (name, p), q in zip(eager.named_parameters(), compiled.parameters(), strict=True):
             if name.endswith(".query"):
                 p.copy_(torch.randn_like(p))
                 q.copy_(p)
     compile_model(compiled)
-    tokens, targets = (
-        torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(s)) for s in (5, 6)
-    )
-    a, b = eager(tokens, targets), compiled(tokens, targets)
+    gen = torch.Generator().manual_seed(5)
+    tokens, targets = (torch.randint(0, 64, (2, 16), generator=gen) for _ in range(2))
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(recompile_limit=2, fail_on_recompile_limit_hit=True):
+        b = compiled(tokens, targets)
+    a = eager(tokens, targets)
     a.backward()
     b.backward()
     torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
     for p, q in zip(eager.parameters(), compiled.parameters(), strict=True):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5)
+    assert "attnres/layer9/entropy" in compiled.stream.stats(compiled)
+
+
+def test_block_sums_stay_in_the_streams_dtype_under_autocast():
+    """Under bf16 autocast the sublayers return bf16; a block's running sum starts in the
+    embedding's dtype (fp32), as the pre-norm residual stays fp32."""
+    model = build_model(cfg(2, 5), seed=0)
+    tokens = torch.randint(0, 64, (2, 8))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        completed, partial = _run_blocks(model, tokens)
+    assert [t.dtype for t in completed.tensors] == [
+        torch.float32
+    ] * 3 and partial.dtype == torch.float32

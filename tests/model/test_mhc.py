@@ -180,3 +180,25 @@ def test_mhc_parameters_take_adamw_without_decay_and_inspect_counts_them():
     assert param_counts(model).total - param_counts(plain).total == extra
     flops = training_flops_per_token(model, 16)
     assert flops.residual == 3 * model.stream.flops_per_token() > 0
+
+
+def test_compiled_blocks_match_eager_and_keep_the_metrics():
+    """mHC's state is one (B, T, n, C) tensor: compile_model compiles whole blocks (the stream's
+    elementwise work fuses), and the metrics, written in place into buffers, survive."""
+    from parallel.activation import compile_model
+
+    eager, compiled = (build_model(cfg(n_layers=2), seed=0) for _ in range(2))
+    compile_model(compiled)
+    gen = torch.Generator().manual_seed(9)
+    tokens, targets = (torch.randint(0, 64, (2, 16), generator=gen) for _ in range(2))
+    a, b = eager(tokens, targets), compiled(tokens, targets)
+    a.backward()
+    b.backward()
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    for p, q in zip(eager.parameters(), compiled.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5)
+    stats = compiled.stream.stats(compiled)
+    assert stats["mhc/layer1/res_diag"] == pytest.approx(
+        eager.stream.stats(eager)["mhc/layer1/res_diag"]
+    )
+    assert build_model(cfg(), seed=0).stream.stats(build_model(cfg(), seed=0)) == {}  # not trained
