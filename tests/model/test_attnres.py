@@ -9,11 +9,20 @@ import math
 import pytest
 import torch
 
-from model import AttentionConfig, AttnResConfig, FFNConfig, ModelConfig, MoEConfig, build_model
+from model import (
+    AttentionConfig,
+    AttnResConfig,
+    FFNConfig,
+    MLAConfig,
+    ModelConfig,
+    MoEConfig,
+    build_model,
+)
 from model.attnres import depth_attention, head_sources, reference_depth_attention
 from model.roles import param_roles
 
 F64 = dict(rtol=1e-10, atol=1e-12)
+MLA_SMALL = MLAConfig(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
 
 
 def sources(n=4, seed=0, dtype=torch.float64):
@@ -56,7 +65,7 @@ def test_the_aggregation_runs_in_fp32_for_bf16_sources_under_autocast():
 
 
 def cfg(block_layers: int, n_layers: int = 5, **kw) -> ModelConfig:
-    return ModelConfig(
+    base = dict(
         vocab_size=64,
         d_model=32,
         n_layers=n_layers,
@@ -64,8 +73,8 @@ def cfg(block_layers: int, n_layers: int = 5, **kw) -> ModelConfig:
         attnres=AttnResConfig(block_layers=block_layers),
         attention=AttentionConfig(n_heads=4, n_kv_heads=2),
         ffn=FFNConfig(hidden=48),
-        **kw,
     )
+    return ModelConfig(**(base | kw))
 
 
 def literal(model, tokens: torch.Tensor, k: int) -> torch.Tensor:
@@ -146,8 +155,9 @@ def test_the_head_sees_the_reference_number_of_sources():
         {},
         {"moe": MoEConfig(n_routed_experts=4, top_k=2, expert_hidden=16, first_k_dense=1)},
         {"layer_pattern": ["gdn", "gqa"]},
+        {"attention": AttentionConfig(kind="mla", n_heads=4, mla=MLA_SMALL)},
     ],
-    ids=["dense", "moe", "hybrid"],
+    ids=["dense", "moe", "hybrid", "mla"],
 )
 def test_zero_queries_compute_the_pre_norm_model(k, extra):
     """At initialization every alpha is 1/N: h = the pre-norm stream / N, which RMSNorm undoes

@@ -7,7 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model import AttentionConfig, FFNConfig, MHCConfig, ModelConfig, MoEConfig, build_model
+from model import (
+    AttentionConfig,
+    FFNConfig,
+    MHCConfig,
+    MLAConfig,
+    ModelConfig,
+    MoEConfig,
+    build_model,
+)
 from model.mhc import HyperConnection, HyperHead, sinkhorn
 from model.roles import param_roles
 
@@ -18,6 +26,7 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (  # noqa: E402
 )
 
 C, N = 32, 4
+MLA_SMALL = MLAConfig(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
 F32 = dict(rtol=1e-6, atol=1e-6)
 
 
@@ -150,8 +159,9 @@ def test_recomputed_maps_give_the_same_gradients():
         {},
         {"moe": MoEConfig(n_routed_experts=4, top_k=2, expert_hidden=16, first_k_dense=1)},
         {"layer_pattern": ["gdn", "gqa"], "mhc": MHCConfig(collapse="mean")},
+        {"attention": AttentionConfig(kind="mla", n_heads=4, mla=MLA_SMALL)},
     ],
-    ids=["dense", "moe", "hybrid_mean_collapse"],
+    ids=["dense", "moe", "hybrid_mean_collapse", "mla"],
 )
 def test_generation_equals_the_full_forward(extra):
     model = build_model(cfg(**extra), seed=0).double().eval()

@@ -116,3 +116,19 @@ def test_stream_parameters_stay_fp32_under_bf16_fsdp2_and_bf16_master(preset: st
         assert seen["layers.0.attn.q_proj.weight"] == "torch.bfloat16"
         stream = {k: v for k, v in seen.items() if "residual" in k or k.startswith("stream")}
         assert stream and set(stream.values()) == {"torch.float32"}, stream
+
+
+def test_mhc_under_hsdp_resumes_in_another_layout(tmp_path) -> None:
+    uninterrupted = train(0, mhc(), {}, STEPS)
+    hsdp = {"dp_replicate": 2, "dp_shard": 2}
+    first = run_ranks(4, train, mhc(), hsdp, 2, 1, "fp32", 1.0, "", str(tmp_path))[0]
+    second = run_ranks(2, train, mhc(), {}, 2, 1, "fp32", 1.0, str(tmp_path / "step_00000002"), "")[
+        0
+    ]
+    losses = first["losses"] + second["losses"]
+    torch.testing.assert_close(losses, uninterrupted["losses"], rtol=2e-5, atol=2e-6)
+    for name, tensor in uninterrupted["final"].items():
+        if name.rsplit(".", 1)[-1] not in ("last_diag", "last_rms", "recorded"):
+            torch.testing.assert_close(
+                second["final"][name], tensor, rtol=1e-4, atol=5e-5, msg=name
+            )
