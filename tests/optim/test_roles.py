@@ -125,8 +125,11 @@ def _rank_rule_groups(model: nn.Module, muon: bool) -> dict[str, set[str]]:
     return out
 
 
-ATTENTION_ONLY = [  # presets of the layer kinds that existed before roles (gqa, mla)
-    n for n in preset_names() if set(load_preset(n).mixer_kinds()) <= {"gqa", "mla"}
+ATTENTION_ONLY = [  # presets of the layer kinds and residual styles that existed before roles
+    n
+    for n in preset_names()
+    if set(load_preset(n).mixer_kinds()) <= {"gqa", "mla"}
+    and load_preset(n).residual in ("pre", "post", "deepnorm")
 ]
 
 
@@ -140,3 +143,12 @@ def test_roles_group_every_preset_as_the_rank_rule_did(preset, name):
     optimizer = build_optimizer(OptimConfig(name=name), model)
     got = {g: v["params"] for g, v in groups_by_name(optimizer, model).items()}
     assert got == _rank_rule_groups(model, muon=name == "muon")
+
+
+def test_mhc_maps_are_mixing_weights_not_muon_matrices():
+    """mHC's fn ((2 + n) n, n C) is 2-D: the rank rule made it a decayed (or Muon) matrix."""
+    model = build_model(load_preset("tiny_mhc"), device="meta")
+    groups = groups_by_name(build_optimizer(OptimConfig(name="muon"), model), model)
+    fn = "layers.0.attn_residual.fn"
+    assert fn not in groups["muon"]["params"]
+    assert any(fn in g["params"] and g["weight_decay"] == 0 for g in groups.values())
