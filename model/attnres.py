@@ -40,8 +40,17 @@ from torch.autograd.function import once_differentiable
 
 from model import roles
 from model.config import ModelConfig
+from model.norms import wide_dtype
 from model.registry import RESIDUALS
-from model.residual import Connection, Fp32Parameters, ResidualStream, State, Sublayer
+from model.residual import (
+    Connection,
+    Fp32Parameters,
+    ResidualStream,
+    State,
+    Sublayer,
+    layer_index,
+    per_layer_means,
+)
 
 
 class _DepthAttention(torch.autograd.Function):
@@ -50,7 +59,7 @@ class _DepthAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query: Tensor, gain: Tensor, eps: float, *sources: Tensor) -> Tensor:
-        wide = _wide(sources[0])
+        wide = wide_dtype(sources[0].dtype)
         with torch.autocast(sources[0].device.type, enabled=False):
             q = query.to(wide) * gain.to(wide)
             dot = torch.stack([(v.to(wide) * q).sum(-1) for v in sources])  # (N, B, T)
@@ -68,7 +77,7 @@ class _DepthAttention(torch.autograd.Function):
     @once_differentiable  # alpha, dot and rstd are saved as constants: no double backward
     def backward(ctx, grad: Tensor, _: Tensor | None = None) -> tuple[Tensor | None, ...]:
         query, gain, alpha, dot, rstd, *sources = ctx.saved_tensors
-        wide = _wide(grad)
+        wide = wide_dtype(grad.dtype)
         with torch.autocast(grad.device.type, enabled=False):
             q, dh = query.to(wide) * gain.to(wide), grad.to(wide)
             width = dh.shape[-1]
@@ -88,11 +97,6 @@ class _DepthAttention(torch.autograd.Function):
         return dquery.to(query.dtype), dgain.to(gain.dtype), None, *grads
 
 
-def _wide(x: Tensor) -> torch.dtype:
-    """fp32, or the input's dtype when wider (fp64 tests)."""
-    return torch.promote_types(x.dtype, torch.float32)
-
-
 def depth_attention(sources: list[Tensor], query: Tensor, gain: Tensor, eps: float) -> Tensor:
     """The aggregation over `sources` (each (B, T, C)) for one pseudo-query (see the module doc)."""
     return _DepthAttention.apply(query, gain, eps, *sources)[0]
@@ -102,7 +106,7 @@ def reference_depth_attention(
     sources: list[Tensor], query: Tensor, gain: Tensor, eps: float
 ) -> Tensor:
     """The obvious form through autograd (tests): keys = RMSNorm_g(v), softmax over depth."""
-    wide = _wide(sources[0])
+    wide = wide_dtype(sources[0].dtype)
     V = torch.stack([v.to(wide) for v in sources])  # (N, B, T, C)
     keys = V * torch.rsqrt(V.square().mean(-1, keepdim=True) + eps) * gain.to(wide)
     alpha = torch.softmax((keys * query.to(wide)).sum(-1), dim=0)
@@ -226,21 +230,16 @@ class AttentionResiduals(ResidualStream):
         for name, module in model.named_modules():
             weights = module.depth.last_weights if isinstance(module, AttnResConnection) else None
             if weights is not None and weights.numel() > 1:
-                layers.append(int(name.split("layers.")[-1].split(".")[0]))
+                layers.append(layer_index(name))
                 summaries.append(_summary(weights))
         if not summaries:
             return {}
-        if self.head.last_weights is not None and self.head.last_weights.numel() > 1:
-            summaries.append(_summary(self.head.last_weights))
+        head = self.head.last_weights
+        if head is not None and head.numel() > 1:
+            summaries.append(_summary(head))
         values = torch.stack(summaries).tolist()  # one device sync for all of them
-        per_layer: dict[int, list[list[float]]] = {}
-        for layer, row in zip(layers, values, strict=False):
-            per_layer.setdefault(layer, []).append(row)
-        out = {}
-        for layer, rows in sorted(per_layer.items()):
-            out[f"attnres/layer{layer}/entropy"] = sum(r[0] for r in rows) / len(rows)
-            out[f"attnres/layer{layer}/embed_weight"] = sum(r[1] for r in rows) / len(rows)
         rows = values[: len(layers)]
+        out = per_layer_means("attnres", ("entropy", "embed_weight"), layers, rows)
         out["attnres/entropy"] = sum(r[0] for r in rows) / len(rows)
         out["attnres/embed_weight"] = sum(r[1] for r in rows) / len(rows)
         if len(values) > len(layers):
@@ -249,11 +248,8 @@ class AttentionResiduals(ResidualStream):
 
 
 def _summary(alpha: Tensor) -> Tensor:
-    """[normalized entropy, weight on the first source] of one aggregation's alpha (N,)."""
-    n = alpha.numel()
-    entropy = (
-        -(alpha * alpha.clamp_min(1e-12).log()).sum() / math.log(n) if n > 1 else alpha.new_ones(())
-    )
+    """[normalized entropy, weight on the first source] of one aggregation's alpha (N > 1,)."""
+    entropy = -(alpha * alpha.clamp_min(1e-12).log()).sum() / math.log(alpha.numel())
     return torch.stack([entropy.float(), alpha[0].float()])
 
 

@@ -31,7 +31,7 @@ from model.init import InitStds, init_linear, trunc_normal_
 from model.kv_cache import RecurrentState
 from model.masks import AttentionContext
 from model.mixer import LayerDims, StateSize, TokenMixer
-from model.norms import GatedRMSNorm
+from model.norms import GatedRMSNorm, wide_dtype
 from model.registry import MIXERS
 
 DT_MIN, DT_MAX = 1e-3, 1e-1  # initial time steps softplus(dt_bias), log-uniform (FLA, OLMo)
@@ -49,7 +49,7 @@ def causal_conv(
     if past is None:
         past = x.new_zeros(B, K - 1, D)
     full = torch.cat([past.to(x.dtype), x], dim=1)  # (B, K-1+T, D)
-    wide = torch.promote_types(x.dtype, torch.float32)  # taps summed in fp32, like nn.Conv1d
+    wide = wide_dtype(x.dtype)  # taps summed in fp32, like nn.Conv1d
     y = x.new_zeros(B, T, D, dtype=wide)
     for i in range(K):  # tap i reads the input K-1-i steps back
         tap = full[:, i : i + T].to(wide) * weight[:, i].to(wide)
@@ -61,7 +61,7 @@ def causal_conv(
 
 def state_dtype(dtype: torch.dtype) -> torch.dtype:
     """The delta rule's compute and state dtype: fp32, or the model's when wider (fp64 tests)."""
-    return torch.promote_types(dtype, torch.float32)
+    return wide_dtype(dtype)
 
 
 def delta_rule(
@@ -123,11 +123,28 @@ class DeltaRuleMixer(TokenMixer):
         dt = torch.empty_like(self.dt_bias).uniform_(math.log(DT_MIN), math.log(DT_MAX)).exp()
         self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
 
-    @staticmethod
-    def save_state(state: RecurrentState | None, last_inputs: Tensor, final: Tensor) -> None:
+    def run_rule(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        g: Tensor,
+        beta: Tensor,
+        ctx: AttentionContext,
+        state: RecurrentState | None,
+        last_inputs: Tensor,
+        out_dtype: torch.dtype,
+    ) -> Tensor:
+        """The delta rule on the prepared (B, H, T, .) inputs, its matmuls in fp32 outside
+        autocast, continuing and then updating `state` (conv inputs and the rule's state);
+        o (B, T, H, Dv) in `out_dtype`."""
+        initial = state.state if state is not None else None
+        with torch.autocast(q.device.type, enabled=False):
+            o, final = delta_rule(q, k, v, g, beta, initial, ctx, self.chunk, state, self.kernel)
         if state is not None:
             state.conv.copy_(last_inputs)
             state.state.copy_(final)
+        return o.transpose(1, 2).to(out_dtype)
 
     def state_size(self) -> StateSize:
         """Fixed per sequence: the conv's K-1 inputs and the fp32 delta-rule state."""
@@ -206,13 +223,7 @@ class GatedDeltaNet(DeltaRuleMixer):
         beta = torch.sigmoid(self.b_proj(x).to(dt)) * (2.0 if self.neg_eigval else 1.0)
         g = -self.A_log.to(dt).exp() * F.softplus(self.a_proj(x).to(dt) + self.dt_bias.to(dt))
         beta, g = beta.transpose(1, 2), g.transpose(1, 2)  # (B, H, T)
-        initial = state.state if state is not None else None
-        with torch.autocast(x.device.type, enabled=False):  # the rule's matmuls stay fp32
-            o, final = delta_rule(
-                q, k, v_heads, g, beta, initial, ctx, self.chunk, state, self.kernel
-            )
-        self.save_state(state, last_inputs, final)
-        o = o.transpose(1, 2).to(v.dtype)  # (B, T, H, Dv)
+        o = self.run_rule(q, k, v_heads, g, beta, ctx, state, last_inputs, v.dtype)
         gate = self.z_proj(x).view(B, T, H, Dv)
         return self.o_proj(self.norm(o, gate).reshape(B, T, H * Dv))
 

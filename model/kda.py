@@ -25,7 +25,6 @@ from model.gdn import (
     DeltaRuleMixer,
     GatedDeltaNet,
     conv_qkv,
-    delta_rule,
     l2_normalize,
     state_dtype,
 )
@@ -86,13 +85,7 @@ class KimiDeltaAttention(DeltaRuleMixer):
         beta = torch.sigmoid(self.b_proj(x).to(dt))
         q, k, g = (t.transpose(1, 2) for t in (q, k, g))  # (B, H, T, D)
         v_heads, beta = v.to(dt).view(B, T, H, D).transpose(1, 2), beta.transpose(1, 2)
-        initial = state.state if state is not None else None
-        with torch.autocast(x.device.type, enabled=False):  # the rule's matmuls stay fp32
-            o, final = delta_rule(
-                q, k, v_heads, g, beta, initial, ctx, self.chunk, state, self.kernel
-            )
-        self.save_state(state, last_inputs, final)
-        o = o.transpose(1, 2).to(v.dtype)  # (B, T, H, D)
+        o = self.run_rule(q, k, v_heads, g, beta, ctx, state, last_inputs, v.dtype)  # (B, T, H, D)
         gate = self.g_b_proj(self.g_a_proj(x)).view(B, T, H, D)
         return self.o_proj(self.norm(o, gate).reshape(B, T, H * D))
 

@@ -39,8 +39,17 @@ from torch.utils.checkpoint import checkpoint
 
 from model import roles
 from model.config import ModelConfig
+from model.norms import wide_dtype
 from model.registry import RESIDUALS
-from model.residual import Connection, Fp32Parameters, ResidualStream, State, Sublayer
+from model.residual import (
+    Connection,
+    Fp32Parameters,
+    ResidualStream,
+    State,
+    Sublayer,
+    layer_index,
+    per_layer_means,
+)
 
 
 def sinkhorn(logits: Tensor, iters: int, eps: float) -> Tensor:
@@ -54,17 +63,12 @@ def sinkhorn(logits: Tensor, iters: int, eps: float) -> Tensor:
     return comb
 
 
-def _wide(x: Tensor) -> torch.dtype:
-    """fp32, or the input's dtype when wider (fp64 tests)."""
-    return torch.promote_types(x.dtype, torch.float32)
-
-
 INIT_SCALE = 0.01  # Megatron-LM's mhc_init_gating_factor: the maps start near-uniform
 
 
 def _flat_norm(x: Tensor, eps: float) -> Tensor:
     """The unweighted RMSNorm of the flattened streams, fp32: (B, T, n, C) -> (B, T, n C)."""
-    flat = x.flatten(2).to(_wide(x))
+    flat = x.flatten(2).to(wide_dtype(x.dtype))
     return flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + eps)
 
 
@@ -99,7 +103,7 @@ class HyperConnection(Connection, Fp32Parameters):
         """(pre (B, T, n), post (B, T, n), comb (B, T, n, n)), fp32."""
         n = self.n
         with torch.autocast(x.device.type, enabled=False):
-            wide = _wide(x)
+            wide = wide_dtype(x.dtype)
             mixes = F.linear(_flat_norm(x, self.norm_eps), self.fn.to(wide))
             pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
             pre_b, post_b, comb_b = self.base.to(wide).split([n, n, n * n])
@@ -154,7 +158,7 @@ class HyperHead(Fp32Parameters):
 
     def forward(self, x: Tensor) -> Tensor:
         with torch.autocast(x.device.type, enabled=False):
-            wide = _wide(x)
+            wide = wide_dtype(x.dtype)
             mixes = F.linear(_flat_norm(x, self.norm_eps), self.hc_fn.to(wide))
             pre = torch.sigmoid(mixes * self.hc_scale.to(wide) + self.hc_base.to(wide)) + self.eps
             return (pre.unsqueeze(-1) * x).sum(dim=2).to(x.dtype)
@@ -219,19 +223,13 @@ class ManifoldHyperConnections(ResidualStream):
                 diag, rms, done = module.last_diag, module.last_rms, module.recorded
                 spread = rms.max() / rms.min().clamp_min(1e-12)
                 rows.append(torch.stack([diag, rms.mean(), spread, done]))
-                layers.append(int(name.split("layers.")[-1].split(".")[0]))
+                layers.append(layer_index(name))
         if not rows:
             return {}
         values = torch.stack(rows).tolist()  # one device sync
         if not all(row[3] == 1.0 for row in values):
             return {}  # no training forward yet (an evaluation-only model)
-        out: dict[str, float] = {}
-        per_layer: dict[int, list[list[float]]] = {}
-        for layer, row in zip(layers, values, strict=True):
-            per_layer.setdefault(layer, []).append(row)
-        for layer, group in sorted(per_layer.items()):
-            for i, key in enumerate(("res_diag", "stream_rms", "stream_spread")):
-                out[f"mhc/layer{layer}/{key}"] = sum(r[i] for r in group) / len(group)
+        out = per_layer_means("mhc", ("res_diag", "stream_rms", "stream_spread"), layers, values)
         out["mhc/res_diag"] = sum(r[0] for r in values) / len(values)
         out["mhc/stream_spread"] = max(r[2] for r in values)
         return out

@@ -13,6 +13,11 @@ from model import roles
 from model.registry import NORMS
 
 
+def wide_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of reductions and small fp32 maths: fp32, or the input's when wider (fp64 tests)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 @NORMS.register("rms")
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, computed in fp32 and cast back to the input dtype."""
@@ -26,7 +31,7 @@ class RMSNorm(nn.Module):
         return {"weight": roles.GAIN}
 
     def forward(self, x: Tensor) -> Tensor:
-        wide = torch.promote_types(x.dtype, torch.float32)  # fp32 (fp64 stays fp64)
+        wide = wide_dtype(x.dtype)  # fp32 (fp64 stays fp64)
         y = F.rms_norm(x.to(wide), (x.shape[-1],), eps=self.eps)
         return (y * self.weight.to(wide)).to(x.dtype)
 
@@ -74,7 +79,7 @@ class GatedRMSNorm(nn.Module):
         return {"weight": roles.GAIN}
 
     def forward(self, x: Tensor, gate: Tensor) -> Tensor:
-        wide = torch.promote_types(x.dtype, torch.float32)  # fp32 (fp64 stays fp64)
+        wide = wide_dtype(x.dtype)  # fp32 (fp64 stays fp64)
         y = F.rms_norm(x.to(wide), (x.shape[-1],), eps=self.eps)
         y = y * self.weight.to(wide) if self.strict_fp32 else y.to(x.dtype) * self.weight
         return (y * self.activation(gate.to(wide))).to(x.dtype)

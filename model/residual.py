@@ -42,6 +42,26 @@ def deepnorm_beta(n_layers: int) -> float:
     return (8 * n_layers) ** -0.25
 
 
+def layer_index(name: str) -> int:
+    """The block of a module name: 'layers.3.attn_residual.depth' -> 3."""
+    return int(name.split("layers.")[-1].split(".")[0])
+
+
+def per_layer_means(
+    prefix: str, keys: tuple[str, ...], layers: list[int], rows: list[list[float]]
+) -> dict[str, float]:
+    """Stream metrics per block: {prefix/layer{i}/key: the mean over block i's rows of the key's
+    column} (a block's two sublayers each give a row)."""
+    grouped: dict[int, list[list[float]]] = {}
+    for layer, row in zip(layers, rows, strict=True):
+        grouped.setdefault(layer, []).append(row)
+    return {
+        f"{prefix}/layer{layer}/{key}": sum(r[i] for r in group) / len(group)
+        for layer, group in sorted(grouped.items())
+        for i, key in enumerate(keys)
+    }
+
+
 class Fp32Parameters(nn.Module):
     """A module whose own parameters stay fp32 when the model is cast (`model.to(bf16)`, as
     trainer.precision=bf16_master does) and that FSDP2 shards as its own unit computing in fp32

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from model.config import ConfigError, ModelConfig
+from model.hf.files import DTYPE_NAMES
 from model.registry import Registry
 
 HF_FAMILIES: Registry = Registry("Hugging Face family")
@@ -34,7 +35,8 @@ def rename(name: str, table: NameTable) -> str | None:
 class HFFamily:
     """Base class of a family adapter (subclasses fill the tables and the config mapping)."""
 
-    model_types: tuple[str, ...] = ()  # HF `model_type` values this adapter imports
+    model_types: tuple[str, ...] = ()  # HF `model_type` values this adapter imports (first: export)
+    architecture = ""  # the transformers class export names in `architectures`
     fallback = False  # the family whose errors are reported when no family claims a config
     keep_fp32: tuple[str, ...] = ()  # HF name suffixes stored fp32 whatever the export dtype
     to_hf_names: NameTable = ()  # our parameter names -> HF names
@@ -50,6 +52,24 @@ class HFFamily:
 
     def to_hf_config(self, cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
         raise NotImplementedError
+
+    def base_hf_config(self, cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
+        """The config.json fields every family here writes alike (SwiGLU decoders with RMSNorm)."""
+        return {
+            "architectures": [self.architecture],
+            "model_type": self.model_types[0],
+            "vocab_size": cfg.vocab_size,
+            "hidden_size": cfg.d_model,
+            "intermediate_size": cfg.ffn_hidden,
+            "num_hidden_layers": cfg.n_layers,
+            "num_attention_heads": cfg.attention.n_heads,
+            "hidden_act": "silu",
+            "rms_norm_eps": cfg.norm_eps,
+            "tie_word_embeddings": cfg.tie_embeddings,
+            "attention_bias": cfg.attention.bias,
+            "torch_dtype": DTYPE_NAMES[dtype],
+            "initializer_range": cfg.init.std,
+        }
 
     def from_hf_config(self, hf: dict[str, Any], rope_pairing: str) -> ModelConfig:
         raise NotImplementedError

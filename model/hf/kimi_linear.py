@@ -29,7 +29,6 @@ from model.config import (
     MoEConfig,
 )
 from model.hf.family import HF_FAMILIES
-from model.hf.files import DTYPE_NAMES
 from model.hf.layered import (
     DENSE_FFN,
     LayeredFamily,
@@ -140,14 +139,7 @@ class KimiLinear(LayeredFamily):
     def to_hf_config(self, cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
         m, k, moe = cfg.attention.mla, cfg.kda, cfg.moe
         kinds = cfg.mixer_kinds()
-        return {
-            "architectures": [self.architecture],
-            "model_type": "kimi_linear",
-            "vocab_size": cfg.vocab_size,
-            "hidden_size": cfg.d_model,
-            "intermediate_size": cfg.ffn_hidden,
-            "num_hidden_layers": cfg.n_layers,
-            "num_attention_heads": cfg.attention.n_heads,
+        return self.base_hf_config(cfg, dtype) | {
             "num_key_value_heads": cfg.attention.n_heads,
             "kv_lora_rank": m.kv_lora_rank,
             "q_lora_rank": m.q_lora_rank or None,
@@ -155,11 +147,7 @@ class KimiLinear(LayeredFamily):
             "qk_rope_head_dim": m.qk_rope_head_dim,
             "v_head_dim": m.v_head_dim,
             "mla_use_nope": True,
-            "hidden_act": "silu",
             "model_max_length": cfg.max_seq_len,
-            "rms_norm_eps": cfg.norm_eps,
-            "tie_word_embeddings": cfg.tie_embeddings,
-            "attention_bias": cfg.attention.bias,
             "layer_types": [KIMI_MIXERS[kind] for kind in kinds],
             "mlp_layer_types": [spec.ffn.replace("moe", "sparse") for spec in cfg.layer_specs()],
             "linear_attn_config": {
@@ -182,8 +170,6 @@ class KimiLinear(LayeredFamily):
             "first_k_dense_replace": moe.first_k_dense if moe.enabled else cfg.n_layers,
             "moe_layer_freq": 1,
             "use_grouped_topk": True,
-            "torch_dtype": DTYPE_NAMES[dtype],
-            "initializer_range": cfg.init.std,
             # KimiLinearConfig's defaults are Kimi's tokenizer ids (outside a smaller vocabulary)
             "pad_token_id": None,
             "bos_token_id": None,

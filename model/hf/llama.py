@@ -18,7 +18,6 @@ from torch import Tensor
 
 from model.config import AttentionConfig, ConfigError, FFNConfig, InitConfig, ModelConfig
 from model.hf.family import HF_FAMILIES, HFFamily
-from model.hf.files import DTYPE_NAMES
 from model.hf.rope import hf_max_positions, rope_from_hf, rope_scaling
 from model.rope import half_to_interleaved, interleaved_to_half
 
@@ -66,6 +65,15 @@ def _common_unsupported(cfg: ModelConfig) -> str | None:
     return next((describe() for bad, describe in checks if bad), None)
 
 
+def gqa_hf_config(cfg: ModelConfig) -> dict[str, Any]:
+    """config.json fields of GQA attention layers (Llama, Qwen3, Qwen3-Next's full layers)."""
+    return {
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "max_position_embeddings": hf_max_positions(cfg),
+    }
+
+
 def _all_attention(cfg: ModelConfig) -> bool:
     """Every layer is softmax attention (hybrid stacks belong to the hybrid families)."""
     return all(kind in LLAMA_MIXERS for kind in cfg.mixer_kinds())
@@ -74,7 +82,6 @@ def _all_attention(cfg: ModelConfig) -> bool:
 class LlamaLike(HFFamily):
     """What Llama and Qwen3 share: names, config fields, the RoPE pairing fix."""
 
-    architecture = ""
     to_hf_names = (
         (r"embed\.weight", "model.embed_tokens.weight"),
         (r"norm\.weight", "model.norm.weight"),
@@ -113,26 +120,14 @@ class LlamaLike(HFFamily):
         return None if option is None else f"model.{option} has no Llama/Qwen3 equivalent"
 
     def to_hf_config(self, cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
-        return {
-            "architectures": [self.architecture],
-            "model_type": self.model_types[0],
-            "vocab_size": cfg.vocab_size,
-            "hidden_size": cfg.d_model,
-            "intermediate_size": cfg.ffn_hidden,
-            "num_hidden_layers": cfg.n_layers,
-            "num_attention_heads": cfg.attention.n_heads,
-            "num_key_value_heads": cfg.n_kv_heads,
-            "head_dim": cfg.head_dim,
-            "hidden_act": "silu",
-            "max_position_embeddings": hf_max_positions(cfg),
-            "rms_norm_eps": cfg.norm_eps,
-            "tie_word_embeddings": cfg.tie_embeddings,
-            "attention_bias": cfg.attention.bias,
-            "rope_theta": cfg.rope.theta,
-            "rope_scaling": rope_scaling(cfg.rope),
-            "torch_dtype": DTYPE_NAMES[dtype],
-            "initializer_range": cfg.init.std,
-        }
+        return (
+            self.base_hf_config(cfg, dtype)
+            | gqa_hf_config(cfg)
+            | {
+                "rope_theta": cfg.rope.theta,
+                "rope_scaling": rope_scaling(cfg.rope),
+            }
+        )
 
     def from_hf_config(self, hf: dict[str, Any], rope_pairing: str) -> ModelConfig:
         if hf.get("partial_rotary_factor", 1.0) != 1.0:

@@ -33,7 +33,6 @@ from model.config import (
     MoEConfig,
 )
 from model.hf.family import HF_FAMILIES
-from model.hf.files import DTYPE_NAMES
 from model.hf.layered import (
     DENSE_FFN,
     LayeredFamily,
@@ -49,7 +48,8 @@ from model.hf.layered import (
     rename,
     split_groups,
 )
-from model.hf.rope import hf_max_positions, rope_from_hf, rope_scaling
+from model.hf.llama import gqa_hf_config
+from model.hf.rope import rope_from_hf, rope_scaling
 from model.rope import half_to_interleaved, interleaved_to_half
 
 HYBRID_MIXERS = {"gdn": "linear_attention", "gqa": "full_attention"}
@@ -102,7 +102,6 @@ def _rope_layout(t: Tensor, cfg: ModelConfig, permutation) -> Tensor:
 class QwenHybrid(LayeredFamily):
     """What Qwen3-Next and Qwen3.5's text model share."""
 
-    architecture = ""
     mixer_modules: ClassVar[dict[str, str]] = {"gdn": "linear_attn", "gqa": "self_attn"}
     zero_centred = True
 
@@ -122,31 +121,19 @@ class QwenHybrid(LayeredFamily):
         g = cfg.gdn
         rope = {"rope_type": "default", "rope_theta": cfg.rope.theta}
         rope |= rope_scaling(cfg.rope) or {}
-        return {
-            "architectures": [self.architecture],
-            "model_type": self.model_types[0],
-            "vocab_size": cfg.vocab_size,
-            "hidden_size": cfg.d_model,
-            "intermediate_size": cfg.ffn_hidden,
-            "num_hidden_layers": cfg.n_layers,
-            "num_attention_heads": cfg.attention.n_heads,
-            "num_key_value_heads": cfg.n_kv_heads,
-            "head_dim": cfg.head_dim,
-            "hidden_act": "silu",
-            "max_position_embeddings": hf_max_positions(cfg),
-            "rms_norm_eps": cfg.norm_eps,
-            "tie_word_embeddings": cfg.tie_embeddings,
-            "attention_bias": cfg.attention.bias,
-            "rope_parameters": rope | {"partial_rotary_factor": cfg.rope.fraction},
-            "layer_types": [HYBRID_MIXERS[kind] for kind in cfg.mixer_kinds()],
-            "linear_conv_kernel_dim": g.conv_kernel,
-            "linear_key_head_dim": g.head_dim,
-            "linear_value_head_dim": g.v_head_dim or g.head_dim,
-            "linear_num_key_heads": g.n_heads,
-            "linear_num_value_heads": g.n_v_heads or g.n_heads,
-            "torch_dtype": DTYPE_NAMES[dtype],
-            "initializer_range": cfg.init.std,
-        }
+        return (
+            self.base_hf_config(cfg, dtype)
+            | gqa_hf_config(cfg)
+            | {
+                "rope_parameters": rope | {"partial_rotary_factor": cfg.rope.fraction},
+                "layer_types": [HYBRID_MIXERS[kind] for kind in cfg.mixer_kinds()],
+                "linear_conv_kernel_dim": g.conv_kernel,
+                "linear_key_head_dim": g.head_dim,
+                "linear_value_head_dim": g.v_head_dim or g.head_dim,
+                "linear_num_key_heads": g.n_heads,
+                "linear_num_value_heads": g.n_v_heads or g.n_heads,
+            }
+        )
 
     def from_hf_config(self, hf: dict[str, Any], rope_pairing: str) -> ModelConfig:
         if hf.get("hidden_act", "silu") != "silu":
