@@ -183,6 +183,10 @@ class AttentionResiduals(ResidualStream):
         self.width, self.block_layers = cfg.d_model, cfg.attnres.block_layers
 
     @classmethod
+    def parallel_streams(cls, cfg: ModelConfig) -> None:
+        return None  # the state is the earlier sublayers' outputs, not a hidden state
+
+    @classmethod
     def connection(cls, cfg: ModelConfig, layer_id: int, sublayer: str) -> Connection:
         k = cfg.attnres.block_layers
         starts = sublayer == "attn" and k > 0 and layer_id % k == 0  # layer_id is 0-based

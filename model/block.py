@@ -3,14 +3,17 @@ stream by its own connection (model/residual.py).
 
 Shapes: the stream state (for the classic residual styles x (B, T, C)) -> the same. The mixer is
 the layer's kind from the resolved layout (`ModelConfig.layer_specs`, registry MIXERS); the FFN
-is the dense one (registry FFNS), or an MoE layer on the layers the layout marks "moe".
+is the dense one (registry FFNS), or an MoE layer on the layers the layout marks "moe". Blocks
+listed in `model.engram.layers` first add their Engram memory to the stream (model/engram.py).
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from model.config import LayerSpec, ModelConfig
+from model.engram import Engram, WithMemory
 from model.init import block_init_stds
 from model.kv_cache import LayerState
 from model.masks import AttentionContext
@@ -26,6 +29,11 @@ class Block(nn.Module):
         self.layer_id = layer_id
         self.spec: LayerSpec = cfg.layer_specs()[layer_id]
         stream = RESIDUALS.get(cfg.residual)
+        self.engram = (
+            Engram(cfg, layer_id, stream.parallel_streams(cfg))
+            if layer_id in cfg.engram.layers
+            else None
+        )
         self.attn_norm = build_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
         self.attn = MIXERS.get(self.spec.mixer).build(cfg, layer_id)
         self.attn_residual = stream.connection(cfg, layer_id, "attn")
@@ -38,6 +46,10 @@ class Block(nn.Module):
         self, state: State, ctx: AttentionContext, cache: LayerState | None = None
     ) -> State:
         """`state`: the residual stream's; `cache`: this layer's generation state."""
+        if self.engram is not None:
+            memory = cache.memory if isinstance(cache, WithMemory) else None
+            cache = cache.mixer if isinstance(cache, WithMemory) else cache
+            state = self.engram(state, ctx, memory)
         state = self.attn_residual(state, lambda h: self.attn(h, ctx, cache), self.attn_norm)
         return self.ffn_residual(state, self.ffn, self.ffn_norm)
 
@@ -49,6 +61,17 @@ class Block(nn.Module):
         self.ffn_norm.init_weights()
         self.attn_residual.init_weights()
         self.ffn_residual.init_weights()
+        if self.engram is not None:
+            self.engram.init_weights(stds, cfg.init.std)
+
+    def new_state(
+        self, batch: int, capacity: int, dtype: torch.dtype, device: torch.device
+    ) -> LayerState:
+        """Empty generation state: the mixer's, with the memory's when the block has one."""
+        mixer = self.attn.new_state(batch, capacity, dtype, device)
+        if self.engram is None:
+            return mixer
+        return WithMemory(mixer, self.engram.new_state(batch, dtype, device))
 
 
 def build_ffn(cfg: ModelConfig, spec: LayerSpec) -> nn.Module:

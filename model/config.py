@@ -247,6 +247,61 @@ class AttnResConfig:
         )
 
 
+@dataclass(kw_only=True)
+class EngramConfig:
+    """Engram conditional memory (model/engram.py): hashed n-gram embedding tables read by the
+    listed blocks and added to the residual stream before their token mixer."""
+
+    layers: list[int] = field(default_factory=list)  # blocks with a memory (0-based); [] = off
+    max_ngram: int = 3  # n-gram orders 2..max_ngram (the demo's max_ngram_size)
+    heads: int = 8  # hash heads per order, each with its own prime-sized table
+    dim: int = 512  # embedding width per order, split over its heads (dim / heads per head)
+    # per order (2, 3, ...): the least rows of each head's table (distinct primes >= it); [] = 5 x
+    # model.vocab_size for every order (the demo's engram_vocab_size)
+    table_sizes: list[int] = field(default_factory=list)
+    kernel: int = 4  # taps of the short causal conv on the gated value (dilation = max_ngram)
+    seed: int = 0  # the hash multipliers' seed (numpy default_rng(seed + 10007 x layer))
+    pad_id: int = 0  # token id standing for the positions before a document's first token
+    # hash canonical ids (case, accents, spacing folded: data/token_compression.py), built from
+    # the tokenizer at train start; false = the raw token ids
+    compress_tokens: bool = True
+    bias: bool = True  # biases on the key and value projections (the demo's nn.Linear default)
+    # tables in host memory, the rows a step reads copied to the device (the paper's offload)
+    offload: bool = False
+    # sparse (row) gradients for the tables in one process, so a step's cost does not grow with
+    # their size; false = dense gradients (the same update, for comparison)
+    sparse_grad: bool = True
+
+    def __post_init__(self) -> None:
+        _require(self.max_ngram >= 2, f"model.engram.max_ngram={self.max_ngram} must be >= 2")
+        for name in ("heads", "dim", "kernel"):
+            value = getattr(self, name)
+            _require(value >= 1, f"model.engram.{name}={value} must be >= 1")
+        _require(
+            self.dim % self.heads == 0,
+            f"model.engram.dim={self.dim} is not divisible by model.engram.heads={self.heads}",
+        )
+        orders = self.max_ngram - 1
+        _require(
+            not self.table_sizes or len(self.table_sizes) == orders,
+            f"model.engram.table_sizes has {len(self.table_sizes)} entries; give one per n-gram "
+            f"order 2..{self.max_ngram} ({orders}), or [] for 5 x the vocabulary",
+        )
+        _require(
+            all(size >= 2 for size in self.table_sizes),
+            f"model.engram.table_sizes={self.table_sizes}: every size must be >= 2",
+        )
+        _require(
+            len(set(self.layers)) == len(self.layers),
+            f"model.engram.layers={self.layers} lists a layer twice",
+        )
+        _require(self.pad_id >= 0, f"model.engram.pad_id={self.pad_id} must be >= 0")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.layers)
+
+
 MHC_COLLAPSES = ("learned", "mean")
 
 
@@ -415,6 +470,7 @@ class ModelConfig:
     kda: KDAConfig = field(default_factory=KDAConfig)  # layers of kind kda
     attnres: AttnResConfig = field(default_factory=AttnResConfig)  # with residual=attnres
     mhc: MHCConfig = field(default_factory=MHCConfig)  # with residual=mhc
+    engram: EngramConfig = field(default_factory=EngramConfig)  # n-gram memory on some layers
     # the token mixer (model.mixer MIXERS key) of each layer, one per layer; [] = layer_pattern
     layer_types: list[str] = field(default_factory=list)
     # a short list of mixer kinds repeated over the layers (e.g. [gdn, gdn, gdn, gqa]); [] = every
@@ -439,6 +495,7 @@ class ModelConfig:
         _check_choice("model.position", self.position, POSITIONS)
         self._check_layout()
         self._check_moe()
+        self._check_engram()
 
     def _check_layout(self) -> None:
         """The per-layer mixer kinds are known, and each kind's own rules hold (its `check`)."""
@@ -488,6 +545,28 @@ class ModelConfig:
             not self.ffn.bias,
             "model.ffn.bias=true is not supported with MoE (experts have no biases)",
         )
+
+    def _check_engram(self) -> None:
+        engram = self.engram
+        bad = [i for i in engram.layers if not 0 <= i < self.n_layers]
+        _require(
+            not bad,
+            f"model.engram.layers={engram.layers}: {bad} outside 0..{self.n_layers - 1} "
+            f"(model.n_layers={self.n_layers})",
+        )
+        _require(
+            engram.pad_id < max(self.vocab_size, engram.pad_id + 1),
+            f"model.engram.pad_id={engram.pad_id} is not a token id of model.vocab_size="
+            f"{self.vocab_size}",
+        )
+        if engram.enabled:
+            streams = RESIDUALS.get(self.residual).parallel_streams(self)
+            _require(
+                streams is not None,
+                f"model.engram needs parallel hidden states to add its memory to, and "
+                f"model.residual={self.residual!r} carries sublayer outputs instead; use pre, post, "
+                "deepnorm or mhc",
+            )
 
     def is_moe_layer(self, layer_id: int) -> bool:
         """Whether block `layer_id` has an MoE FFN (after the first_k_dense dense layers)."""

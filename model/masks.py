@@ -24,7 +24,11 @@ class AttentionContext:
     mask: Tensor | None  # see the module docstring
     is_causal: bool  # pass SDPA's is_causal (only when mask is None and there is no cache offset)
     start: int  # tokens already cached before this call
-    tokens: Tensor | None = None  # (B, T) the new token ids (memory layers hash them)
+    tokens: Tensor | None = None  # (B, T) the new token ids
+    # (B, T) the ids Engram layers hash (compressed to canonical ids) and the 0-d id standing for
+    # positions before a document's start; None without Engram layers
+    memory_tokens: Tensor | None = None
+    memory_pad: Tensor | None = None
     # (B, T) bool, True where a packed document begins (recurrent layers reset their state
     # there); None: each row is one document continuing the cache
     doc_starts: Tensor | None = None

@@ -184,6 +184,10 @@ class ManifoldHyperConnections(ResidualStream):
             self.head.init_std = cfg.init.std
 
     @classmethod
+    def parallel_streams(cls, cfg: ModelConfig) -> int:
+        return cfg.mhc.streams  # the state is (B, T, n, C)
+
+    @classmethod
     def connection(cls, cfg: ModelConfig, layer_id: int, sublayer: str) -> Connection:
         m = cfg.mhc
         hc = HyperConnection(

@@ -104,6 +104,13 @@ class ResidualStream(nn.Module):
         self.n_layers = cfg.n_layers
 
     @classmethod
+    def parallel_streams(cls, cfg: ModelConfig) -> int | None:
+        """How many hidden states of width C the state holds side by side: 1 for a (B, T, C)
+        state, n for (B, T, n, C); None when it holds something else (sublayer outputs), so that
+        a layer adding to the hidden state (Engram) cannot."""
+        return 1
+
+    @classmethod
     def init_gain(cls, cfg: ModelConfig) -> float | None:
         """DeepNorm's beta for value/FFN/output projections; None: the configured depth scaling."""
         return None

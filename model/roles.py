@@ -24,7 +24,9 @@ BIAS = "bias"
 CONV = "conv"  # short (depthwise) convolution kernels, e.g. (C, 1, K)
 MIXING = "mixing"  # small mixing weights: residual-stream scales and maps, pseudo-queries, gates
 DECAY = "decay"  # a recurrent mixer's decay parameters (Gated DeltaNet's A_log, dt_bias)
-ROLES = (MATRIX, EXPERT_STACK, EMBEDDING, ROUTER, GAIN, BIAS, CONV, MIXING, DECAY)
+# Engram's hashed n-gram tables: read a few rows per token, updated row-wise (sparse gradients)
+MEMORY = "memory"
+ROLES = (MATRIX, EXPERT_STACK, EMBEDDING, ROUTER, GAIN, BIAS, CONV, MIXING, DECAY, MEMORY)
 
 _DEFAULTS: dict[type, dict[str, str]] = {
     nn.Linear: {"weight": MATRIX, "bias": BIAS},

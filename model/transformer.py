@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from model import roles
 from model.block import Block
 from model.config import ConfigError, ModelConfig
+from model.engram import Engram
 from model.init import trunc_normal_
 from model.kv_cache import Cache
 from model.loss import chunked_cross_entropy
@@ -55,6 +56,8 @@ class Transformer(nn.Module):
         self.loss_fn = chunked_cross_entropy
         # the RoPE widths the layers rotate (layers of different kinds may differ)
         self.rotary_dims = sorted({b.attn.rotary_dim for b in self.layers.values()} - {0})
+        if cfg.engram.enabled:  # token id -> canonical id the Engram layers hash (identity here)
+            self.register_buffer("canonical_ids", torch.arange(cfg.vocab_size))
         if self.embed.weight.device.type != "meta":
             self.init_weights()
 
@@ -83,7 +86,29 @@ class Transformer(nn.Module):
             plan.append(("head", lambda m: trunc_normal_(m.weight, std)))
         if any(True for _ in self.stream.parameters()):  # last: the other parts keep their seeds
             plan.append(("stream", lambda m: m.init_weights()))
+        if self.cfg.engram.enabled:  # no random draws: the identity map, then the multipliers
+            plan.append(("", lambda m: m.set_token_compression(None)))
         return plan
+
+    @torch.no_grad()
+    def set_token_compression(self, canonical: Tensor | None) -> None:
+        """The Engram layers' tokenizer compression: `canonical` (V,) maps each token id to its
+        canonical id (data/token_compression.py); None is the identity. Sets the hash multipliers
+        for the number of canonical ids; saved with the model's state (buffers)."""
+        if not self.cfg.engram.enabled:
+            return
+        if canonical is None:
+            canonical = torch.arange(self.cfg.vocab_size)
+        if canonical.shape != (self.cfg.vocab_size,):
+            raise ValueError(
+                f"the token compression maps {tuple(canonical.shape)} ids; the model has "
+                f"model.vocab_size={self.cfg.vocab_size}"
+            )
+        self.canonical_ids.copy_(canonical)
+        vocab = int(canonical.max()) + 1
+        for module in self.modules():
+            if isinstance(module, Engram):
+                module.set_vocabulary(vocab)
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
@@ -180,7 +205,15 @@ class Transformer(nn.Module):
             start=start,
             tokens=tokens,
             doc_starts=document_starts(doc_ids) if doc_ids is not None else None,
+            **self._memory_ids(tokens),
         )
+
+    def _memory_ids(self, tokens: Tensor) -> dict[str, Tensor]:
+        """The compressed ids and pad id the Engram layers hash (none without them)."""
+        if not self.cfg.engram.enabled:
+            return {}
+        pad = self.canonical_ids[self.cfg.engram.pad_id]
+        return {"memory_tokens": self.canonical_ids[tokens], "memory_pad": pad}
 
     def _check_length(self, length: int) -> None:
         if self.cfg.position == "learned" and length > self.cfg.max_seq_len:
@@ -194,9 +227,7 @@ class Transformer(nn.Module):
         `batch` sequences of up to `capacity` tokens."""
         dtype = dtype or self.embed.weight.dtype
         device = self.embed.weight.device
-        layers = [
-            block.attn.new_state(batch, capacity, dtype, device) for block in self.layers.values()
-        ]
+        layers = [block.new_state(batch, capacity, dtype, device) for block in self.layers.values()]
         return Cache(layers, capacity)
 
 

@@ -3,7 +3,8 @@
 Parameter groups come from the parameters' declared roles (optim.grouping, optim.roles): under
 AdamW, `matrices` (projections, embeddings, the head, routers) take weight decay and `vectors`
 (norm gains, biases, conv kernels, mixing weights) do not. `optim=muon`: Muon for the matrix
-roles, AdamW for the rest, in one optimizer (optim.muon).
+roles, AdamW for the rest, in one optimizer (optim.muon). Engram's tables form a `memory_x<m>`
+group updated row-wise under either (optim.row_adam).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from optim.config import OptimConfig
 from optim.errors import OptimConfigError
 from optim.grouping import muon_param_groups, role_groups, split_matrices
 from optim.muon import Muon
+from optim.row_adam import ALGORITHM as ROW_ADAM
+from optim.row_adam import AdamWWithTables
 
 
 def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
@@ -49,8 +52,10 @@ def _adamw(cfg: OptimConfig, model: nn.Module) -> torch.optim.Optimizer:
     params = [p for p in model.parameters() if p.requires_grad]
     # the fused kernel (one launch for all tensors) exists on CPU and CUDA for float params
     fused = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
-    return torch.optim.AdamW(
-        param_groups(model, cfg),
+    groups = param_groups(model, cfg)
+    rows = any(g.get("algorithm") == ROW_ADAM for g in groups)
+    return (AdamWWithTables if rows else torch.optim.AdamW)(
+        groups,
         lr=cfg.lr,
         betas=(cfg.beta1, cfg.beta2),
         eps=cfg.eps,

@@ -48,6 +48,8 @@ class OptimConfig:
     # as MLA's kv_a/kv_b into their parts) | heads (also every attention head's slice alone)
     muon_split: str = "fused"
     qk_clip_tau: float = 0.0  # MuonClip: cap each head's max attention logit at this; 0 = off
+    # Engram's tables (role memory): row-wise Adam at this x the AdamW learning rate, no decay
+    memory_lr_multiplier: float = 5.0
 
     def __post_init__(self) -> None:
         _require(
@@ -60,6 +62,10 @@ class OptimConfig:
             f"optim.beta1={self.beta1} and optim.beta2={self.beta2} must be in [0, 1)",
         )
         _require(self.eps > 0, f"optim.eps={self.eps} must be > 0")
+        _require(
+            self.memory_lr_multiplier > 0,
+            f"optim.memory_lr_multiplier={self.memory_lr_multiplier} must be > 0",
+        )
         _require(self.weight_decay >= 0, f"optim.weight_decay={self.weight_decay} must be >= 0")
         _require(
             self.schedule in SCHEDULES,

@@ -20,7 +20,8 @@ from model.roles import EXPERT_STACK, MATRIX, param_roles
 from optim.config import OptimConfig
 from optim.errors import OptimConfigError
 from optim.matrix_blocks import MatrixBlocks, matrix_blocks
-from optim.roles import ROLE_SETTINGS
+from optim.roles import ROLE_SETTINGS, role_settings
+from optim.row_adam import ALGORITHM as ROW_ADAM
 
 log = logging.getLogger("optim")
 MUON_SHAPES = {MATRIX: 2, EXPERT_STACK: 3}  # tensor rank each Muon role must have
@@ -58,19 +59,21 @@ def role_groups(model: nn.Module, cfg: OptimConfig, muon: bool) -> list[dict]:
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        settings = ROLE_SETTINGS[roles[name]]
+        settings = role_settings(roles[name], cfg.memory_lr_multiplier)
         base = names[0] if name in on_muon else names[1] if settings.weight_decay else names[2]
-        key = _group_key(base, settings.lr_multiplier)
+        key = _group_key("memory" if settings.rows else base, settings.lr_multiplier)
         if key not in groups:
             groups[key] = {
                 "params": [],
                 "name": key,
                 "weight_decay": cfg.weight_decay if settings.weight_decay else 0.0,
             }
-            if settings.lr_multiplier != 1.0:  # (only then: the default groups keep their keys)
+            if settings.lr_multiplier != 1.0 or settings.rows:  # (the default groups keep keys)
                 groups[key] |= {"kind": base, "lr_multiplier": settings.lr_multiplier}
             if muon:
                 groups[key]["algorithm"] = "muon" if base == "muon" else "adamw"
+            if settings.rows:
+                groups[key]["algorithm"] = ROW_ADAM
         groups[key]["params"].append(param)
     order = {n: i for i, n in enumerate(names)}  # the fixed groups first, in this order
     ordered = sorted(groups.values(), key=lambda g: (order.get(g["name"], len(order)), g["name"]))

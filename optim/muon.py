@@ -11,7 +11,8 @@ learning rates and weight decay transfer, as in Moonlight) or sqrt(max(1, fan_ou
 ("spectral", the original). 3-D expert weights (E, in, out) are orthogonalized per expert.
 Weights listed in `blocks` are split first (fused parts, or per head: optim.matrix_blocks).
 
-AdamW step: the decoupled-weight-decay AdamW of torch.optim.AdamW.
+AdamW step: the decoupled-weight-decay AdamW of torch.optim.AdamW. `row_adam` groups (Engram's
+tables): optim.row_adam.
 
 Sharded (FSDP2 DTensor) matrices are orthogonalized whole: see optim.distributed_muon.
 """
@@ -27,6 +28,8 @@ from torch import Tensor
 from optim.distributed_muon import NS, orthogonalize_all
 from optim.matrix_blocks import SCALINGS, MatrixBlocks, orthogonalize_blocks, update_scale
 from optim.newton_schulz import coefficient_schedule, orthogonalize
+from optim.row_adam import ALGORITHM as ROW_ADAM
+from optim.row_adam import row_adam_step
 
 
 def fan_out_in(param: Tensor, layout: str) -> tuple[int, int]:
@@ -82,6 +85,8 @@ class Muon(torch.optim.Optimizer):
         for group in self.param_groups:
             if group["algorithm"] == "muon":
                 self._muon(group)
+            elif group["algorithm"] == ROW_ADAM:
+                self._rows(group)
             else:
                 self._adamw(group)
         return loss
@@ -125,6 +130,12 @@ class Muon(torch.optim.Optimizer):
         return partial(
             orthogonalize_blocks, coefficients=coefficients, blocks=blocks, scaling=group["scaling"]
         )
+
+    def _rows(self, group: dict) -> None:
+        for param in group["params"]:
+            if param.grad is not None:
+                state = self.state[param]
+                row_adam_step(param, param.grad, state, group["lr"], group["betas"], group["eps"])
 
     def _adamw(self, group: dict) -> None:
         beta1, beta2 = group["betas"]

@@ -99,6 +99,12 @@ class TrainingEngine:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         raise NotImplementedError
 
+    def set_token_compression(self, canonical: Tensor) -> None:
+        """Engram's canonical-id map (model.transformer.Transformer.set_token_compression) on
+        the model and on the module checkpoints hold, if that is another one."""
+        for module in {id(m): m for m in (self.model, self.state_module)}.values():
+            module.set_token_compression(canonical)
+
 
 class FSDP2Engine(TrainingEngine):
     """One process, or FSDP2/HSDP (+ EP) over several: the same code, with these differences:

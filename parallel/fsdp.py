@@ -5,15 +5,18 @@ embedding, final norm and head. Under expert parallelism the experts of a MoE bl
 own unit on the expert mesh; their gradients arrive summed over the `ep` ranks that sent tokens
 (the all-to-all's backward), so the reduce-scatter divides by the whole data-parallel world,
 not by the expert mesh alone: otherwise expert gradients would grow with the EP degree.
+Engram's tables are units of their own too (`_shard_tables`).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
+from model.engram import EngramTable
+from model.errors import ConfigError
 from model.transformer import Transformer
 from parallel.mesh import Meshes
 
@@ -30,16 +33,35 @@ def _shard_fp32_parts(module: nn.Module, mesh, reshard_after_forward: bool) -> N
     """Modules that keep their parameters fp32 (`keep_fp32`: AttnRes' pseudo-queries, mHC's maps)
     become FSDP2 units of their own that gather and compute in fp32 under any param_dtype."""
     for part in module.modules():
+        if isinstance(part, FSDPModule):
+            continue  # (Engram's tables: already their own unit)
         if getattr(part, "keep_fp32", False) and any(True for _ in part.parameters(recurse=False)):
             fully_shard(
                 part, mesh=mesh, mp_policy=FP32, reshard_after_forward=reshard_after_forward
             )
 
 
+def _shard_tables(block: nn.Module, mesh, reshard_after_forward: bool) -> None:
+    """Engram's tables: FSDP2 units of their own, sharded by rows (dim 0) and gathered in fp32,
+    with dense gradients (FSDP2 reduce-scatters dense tensors; row-wise Adam finds the rows read,
+    optim/row_adam.py). Host-memory tables (offload) are one process's: refused here."""
+    for part in block.modules():
+        if not isinstance(part, EngramTable):
+            continue
+        if part.offload:
+            raise ConfigError(
+                "model.engram.offload=true keeps the tables in one process's host memory; it "
+                "does not work with several data-parallel ranks yet: set model.engram.offload=false"
+            )
+        part.sparse_grad = False
+        fully_shard(part, mesh=mesh, mp_policy=FP32, reshard_after_forward=reshard_after_forward)
+
+
 def apply_fsdp(
     model: Transformer, meshes: Meshes, mp: MixedPrecisionPolicy, reshard_after_forward: bool
 ) -> None:
     for block in model.layers.values():
+        _shard_tables(block, meshes.dense, reshard_after_forward)
         if mp.param_dtype not in (None, torch.float32):
             _shard_fp32_parts(block, meshes.dense, reshard_after_forward)
         experts = getattr(block.ffn, "experts", None)

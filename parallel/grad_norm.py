@@ -4,7 +4,8 @@
 data-parallel mesh, experts on the expert meshes). Here each rank sums the squares of its local
 gradient pieces, divided by how many ranks hold an identical copy (the mesh dims on which the
 gradient is replicated, such as HSDP's replicas), and one all-reduce over the world gives the
-exact global sum of squares.
+exact global sum of squares. Sparse gradients (Engram's tables in one process) count their
+coalesced rows.
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ def global_grad_norm(params: list[torch.nn.Parameter]) -> Tensor:
     for p in params:
         if p.grad is not None:
             local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            if local.is_sparse:  # repeated rows summed before squaring
+                local = p.grad = local.coalesce()
+                local = local.values()
             by_copies.setdefault(_copies(p.grad), []).append(local)
     if not by_copies:
         return torch.zeros(())
@@ -57,5 +61,9 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> Tensor:
             for p in params
             if p.grad is not None
         ]
-        torch._foreach_mul_(locals_, scale)
+        dense = [g for g in locals_ if not g.is_sparse]
+        torch._foreach_mul_(dense, scale)
+        for g in locals_:
+            if g.is_sparse:
+                g._values().mul_(scale)  # (coalesced or not)
     return norm

@@ -31,13 +31,20 @@ class MasterWeights:
     """fp32 master copy of a model whose own parameters become bf16.
 
     `copy` is an fp32 module of the same structure (built apart, not deep-copied: the model may
-    already be rewritten for activation checkpointing or compile); it takes the model's values."""
+    already be rewritten for activation checkpointing or compile); it takes the model's values.
+    Parameters the model keeps in fp32 (`keep_fp32` modules: stream maps, Engram's tables) are
+    shared with the copy, not copied: no per-step copies of a large table."""
 
     def __init__(self, model: nn.Module, copy: nn.Module):
         copy.load_state_dict(model.state_dict())
         self.master = copy  # fp32, same names (checkpoints, export)
         model.to(torch.bfloat16)
         self.pairs = list(zip(model.parameters(), self.master.parameters()))
+        self.shared = set()  # ids of the masters that share the model's fp32 storage
+        for param, master in self.pairs:
+            if param.dtype == torch.float32:  # kept fp32 (`keep_fp32` modules): one tensor
+                master.data = param.data
+                self.shared.add(id(master))
         # persistent buffers the training loop changes (MoE selection biases) live on the model
         saved = model.state_dict().keys()
         master_buffers = dict(self.master.named_buffers())
@@ -48,7 +55,7 @@ class MasterWeights:
         ]
 
     def grads_to_master(self) -> None:
-        for param, master in self.pairs:
+        for param, master in self.pairs:  # (.float() of an fp32 gradient is itself: no copy)
             master.grad = None if param.grad is None else param.grad.float()
             param.grad = None
 
@@ -56,7 +63,8 @@ class MasterWeights:
     def master_to_model(self, buffers: bool = False) -> None:
         """Round the master weights into the model (and, after a resume, its buffers too)."""
         for param, master in self.pairs:
-            param.copy_(master)
+            if id(master) not in self.shared:
+                param.copy_(master)
         if buffers:
             for buffer, master in self.buffer_pairs:
                 buffer.copy_(master)

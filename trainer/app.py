@@ -18,6 +18,7 @@ import torch
 from omegaconf import OmegaConf
 
 from data.loader import TokenLoader
+from data.token_compression import canonical_ids, save_or_check
 from model.accounting import param_counts, training_flops_per_token
 from model.config import ModelConfig
 from optim.builder import apply_config
@@ -65,11 +66,12 @@ def build_training(cfg: RootConfig, run_dir: Path, ranks: Ranks) -> Training:
     manifest = dataset_manifest(cfg.data, ranks.is_main)
     model_cfg = resolve_model_config(cfg.model, manifest)
     micro_batches = check_cross_fields(model_cfg, cfg.data, tcfg, ranks.world_size)
-    engine = build_state(cfg, model_cfg, dims, device)
     loader = build_loader(
         cfg.data, manifest, tcfg.batch_size, ranks.rank, ranks.world_size, cfg.seed
     )
     loader.manifest.check_tokenizer(manifest.tokenizer)
+    canonical = token_compression(model_cfg, loader, run_dir, ranks.is_main)
+    engine = build_state(cfg, model_cfg, dims, device, canonical)
     peak, peak_source = device_peak(device, compute_dtype(tcfg.precision), tcfg.peak_flops)
     flops = training_flops_per_token(engine.model, cfg.data.seq_len).total
     log.info("%s; device %s; %s", describe_environment(), device, dims.describe())
@@ -89,7 +91,7 @@ def build_training(cfg: RootConfig, run_dir: Path, ranks: Ranks) -> Training:
     restart = Restart(engine=engine)
     del engine  # the restart holds it (and drops it if it must be rebuilt)
     restart = _resume(cfg, run_dir, ranks, checkpointer, restart, loader, tracker, metrics)
-    restart.engine = _fresh_if_needed(cfg, model_cfg, dims, device, restart)
+    restart.engine = _fresh_if_needed(cfg, model_cfg, dims, device, restart, canonical)
     wandb = WandbRun(
         cfg.logging,
         run_dir,
@@ -164,15 +166,41 @@ def _log_model_and_data(
     )
 
 
+def token_compression(
+    model_cfg: ModelConfig, loader: TokenLoader, run_dir: Path, is_main: bool
+) -> torch.Tensor | None:
+    """Engram's canonical-id map from the data's tokenizer (recorded in, or checked against, the
+    run directory); None without Engram layers or with model.engram.compress_tokens=false."""
+    if not (model_cfg.engram.enabled and model_cfg.engram.compress_tokens):
+        return None
+    tokenizer = loader.tokenizer
+    ids = canonical_ids(tokenizer, model_cfg.vocab_size)
+    save_or_check(run_dir, tokenizer, ids, write=is_main)
+    log.info(
+        "engram: %d token ids compress to %d canonical ids (%s)",
+        len(ids),
+        max(ids) + 1,
+        run_dir / "token_compression.json",
+    )
+    return torch.tensor(ids, dtype=torch.long)
+
+
 def build_state(
-    cfg: RootConfig, model_cfg: ModelConfig, dims: ParallelDims, device: torch.device
+    cfg: RootConfig,
+    model_cfg: ModelConfig,
+    dims: ParallelDims,
+    device: torch.device,
+    canonical: torch.Tensor | None = None,
 ) -> TrainingEngine:
     """The training engine (model sharded when there are several ranks, its fp32 master copy if
-    any, the optimizer), as a fresh run starts it (seeded by `cfg.seed`)."""
+    any, the optimizer), as a fresh run starts it (seeded by `cfg.seed`); `canonical`: Engram's
+    token compression."""
     seed_everything(cfg.seed)
     engine = build_training_engine(
         model_cfg, cfg.trainer, cfg.parallel, cfg.optim, dims, device, cfg.seed
     )
+    if canonical is not None:
+        engine.set_token_compression(canonical)
     if cfg.optim.qk_clip_tau > 0:
         enable_qk_clip(engine.model)  # attention layers record their per-head max logits
     return engine
@@ -248,13 +276,14 @@ def _fresh_if_needed(
     dims: ParallelDims,
     device: torch.device,
     restart: Restart,
+    canonical: torch.Tensor | None,
 ) -> TrainingEngine:
     """The engine to train with: a freshly initialized one after failed loads."""
     if not restart.start_over:
         return restart.engine
     restart.engine = None  # free the half-read one before building its replacement
     gc.collect()
-    return build_state(cfg, model_cfg, device=device, dims=dims)
+    return build_state(cfg, model_cfg, dims, device, canonical)
 
 
 def train(cfg: RootConfig, run_dir: Path, ranks: Ranks) -> int:
