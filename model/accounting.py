@@ -1,7 +1,9 @@
 """Parameter, FLOP, KV-cache and training-memory accounting, read off a (meta-device) model.
 
 Conventions
-- Parameters: `embedding` is the token table (+ learned positions); `head` the untied output head.
+- Parameters: `embedding` is the token table (+ learned positions); `head` the untied output head;
+  `memory` Engram's n-gram tables (apart from the backbone's `blocks`; a token reads one row per
+  hash head).
   `active` counts what one token uses: all of it for dense models (the whole embedding table
   included); MoE layers subtract their unselected experts (`inactive_params_per_token`: E - k
   routed experts) and report the matmul weights a token passes through (`active_matmul_params`:
@@ -35,14 +37,18 @@ class ParamCounts:
     total: int
     embedding: int  # token embedding (+ learned position table)
     head: int  # untied output head; 0 when tied to the embedding
-    blocks: int  # everything else: attention, FFN, norms
+    blocks: int  # everything else: attention, FFN, norms (the backbone's blocks)
     active: int  # parameters one token uses
+    memory: int = 0  # Engram's n-gram tables (role memory; a token reads a few rows)
 
 
 def param_counts(model: Transformer) -> ParamCounts:
     total = sum(p.numel() for p in model.parameters())
     embedding = model.embed.weight.numel() + sum(p.numel() for p in model.pos.parameters())
     head = model.head.weight.numel() if model.head is not None else 0
+    memory = sum(
+        p.numel() for name, p in model.named_parameters() if name.endswith("engram.table.weight")
+    )
     inactive = sum(
         m.inactive_params_per_token()
         for m in model.modules()
@@ -52,8 +58,9 @@ def param_counts(model: Transformer) -> ParamCounts:
         total=total,
         embedding=embedding,
         head=head,
-        blocks=total - embedding - head,
+        blocks=total - embedding - head - memory,
         active=total - inactive,
+        memory=memory,
     )
 
 

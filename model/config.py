@@ -555,7 +555,7 @@ class ModelConfig:
             f"(model.n_layers={self.n_layers})",
         )
         _require(
-            engram.pad_id < max(self.vocab_size, engram.pad_id + 1),
+            self.vocab_size == 0 or engram.pad_id < self.vocab_size,
             f"model.engram.pad_id={engram.pad_id} is not a token id of model.vocab_size="
             f"{self.vocab_size}",
         )

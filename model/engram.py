@@ -86,7 +86,8 @@ class EngramTable(Fp32Parameters):
 
     @torch.compiler.disable  # a lookup (with sparse gradients): nothing for the compiler to fuse
     def forward(self, rows: Tensor) -> Tensor:
-        """rows (B, T, O K), each head's row in its own table -> (B, T, O K Dh)."""
+        """rows (B, T, O K), each head's row in its own table -> (B, T, O K, Dh) (not a view:
+        FSDP2 hooks a unit's output)."""
         index = rows + self.offsets
         device = rows.device
         if self.offload:
@@ -95,7 +96,7 @@ class EngramTable(Fp32Parameters):
         out = F.embedding(index, self.weight, sparse=sparse)
         if out.device != device:
             out = out.to(device, non_blocking=True)
-        return out.flatten(-2)
+        return out
 
     def init_weights(self, std: float) -> None:
         trunc_normal_(self.weight, std)
@@ -131,6 +132,18 @@ class EngramTable(Fp32Parameters):
             else:  # meta -> a real device: a new parameter, as nn.Module._apply makes
                 self._parameters[name] = nn.Parameter(data, requires_grad=p.requires_grad)
         return self
+
+
+class TokenCompression(nn.Module):
+    """The model's token id -> canonical id map (V,) that Engram layers hash (the identity until
+    `Transformer.set_token_compression`); a buffer, so checkpoints carry it."""
+
+    def __init__(self, vocab_size: int) -> None:
+        super().__init__()
+        self.register_buffer("canonical", torch.arange(vocab_size))
+
+    def reset(self) -> None:
+        self.canonical.copy_(torch.arange(self.canonical.shape[0]))
 
 
 class StreamNorm(nn.Module):
@@ -221,7 +234,8 @@ class Engram(nn.Module):
         """state (B, T, C) (one stream) or (B, T, n, C) -> the same, with the memory added."""
         h = state.unsqueeze(2) if self.streams == 1 and state.dim() == 3 else state
         rows = self.rows(ctx, cache)
-        e = self.table(rows).to(self.value.weight.dtype)  # fp32 rows; bf16 under bf16 weights
+        e = self.table(rows).flatten(-2).to(self.value.weight.dtype)  # (B, T, E) fp32; bf16 under
+        # bf16 weights
         key = self.keys(e).unflatten(-1, (self.streams, self.width))  # (B, T, n, C)
         score = (self.key_norm(key) * self.query_norm(h)).float().sum(-1) / math.sqrt(self.width)
         gate = torch.sigmoid(score.sign() * score.abs().clamp_min(1e-6).sqrt())  # (B, T, n)
@@ -269,7 +283,4 @@ class Engram(nn.Module):
 
     def describe(self) -> str:
         heads = len(self.table.sizes)
-        return (
-            f"engram {heads} heads x {self.table.head_dim} over n-grams 2..{self.max_ngram}, "
-            f"{self.table.weight.shape[0]:,} rows"
-        )
+        return f"{heads} heads x {self.table.head_dim} over n-grams 2..{self.max_ngram}"

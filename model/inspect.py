@@ -92,6 +92,7 @@ def describe(cfg: ModelConfig, seq_len: int, args: InspectArgs) -> dict[str, Any
         "attention": _mixer_description(model),
         "ffn": _ffn_description(cfg),
         "moe": _moe_description(cfg),
+        "engram": _engram_description(model),
         "vocab_size": cfg.vocab_size,
         "position": cfg.position
         if cfg.position != "rope"
@@ -100,6 +101,7 @@ def describe(cfg: ModelConfig, seq_len: int, args: InspectArgs) -> dict[str, Any
         "params_embedding": params.embedding,
         "params_head": params.head,
         "params_blocks": params.blocks,
+        "params_memory": params.memory,
         "params_active": params.active,
         "params_active_fraction": params.active / params.total,
         "seq_len": seq_len,
@@ -144,6 +146,17 @@ def _moe_description(cfg: ModelConfig) -> str:
     if moe.n_shared_experts:
         text += f", +{moe.n_shared_experts} shared"
     return text
+
+
+def _engram_description(model: Any) -> str:
+    """The Engram layers and their tables, e.g. 'layers 1, 3: 8 heads x 32 over n-grams 2..3,
+    481,360 rows'."""
+    found = [b.engram for b in model.layers.values() if b.engram is not None]
+    if not found:
+        return "none"
+    layers = ", ".join(str(e.layer_id) for e in found)
+    rows = sum(e.table.weight.shape[0] for e in found)
+    return f"layer{'s' if len(found) > 1 else ''} {layers}: {found[0].describe()}, {rows:,} rows"
 
 
 LONG_CONTEXTS = (32768, 131072)
@@ -203,12 +216,14 @@ ROWS: list[tuple[str, str, Any]] = [
     ("Shape", "attention", str),
     ("Shape", "ffn", str),
     ("Shape", "moe", str),
+    ("Shape", "engram", str),
     ("Shape", "vocab_size", str),
     ("Shape", "position", str),
     ("Parameters", "params_total", lambda n: f"{_count(n)} ({n:,})"),
     ("Parameters", "params_embedding", _count),
     ("Parameters", "params_head", _count),
     ("Parameters", "params_blocks", _count),
+    ("Parameters", "params_memory", _count),
     ("Parameters", "params_active", _count),
     ("Parameters", "params_active_fraction", lambda r: f"{100 * r:.1f}%"),
     ("Training FLOPs / token", "seq_len", str),
@@ -233,7 +248,8 @@ LABELS = {
     "params_total": "total",
     "params_embedding": "embedding",
     "params_head": "output head (untied)",
-    "params_blocks": "blocks",
+    "params_blocks": "blocks (backbone)",
+    "params_memory": "memory tables (Engram)",
     "params_active": "active per token",
     "params_active_fraction": "active / total",
     "train_flops_per_token": "total (6N + attention)",

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from model import roles
 from model.block import Block
 from model.config import ConfigError, ModelConfig
-from model.engram import Engram
+from model.engram import Engram, TokenCompression
 from model.init import trunc_normal_
 from model.kv_cache import Cache
 from model.loss import chunked_cross_entropy
@@ -56,8 +56,8 @@ class Transformer(nn.Module):
         self.loss_fn = chunked_cross_entropy
         # the RoPE widths the layers rotate (layers of different kinds may differ)
         self.rotary_dims = sorted({b.attn.rotary_dim for b in self.layers.values()} - {0})
-        if cfg.engram.enabled:  # token id -> canonical id the Engram layers hash (identity here)
-            self.register_buffer("canonical_ids", torch.arange(cfg.vocab_size))
+        # token id -> canonical id the Engram layers hash (the identity until set)
+        self.memory_ids = TokenCompression(cfg.vocab_size) if cfg.engram.enabled else None
         if self.embed.weight.device.type != "meta":
             self.init_weights()
 
@@ -86,8 +86,8 @@ class Transformer(nn.Module):
             plan.append(("head", lambda m: trunc_normal_(m.weight, std)))
         if any(True for _ in self.stream.parameters()):  # last: the other parts keep their seeds
             plan.append(("stream", lambda m: m.init_weights()))
-        if self.cfg.engram.enabled:  # no random draws: the identity map, then the multipliers
-            plan.append(("", lambda m: m.set_token_compression(None)))
+        if self.memory_ids is not None:  # no random draws (the blocks set identity multipliers)
+            plan.append(("memory_ids", lambda m: m.reset()))
         return plan
 
     @torch.no_grad()
@@ -95,7 +95,7 @@ class Transformer(nn.Module):
         """The Engram layers' tokenizer compression: `canonical` (V,) maps each token id to its
         canonical id (data/token_compression.py); None is the identity. Sets the hash multipliers
         for the number of canonical ids; saved with the model's state (buffers)."""
-        if not self.cfg.engram.enabled:
+        if self.memory_ids is None:
             return
         if canonical is None:
             canonical = torch.arange(self.cfg.vocab_size)
@@ -104,7 +104,7 @@ class Transformer(nn.Module):
                 f"the token compression maps {tuple(canonical.shape)} ids; the model has "
                 f"model.vocab_size={self.cfg.vocab_size}"
             )
-        self.canonical_ids.copy_(canonical)
+        self.memory_ids.canonical.copy_(canonical)
         vocab = int(canonical.max()) + 1
         for module in self.modules():
             if isinstance(module, Engram):
@@ -210,10 +210,10 @@ class Transformer(nn.Module):
 
     def _memory_ids(self, tokens: Tensor) -> dict[str, Tensor]:
         """The compressed ids and pad id the Engram layers hash (none without them)."""
-        if not self.cfg.engram.enabled:
+        if self.memory_ids is None:
             return {}
-        pad = self.canonical_ids[self.cfg.engram.pad_id]
-        return {"memory_tokens": self.canonical_ids[tokens], "memory_pad": pad}
+        canonical = self.memory_ids.canonical
+        return {"memory_tokens": canonical[tokens], "memory_pad": canonical[self.cfg.engram.pad_id]}
 
     def _check_length(self, length: int) -> None:
         if self.cfg.position == "learned" and length > self.cfg.max_seq_len:

@@ -16,7 +16,7 @@ from torch import nn
 
 from optim.config import OptimConfig
 from optim.errors import OptimConfigError
-from optim.grouping import muon_param_groups, role_groups, split_matrices
+from optim.grouping import group_key, muon_param_groups, role_groups, split_matrices
 from optim.muon import Muon
 from optim.row_adam import ALGORITHM as ROW_ADAM
 from optim.row_adam import AdamWWithTables
@@ -87,6 +87,9 @@ def apply_config(optimizer: torch.optim.Optimizer, cfg: OptimConfig) -> None:
     peak = {"muon": cfg.lr, "adamw_matrices": adamw_lr, "adamw_vectors": adamw_lr}
     decay = {"adamw_vectors": 0.0, "vectors": 0.0}
     for group in optimizer.param_groups:
+        if group.get("algorithm") == ROW_ADAM:  # the multiplier given now (a resume may change it)
+            group["lr_multiplier"] = cfg.memory_lr_multiplier
+            group["name"] = group_key("memory", cfg.memory_lr_multiplier)
         kind = group.get("kind", group.get("name", ""))
         group["base_lr"] = peak.get(kind, cfg.lr) * group.get("lr_multiplier", 1.0)
         group["weight_decay"] = decay.get(kind, cfg.weight_decay)

@@ -43,7 +43,7 @@ def muon_names(model: nn.Module, exclude: list[str]) -> dict[str, str]:
     return out
 
 
-def _group_key(base: str, multiplier: float) -> str:
+def group_key(base: str, multiplier: float) -> str:
     return base if multiplier == 1.0 else f"{base}_x{multiplier:g}"
 
 
@@ -61,7 +61,7 @@ def role_groups(model: nn.Module, cfg: OptimConfig, muon: bool) -> list[dict]:
             continue
         settings = role_settings(roles[name], cfg.memory_lr_multiplier)
         base = names[0] if name in on_muon else names[1] if settings.weight_decay else names[2]
-        key = _group_key("memory" if settings.rows else base, settings.lr_multiplier)
+        key = group_key("memory" if settings.rows else base, settings.lr_multiplier)
         if key not in groups:
             groups[key] = {
                 "params": [],

@@ -18,7 +18,15 @@ from optim.config import OptimConfig
 
 # model fields that choose how a result is computed, not what it is: free to change on resume
 COMPUTE_ONLY = frozenset(
-    {"gdn.chunk_size", "gdn.kernel", "kda.chunk_size", "kda.kernel", "mhc.recompute_maps"}
+    {
+        "gdn.chunk_size",
+        "gdn.kernel",
+        "kda.chunk_size",
+        "kda.kernel",
+        "mhc.recompute_maps",
+        "engram.offload",  # where the tables live
+        "engram.sparse_grad",  # the same update from sparse or dense table gradients
+    }
 )
 # optimizers with the same state (muonclip is muon plus a weight rescale after each step)
 OPTIMIZER_FAMILY = {"muonclip": "muon"}

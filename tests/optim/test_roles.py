@@ -130,6 +130,7 @@ ATTENTION_ONLY = [  # presets of the layer kinds and residual styles that existe
     for n in preset_names()
     if set(load_preset(n).mixer_kinds()) <= {"gqa", "mla"}
     and load_preset(n).residual in ("pre", "post", "deepnorm")
+    and not load_preset(n).engram.enabled  # tables and per-stream norms: roles, tested apart
 ]
 
 
