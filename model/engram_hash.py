@@ -78,21 +78,22 @@ def layer_multipliers(seed: int, layer: int, max_ngram: int, vocab: int) -> list
 
 
 def shifted_tokens(
-    ids: Tensor, positions: Tensor, history: Tensor | None, max_ngram: int, pad: int
+    ids: Tensor, positions: Tensor, history: Tensor | None, max_ngram: int, pad: int | Tensor
 ) -> list[Tensor]:
     """[x_t, x_{t-1}, ..., x_{t-N+1}], each (B, T) int64: the token k steps back in the same
     document, else `pad`. ids (B, T); positions (B, T), each token's index in its document (or in
     the sequence the cache continues); history (B, N-1): the N-1 tokens before ids (generation),
-    or None (the row starts here)."""
+    or None (the row starts here); pad: an int or a 0-d tensor (no host sync under compile)."""
     B, T = ids.shape
+    pad = torch.as_tensor(pad, dtype=ids.dtype, device=ids.device)
     if history is None:
-        history = ids.new_full((B, max_ngram - 1), pad)
+        history = pad.expand(B, max_ngram - 1)
     extended = torch.cat([history, ids], dim=1)  # (B, N-1+T)
     start = max_ngram - 1
     out = [ids]
     for k in range(1, max_ngram):
         back = extended[:, start - k : start - k + T]
-        out.append(torch.where(positions >= k, back, torch.full_like(back, pad)))
+        out.append(torch.where(positions >= k, back, pad))
     return out
 
 

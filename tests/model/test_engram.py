@@ -339,3 +339,66 @@ def test_context_without_ids_is_refused():
     )
     with pytest.raises(ValueError, match="token ids"):
         engram(torch.zeros(1, 1, 32), ctx, None)
+
+
+def test_compiled_blocks_match_eager_with_sparse_table_gradients():
+    """The block compiles whole around the table lookup (kept out of the graph: a lookup with
+    sparse gradients), with no graph break from the hashing (the pad id stays a tensor)."""
+    from parallel.activation import compile_model
+
+    eager, compiled = engram_model(), engram_model()
+    compile_model(compiled)
+    tokens = torch.randint(0, V, (2, 16), generator=torch.Generator().manual_seed(6))
+    a, b = eager(tokens, tokens), compiled(tokens, tokens)
+    a.backward()
+    b.backward()
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(eager.named_parameters(), compiled.parameters(), strict=True):
+        dense = lambda g: g.to_dense() if g.is_sparse else g
+        torch.testing.assert_close(dense(q.grad), dense(p.grad), rtol=1e-4, atol=1e-5, msg=name)
+    assert compiled.layers["1"].engram.table.weight.grad.is_sparse
+
+
+def test_fusion_equals_transformers_qwen4_exp_ple_layer():
+    """An independent implementation of the same fusion (transformers' Qwen4-Exp PLE layer: one
+    fused key projection, grouped (1 + w) norms, the dilated conv), fed our table rows; with mHC's
+    4 streams (Qwen4-Exp requires more than one), no biases (it has none), norm weights = ours - 1."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextPLELayer
+
+    model = engram_model(residual="mhc", bias=False)
+    engram = model.layers["1"].engram
+    n = engram.streams
+    with torch.no_grad():
+        engram.conv.weight.normal_(0, 0.3)
+        for norm in (engram.key_norm, engram.query_norm, engram.conv_norm):
+            norm.weight.uniform_(0.5, 1.5)
+    hf_cfg = transformers.models.qwen4_exp.configuration_qwen4_exp.Qwen4ExpTextConfig(
+        hidden_size=32,
+        hc_count=n,
+        ple_embed_dim=64,
+        ple_conv_kernel_size=4,
+        ngram_size=3,
+        rms_norm_eps=model.cfg.norm_eps,
+        heads_per_ngram=2,
+        ngram_vocab_size_base=101,
+        vocab_size=V,
+        ple_layer_ids=[2],
+        eos_token_id=1,
+    )
+    ple = Qwen4ExpTextPLELayer(hf_cfg, 1, 0)
+    with torch.no_grad():
+        ple.key_proj.weight.copy_(engram.keys.weight)
+        ple.value_proj.weight.copy_(engram.value.weight)
+        ple.norm_key.weight.copy_(engram.key_norm.weight.flatten() - 1)
+        ple.norm_query.weight.copy_(engram.query_norm.weight.flatten() - 1)
+        ple.norm_conv.weight.copy_(engram.conv_norm.weight.flatten() - 1)
+        ple.conv1d.weight.copy_(engram.conv.weight)
+    tokens = torch.randint(0, V, (2, 15), generator=torch.Generator().manual_seed(7))
+    ctx = model._context(tokens, torch.arange(15).expand(2, 15), 0, None, torch.float32)
+    rows = engram.table(engram.rows(ctx, None)).flatten(-2)
+    ple.ple_embedding.forward = lambda ids, cache: rows  # the same memory read
+    state = torch.randn((2, 15, n, 32) if n > 1 else (2, 15, 32))
+    expected = ple(state.reshape(2, 15, n * 32), tokens, None)
+    got = (engram(state, ctx, None) - state).reshape(2, 15, n * 32)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
