@@ -341,6 +341,10 @@ def test_context_without_ids_is_refused():
         engram(torch.zeros(1, 1, 32), ctx, None)
 
 
+def _dense(grad):
+    return grad.to_dense() if grad.is_sparse else grad
+
+
 def test_compiled_blocks_match_eager_with_sparse_table_gradients():
     """The block compiles whole around the table lookup (kept out of the graph: a lookup with
     sparse gradients), with no graph break from the hashing (the pad id stays a tensor)."""
@@ -354,8 +358,7 @@ def test_compiled_blocks_match_eager_with_sparse_table_gradients():
     b.backward()
     torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
     for (name, p), q in zip(eager.named_parameters(), compiled.parameters(), strict=True):
-        dense = lambda g: g.to_dense() if g.is_sparse else g
-        torch.testing.assert_close(dense(q.grad), dense(p.grad), rtol=1e-4, atol=1e-5, msg=name)
+        torch.testing.assert_close(_dense(q.grad), _dense(p.grad), rtol=1e-4, atol=1e-5, msg=name)
     assert compiled.layers["1"].engram.table.weight.grad.is_sparse
 
 
