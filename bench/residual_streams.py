@@ -111,10 +111,11 @@ def step_benchmark(repeats: int) -> None:
     _save("residual_streams_step_cpu.json", {"batch": [8, 256], "precision": "bf16", "rows": rows})
 
 
-def corpus_run(preset: str, lr: float, tmp: Path) -> dict:
-    run_dir = tmp / f"{preset}_{lr:g}"
+def corpus_run(preset: str, lr: float, tmp: Path, overrides: list[str] = (), tag: str = "") -> dict:
+    """`python -m trainer model=<preset> optim.lr=<lr> <overrides>` in a run dir under `tmp`."""
+    run_dir = tmp / (tag.replace(" ", "_").replace("+", "") or f"{preset}_{lr:g}")
     env = os.environ | {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
-    command = [sys.executable, "-m", "trainer", f"model={preset}", f"optim.lr={lr}"]
+    command = [sys.executable, "-m", "trainer", f"model={preset}", f"optim.lr={lr}", *overrides]
     command.append(f"hydra.run.dir={run_dir}")
     start = time.perf_counter()
     subprocess.run(command, cwd=ROOT, env=env, check=True, capture_output=True)

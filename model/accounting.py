@@ -3,7 +3,9 @@
 Conventions
 - Parameters: `embedding` is the token table (+ learned positions); `head` the untied output head;
   `memory` Engram's n-gram tables (apart from the backbone's `blocks`; a token reads one row per
-  hash head).
+  hash head); `mtp` the multi-token-prediction modules (counted in `total`, as they train).
+- MTP modules add their block, their 2C -> C projection and one more head matmul per depth to
+  the training FLOPs.
   `active` counts what one token uses: all of it for dense models (the whole embedding table
   included); MoE layers subtract their unselected experts (`inactive_params_per_token`: E - k
   routed experts) and report the matmul weights a token passes through (`active_matmul_params`:
@@ -40,6 +42,9 @@ class ParamCounts:
     blocks: int  # everything else: attention, FFN, norms (the backbone's blocks)
     active: int  # parameters one token uses
     memory: int = 0  # Engram's n-gram tables (role memory; a token reads a few rows)
+    mtp: int = (
+        0  # the multi-token-prediction modules (their own; the embedding and head are shared)
+    )
 
 
 def param_counts(model: Transformer) -> ParamCounts:
@@ -49,6 +54,7 @@ def param_counts(model: Transformer) -> ParamCounts:
     memory = sum(
         p.numel() for name, p in model.named_parameters() if name.endswith("engram.table.weight")
     )
+    mtp = sum(p.numel() for p in model.mtp.parameters()) if model.mtp is not None else 0
     inactive = sum(
         m.inactive_params_per_token()
         for m in model.modules()
@@ -58,9 +64,10 @@ def param_counts(model: Transformer) -> ParamCounts:
         total=total,
         embedding=embedding,
         head=head,
-        blocks=total - embedding - head - memory,
+        blocks=total - embedding - head - memory - mtp,
         active=total - inactive,
         memory=memory,
+        mtp=mtp,
     )
 
 
@@ -90,9 +97,13 @@ class FlopsPerToken:
 
 
 def training_flops_per_token(model: Transformer, seq_len: int) -> FlopsPerToken:
+    """The whole training step's, MTP modules included (each also runs the head once)."""
     matmul = sum(matmul_params_per_token(block) for block in model.layers.values())
-    matmul += model.head_weight.numel()  # the head is a matmul even when tied
-    mixing = sum(block.attn.mixing_flops_per_token(seq_len) for block in model.layers.values())
+    heads = 1 + (len(model.mtp.layers) if model.mtp is not None else 0)
+    matmul += heads * model.head_weight.numel()  # the head is a matmul even when tied
+    if model.mtp is not None:
+        matmul += sum(matmul_params_per_token(module) for module in model.mtp.layers)
+    mixing = sum(block.attn.mixing_flops_per_token(seq_len) for block in model.blocks())
     stream = model.stream.flops_per_token()
     return FlopsPerToken(
         matmul=6.0 * matmul, attention=3.0 * mixing, seq_len=seq_len, residual=3.0 * stream

@@ -24,10 +24,11 @@ from model.residual import State
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, spec: LayerSpec | None = None) -> None:
+        """`spec`: the layer's kind when it is not one of the stack's (an MTP module's block)."""
         super().__init__()
         self.layer_id = layer_id
-        self.spec: LayerSpec = cfg.layer_specs()[layer_id]
+        self.spec: LayerSpec = spec or cfg.layer_specs()[layer_id]
         stream = RESIDUALS.get(cfg.residual)
         self.engram = (
             Engram(cfg, layer_id, stream.parallel_streams(cfg))

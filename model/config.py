@@ -302,6 +302,35 @@ class EngramConfig:
         return bool(self.layers)
 
 
+@dataclass(kw_only=True)
+class MTPConfig:
+    """Multi-token prediction (DeepSeek-V3, model/mtp.py): D sequential modules, module k
+    predicting the token k + 1 ahead in training; the first drafts tokens for self-speculative
+    decoding (model/speculative.py)."""
+
+    depth: int = 0  # D modules after the main model; 0 = off
+    # lambda: the objective is main + (lambda / D) x the sum of the D losses; 0 skips the modules
+    weight: float = 0.3
+    final_weight: float = 0.1  # lambda from switch_fraction of the run on (DeepSeek-V3: 0.3, 0.1)
+    # the fraction of trainer.max_steps after which lambda is final_weight (DeepSeek-V3 switched
+    # after 10T of 14.8T tokens); 1 = never
+    switch_fraction: float = 0.7
+
+    def __post_init__(self) -> None:
+        _require(self.depth >= 0, f"model.mtp.depth={self.depth} must be >= 0 (0 = off)")
+        for name in ("weight", "final_weight"):
+            value = getattr(self, name)
+            _require(value >= 0, f"model.mtp.{name}={value} must be >= 0")
+        _require(
+            0 <= self.switch_fraction <= 1,
+            f"model.mtp.switch_fraction={self.switch_fraction} must be in [0, 1]",
+        )
+
+    def weight_at(self, step: int, max_steps: int) -> float:
+        """lambda at optimizer step `step` (0-based) of a `max_steps` run."""
+        return self.weight if step < self.switch_fraction * max_steps else self.final_weight
+
+
 MHC_COLLAPSES = ("learned", "mean")
 
 
@@ -471,6 +500,7 @@ class ModelConfig:
     attnres: AttnResConfig = field(default_factory=AttnResConfig)  # with residual=attnres
     mhc: MHCConfig = field(default_factory=MHCConfig)  # with residual=mhc
     engram: EngramConfig = field(default_factory=EngramConfig)  # n-gram memory on some layers
+    mtp: MTPConfig = field(default_factory=MTPConfig)  # multi-token prediction modules
     # the token mixer (model.mixer MIXERS key) of each layer, one per layer; [] = layer_pattern
     layer_types: list[str] = field(default_factory=list)
     # a short list of mixer kinds repeated over the layers (e.g. [gdn, gdn, gdn, gqa]); [] = every
@@ -558,6 +588,12 @@ class ModelConfig:
             self.vocab_size == 0 or engram.pad_id < self.vocab_size,
             f"model.engram.pad_id={engram.pad_id} is not a token id of model.vocab_size="
             f"{self.vocab_size}",
+        )
+        _require(
+            not self.mtp.depth or self.residual in ("pre", "post", "deepnorm"),
+            f"model.mtp.depth={self.mtp.depth} with model.residual={self.residual!r}: the MTP "
+            "modules read the main model's (B, T, C) hidden state, which this stream only has "
+            "after its collapse (Megatron-LM refuses mHC with MTP too); use pre, post or deepnorm",
         )
         if engram.enabled:
             streams = RESIDUALS.get(self.residual).parallel_streams(self)

@@ -28,6 +28,7 @@ from model.init import trunc_normal_
 from model.kv_cache import Cache
 from model.loss import chunked_cross_entropy
 from model.masks import AttentionContext, build_mask, document_starts, positions_in_documents
+from model.mtp import MultiTokenPrediction
 from model.norms import build_norm
 from model.positions import build_positions
 from model.registry import RESIDUALS
@@ -58,6 +59,9 @@ class Transformer(nn.Module):
         self.rotary_dims = sorted({b.attn.rotary_dim for b in self.layers.values()} - {0})
         # token id -> canonical id the Engram layers hash (the identity until set)
         self.memory_ids = TokenCompression(cfg.vocab_size) if cfg.engram.enabled else None
+        # multi-token prediction modules (training objective, speculative drafts)
+        self.mtp = MultiTokenPrediction(cfg) if cfg.mtp.depth else None
+        self._mtp_objective: Tensor | None = None
         if self.embed.weight.device.type != "meta":
             self.init_weights()
 
@@ -88,7 +92,15 @@ class Transformer(nn.Module):
             plan.append(("stream", lambda m: m.init_weights()))
         if self.memory_ids is not None:  # no random draws (the blocks set identity multipliers)
             plan.append(("memory_ids", lambda m: m.reset()))
+        if self.mtp is not None:  # last: without it every other part has the same weights
+            plan.append(("mtp", lambda m: m.init_weights(cfg)))
         return plan
+
+    def blocks(self) -> list[nn.Module]:
+        """Every transformer block: the stack's, then the MTP modules' (what activation
+        checkpointing, compile and FSDP2 treat one by one)."""
+        extra = [m.block for m in self.mtp.layers] if self.mtp is not None else []
+        return [*self.layers.values(), *extra]
 
     @torch.no_grad()
     def set_token_compression(self, canonical: Tensor | None) -> None:
@@ -137,10 +149,20 @@ class Transformer(nn.Module):
         document and positions restart at each document's first token.
         cache: a `Cache` from `new_cache`; the tokens continue the sequence it holds.
         """
-        h = self.hidden_states(tokens, doc_ids=doc_ids, cache=cache)
+        trunk, ctx = self._trunk(tokens, doc_ids, cache)
+        h = self.norm(trunk)
         if targets is None:
             return F.linear(h, self.head_weight)
-        return self.loss_fn(h, self.head_weight, targets, self.cfg.loss_chunk_tokens)
+        loss = self.loss_fn(h, self.head_weight, targets, self.cfg.loss_chunk_tokens)
+        if self.mtp is not None and torch.is_grad_enabled():  # training forwards only
+            self._mtp_objective = self.mtp.objective(self, trunk, tokens, targets, ctx)
+        return loss
+
+    def pop_mtp_objective(self) -> Tensor | None:
+        """The last training forward's weighted MTP losses (to add to the loss before backward),
+        and forget them; None without MTP (or with lambda = 0)."""
+        objective, self._mtp_objective = self._mtp_objective, None
+        return objective
 
     def last_logits(self, tokens: Tensor, *, cache: Cache | None = None) -> Tensor:
         """(B, V) logits of the last position only: what sampling needs, without (B, T, V)."""
@@ -151,6 +173,13 @@ class Transformer(nn.Module):
         self, tokens: Tensor, *, doc_ids: Tensor | None = None, cache: Cache | None = None
     ) -> Tensor:
         """Final-norm hidden states (B, T, C)."""
+        return self.norm(self._trunk(tokens, doc_ids, cache)[0])
+
+    def _trunk(
+        self, tokens: Tensor, doc_ids: Tensor | None, cache: Cache | None
+    ) -> tuple[Tensor, AttentionContext]:
+        """The last block's output collapsed to (B, T, C), before the final norm, and the
+        context the layers shared."""
         B, T = tokens.shape
         start = 0
         if cache is not None:
@@ -172,7 +201,7 @@ class Transformer(nn.Module):
             state = block(state, ctx, layer_cache)
         if cache is not None:
             cache.length += T
-        return self.norm(self.stream.collapse(state))
+        return self.stream.collapse(state), ctx
 
     def _context(
         self,

@@ -57,7 +57,7 @@ def apply_activation_checkpointing(model: Transformer, mode: str) -> None:
     if mode == "none":
         return
     extra = {"context_fn": _context_fn} if mode == "selective" else {}
-    for block in model.layers.values():
+    for block in model.blocks():
         block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False, **extra)
 
 
@@ -68,7 +68,7 @@ def compile_model(model: Transformer) -> None:
     On one CPU process this matches compiling the whole model as one graph (bench/
     train_throughput.py: *_compiled vs *_compiled_whole_model)."""
     whole = model.stream.compile_whole_blocks
-    for block in model.layers.values():
+    for block in model.blocks():
         assert isinstance(block, nn.Module)
         if whole:
             block.compile()

@@ -42,6 +42,15 @@ from parallel.precision import MasterWeights, autocast_factory
 OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
 
 
+def training_objective(model: nn.Module, loss: Tensor) -> Tensor:
+    """The language-model loss plus what the forward left to add: the MoE balance losses and
+    the weighted multi-token-prediction losses (every engine backpropagates this)."""
+    for extra in (pop_aux_loss(model), model.pop_mtp_objective()):
+        if extra is not None:
+            loss = loss + extra
+    return loss
+
+
 class ModuleState:
     """A module and its optimizer as one checkpointable state (DCP's state-dict helpers)."""
 
@@ -145,9 +154,7 @@ class FSDP2Engine(TrainingEngine):
             self.model.set_requires_all_reduce(last)
         with self._autocast():
             loss = self.model(inputs, targets, doc_ids=doc_ids)
-        aux = pop_aux_loss(self.model)
-        objective = loss if aux is None else loss + aux
-        (objective / divide_by).backward()
+        (training_objective(self.model, loss) / divide_by).backward()
         return loss.detach().float()
 
     def clip_gradients(self, max_norm: float) -> Tensor:

@@ -5,7 +5,9 @@ embedding, final norm and head. Under expert parallelism the experts of a MoE bl
 own unit on the expert mesh; their gradients arrive summed over the `ep` ranks that sent tokens
 (the all-to-all's backward), so the reduce-scatter divides by the whole data-parallel world,
 not by the expert mesh alone: otherwise expert gradients would grow with the EP degree.
-Engram's tables are units of their own too (`_shard_tables`).
+Engram's tables are units of their own too (`_shard_tables`). The MTP modules' blocks are
+wrapped like the stack's, then each module (its norms and 2C -> C projection); the embedding and
+head they share stay in the root's unit, which is gathered until the loss is done.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ def _shard_tables(block: nn.Module, mesh, reshard_after_forward: bool) -> None:
 def apply_fsdp(
     model: Transformer, meshes: Meshes, mp: MixedPrecisionPolicy, reshard_after_forward: bool
 ) -> None:
-    for block in model.layers.values():
+    for block in model.blocks():
         _shard_tables(block, meshes.dense, reshard_after_forward)
         if mp.param_dtype not in (None, torch.float32):
             _shard_fp32_parts(block, meshes.dense, reshard_after_forward)
@@ -82,6 +84,11 @@ def apply_fsdp(
         fully_shard(
             block, mesh=meshes.dense, mp_policy=mp, reshard_after_forward=reshard_after_forward
         )
+    if model.mtp is not None:  # each module's norms and projection with its block's unit
+        for module in model.mtp.layers:
+            fully_shard(
+                module, mesh=meshes.dense, mp_policy=mp, reshard_after_forward=reshard_after_forward
+            )
     if mp.param_dtype not in (None, torch.float32):
         _shard_fp32_parts(model.stream, meshes.dense, reshard_after_forward=False)
     # the root's weights (embedding, head) are needed again at once by the loss: keep them

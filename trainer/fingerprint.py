@@ -26,6 +26,9 @@ COMPUTE_ONLY = frozenset(
         "mhc.recompute_maps",
         "engram.offload",  # where the tables live
         "engram.sparse_grad",  # the same update from sparse or dense table gradients
+        "mtp.weight",  # lambda and its schedule: training hyperparameters, like the lr
+        "mtp.final_weight",
+        "mtp.switch_fraction",
     }
 )
 # optimizers with the same state (muonclip is muon plus a weight rescale after each step)

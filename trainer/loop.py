@@ -137,6 +137,7 @@ class Training:
                 batch = next(batches).to(self.device, non_blocking=True)
                 window.data_wait += time.perf_counter() - waited
                 lr = self.schedule.apply(self.engine.optimizer, self.step)
+                self._set_mtp_weight()
                 result = train_step(self.engine, batch, self.settings, self.tracker)
                 self.step += 1
                 self.tokens += tokens_per_step
@@ -183,6 +184,12 @@ class Training:
             self.skipped_total,
         )
         return 0
+
+    def _set_mtp_weight(self) -> None:
+        """MTP's lambda for the step about to be taken (model.mtp.weight, then final_weight)."""
+        mtp = getattr(self.engine.model, "mtp", None)
+        if mtp is not None:
+            mtp.weight = self.model_cfg.mtp.weight_at(self.step, self.cfg.trainer.max_steps)
 
     def _stop_now(self) -> int:
         self.save(f"{self.stop.name()} received", final=True)

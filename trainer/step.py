@@ -94,6 +94,9 @@ def train_step(
     stream = getattr(model, "stream", None)
     if stream is not None:  # here, after the norm's sync: reading the small summaries costs nothing
         stats |= stream.stats(model)  # e.g. Attention Residuals' depth weights (attnres/...)
+    mtp = getattr(model, "mtp", None)
+    if mtp is not None:
+        stats |= mtp.stats()  # mtp/loss_<k>, mtp/weight
     tau = settings.qk_clip_tau
     if not reason:
         clip = (lambda masters: stats.update(_qk_clip(model, masters, tau))) if tau > 0 else None

@@ -1,0 +1,204 @@
+"""Engram on this CPU: what the tables cost per step as they grow, and what they buy on the corpus.
+
+`tables`: the training step (bf16 autocast forward + backward, gradient clipping, the optimizer
+with row-wise Adam for the tables) of `tiny` with one Engram layer (block 1, 2- and 3-grams,
+4 heads each, 32 dims per head) whose tables hold 1e5, 1e6 and 1e7 rows in all, with sparse
+table gradients (the default) and with dense ones (the same update), against `tiny` itself, each
+in its own process, the default batch of 8 x 256. Memory is the growth of the process's resident
+set from the built model to after the steps (the Adam moments, which are O(table), and the
+gradients; building the model peaks higher, so the peak RSS would hide it). Each phase is timed.
+
+`corpus`: `python -m trainer model=<preset>` on the default corpus as users run it (300 steps, the
+same batches and tokens): `tiny` against `tiny_engram` (the same backbone and FLOPs plus two
+Engram layers) and against `tiny` with one multi-token-prediction module (model.mtp.depth=1);
+the validation curves and one plot of them.
+
+    python bench/engram.py tables [--repeats 5]
+    python bench/engram.py corpus [--only tiny_engram]   (reruns those, keeps the rest)
+Writes bench/results/engram_{tables,corpus}_cpu.json (+ engram_corpus.png).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from bench.machine import machine
+from bench.residual_streams import corpus_run
+
+ROWS = (10**5, 10**6, 10**7)
+HEADS = 8  # 4 per order, 2 orders
+CORPUS = {  # name: (preset, trainer overrides)
+    "tiny": ("tiny", []),
+    "tiny_engram": ("tiny_engram", []),
+    "tiny + MTP D=1": ("tiny", ["model.mtp.depth=1"]),
+}
+
+
+def variant(rows: int, sparse: bool) -> dict:
+    per_head = rows // HEADS
+    return {
+        "engram.layers": [1],
+        "engram.heads": HEADS // 2,
+        "engram.dim": 128,
+        "engram.table_sizes": [per_head, per_head],
+        "engram.sparse_grad": sparse,
+    }
+
+
+def measure_step(rows: int, sparse: bool, repeats: int) -> dict:
+    """In this process: median time of each phase of the step, and peak RSS growth."""
+    from model.presets import load_preset
+    from model.transformer import build_model
+    from optim.builder import build_optimizer
+    from optim.config import OptimConfig
+    from parallel.grad_norm import clip_grad_norm
+
+    overrides = variant(rows, sparse) if rows else {}
+    torch.manual_seed(0)
+    model = build_model(load_preset("tiny", overrides), seed=0)
+    optimizer = build_optimizer(OptimConfig(), model)
+    tokens = torch.randint(0, model.cfg.vocab_size, (8, 257))
+    base = resident_mib()
+    phases: dict[str, list[float]] = {"forward_backward": [], "clip": [], "optimizer": []}
+    for i in range(repeats + 2):
+        marks = [time.perf_counter()]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        marks.append(time.perf_counter())
+        clip_grad_norm([p for p in model.parameters() if p.grad is not None], 1.0)
+        marks.append(time.perf_counter())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        marks.append(time.perf_counter())
+        if i >= 2:  # warm-up: the allocator, the optimizer's state
+            for times, a, b in zip(phases.values(), marks, marks[1:], strict=False):
+                times.append(b - a)
+    grown = resident_mib() - base
+    out = {name: statistics.median(times) for name, times in phases.items()}
+    out["step_seconds"] = sum(out.values())
+    tables = [p for n, p in model.named_parameters() if n.endswith("engram.table.weight")]
+    out["table_rows"] = sum(t.shape[0] for t in tables)
+    out["table_parameters"] = sum(t.numel() for t in tables)
+    out["parameters"] = sum(p.numel() for p in model.parameters())
+    out["rss_growth_mib"] = grown
+    return out
+
+
+def resident_mib() -> float:
+    """The process's resident set now (Linux /proc), MiB."""
+    pages = int(Path("/proc/self/statm").read_text().split()[1])
+    return pages * resource.getpagesize() / 2**20
+
+
+def tables_benchmark(repeats: int) -> None:
+    cases = [(0, True)] + [(rows, sparse) for rows in ROWS for sparse in (True, False)]
+    results = []
+    for rows, sparse in cases:
+        command = [
+            sys.executable,
+            __file__,
+            "worker",
+            "--rows",
+            str(rows),
+            "--repeats",
+            str(repeats),
+        ]
+        command += [] if sparse else ["--dense"]
+        out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+        row = json.loads(out.strip().splitlines()[-1])
+        row["case"] = "tiny" if not rows else f"{rows:.0e} rows, {'sparse' if sparse else 'dense'}"
+        results.append(row)
+    base = results[0]["step_seconds"]
+    for row in results:
+        row["time_vs_tiny"] = row["step_seconds"] / base
+        print(
+            f"{row['case']:22s} {row['parameters']:>12,} params  step {row['step_seconds']:.3f} s "
+            f"({row['time_vs_tiny']:.2f}x; fwd+bwd {row['forward_backward']:.3f}, clip "
+            f"{row['clip']:.3f}, optimizer {row['optimizer']:.3f})  resident "
+            f"+{row['rss_growth_mib']:.0f} MiB"
+        )
+    _save("engram_tables_cpu.json", {"batch": [8, 256], "precision": "bf16", "rows": results})
+
+
+def corpus_benchmark(only: list[str]) -> None:
+    names = only or list(CORPUS)
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = []
+        for name in names:
+            preset, overrides = CORPUS[name]
+            row = corpus_run(preset, 3e-3, Path(tmp), overrides, tag=name)
+            rows.append(row | {"name": name})
+    saved = ROOT / "bench" / "results" / "engram_corpus_cpu.json"
+    if only and saved.is_file():
+        kept = [r for r in json.loads(saved.read_text())["rows"] if r["name"] not in only]
+        rows = sorted(kept + rows, key=lambda r: list(CORPUS).index(r["name"]))
+    base = next((r for r in rows if r["name"] == "tiny"), None)
+    for row in rows:
+        if base is not None:
+            row["time_vs_tiny"] = base["median_tokens_per_s"] / row["median_tokens_per_s"]
+        print(
+            f"{row['name']:15s} validation {row['validation'][0][1]} -> {row['validation'][-1][1]}"
+            f", {row['median_tokens_per_s']:.0f} tokens/s, {row['wall_seconds']} s"
+        )
+    _save("engram_corpus_cpu.json", {"steps": 300, "lr": 3e-3, "rows": rows})
+    _plot(rows, ROOT / "bench" / "results" / "engram_corpus.png")
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for row in rows:
+        steps, losses = zip(*row["validation"], strict=True)
+        ax.plot(steps, losses, label=row["name"])
+    ax.set_xlabel("step (8 x 256 tokens each)")
+    ax.set_ylabel("validation loss")
+    ax.set_ylim(top=min(8.0, ax.get_ylim()[1]))
+    ax.set_title("Engram and MTP on the default corpus (this CPU, 300 steps)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def _save(name: str, body: dict) -> None:
+    out = ROOT / "bench" / "results" / name
+    out.write_text(json.dumps({"benchmark": name, "machine": machine()} | body, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=("tables", "corpus", "worker"))
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--rows", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--dense", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--only", nargs="*", default=[], choices=list(CORPUS))
+    args = parser.parse_args()
+    if args.mode == "worker":
+        print(json.dumps(measure_step(args.rows, not args.dense, args.repeats)))
+    elif args.mode == "tables":
+        tables_benchmark(args.repeats)
+    else:
+        corpus_benchmark(args.only)
+
+
+if __name__ == "__main__":
+    main()
