@@ -170,6 +170,8 @@ class EngramState(LayerState):
     """Generation state of one Engram layer: the last N - 1 compressed token ids (B, N - 1) and
     the conv's last (K - 1) N inputs (B, (K - 1) N, n C)."""
 
+    fixed_size = True
+
     def __init__(self, tokens: Tensor, conv: Tensor) -> None:
         super().__init__()
         self.register_buffer("tokens", tokens, persistent=False)

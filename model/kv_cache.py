@@ -12,11 +12,17 @@ Shapes: B batch, Tmax cache capacity, K kv heads, D head dims, R MLA latent widt
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from torch import Tensor, nn
 
 
 class LayerState(nn.Module):
-    """One layer's generation state: buffers (not parameters), updated by the layer's forward."""
+    """One layer's generation state: buffers (not parameters), updated by the layer's forward.
+    `fixed_size` states hold a summary of everything seen (a recurrence); the others one entry
+    per position, so dropping the last tokens only needs `Cache.length` moved back."""
+
+    fixed_size: ClassVar[bool] = False
 
 
 class KVCache(LayerState):
@@ -51,6 +57,8 @@ class RecurrentState(LayerState):
     """A linear-attention layer's fixed-size state: the last K-1 inputs of its short convolution
     (B, K-1, D) and the delta-rule state (B, H, Dk, Dv), kept in fp32 whatever the model dtype."""
 
+    fixed_size = True
+
     def __init__(self, conv: Tensor, state: Tensor) -> None:
         super().__init__()
         self.register_buffer("conv", conv, persistent=False)
@@ -72,6 +80,28 @@ class Cache(nn.Module):
                 f"KV cache holds {self.capacity} tokens; {self.length} are used and {new_tokens} more "
                 "were given. Allocate a larger cache (max_len) for this generation."
             )
+
+    def snapshot(self) -> tuple[int, list[Tensor]]:
+        """What `restore` needs to return here: the length and copies of the fixed-size states
+        (per-position caches are overwritten past the length)."""
+        return self.length, [b.clone() for b in self._fixed_buffers()]
+
+    def restore(self, snapshot: tuple[int, list[Tensor]]) -> None:
+        self.length, saved = snapshot
+        for buffer, copy in zip(self._fixed_buffers(), saved, strict=True):
+            buffer.copy_(copy)
+
+    @property
+    def has_fixed_state(self) -> bool:
+        return any(True for _ in self._fixed_buffers())
+
+    def _fixed_buffers(self) -> list[Tensor]:
+        return [
+            b
+            for m in self.modules()
+            if isinstance(m, LayerState) and m.fixed_size
+            for b in m.buffers(recurse=False)
+        ]
 
     def nbytes(self) -> int:
         return sum(buf.numel() * buf.element_size() for buf in self.buffers())
