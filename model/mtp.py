@@ -77,10 +77,13 @@ class MTPModule(nn.Module):
 
     def forward(
         self, hidden: Tensor, embedded: Tensor, ctx: AttentionContext, cache=None
-    ) -> Tensor:
-        """hidden h^{k-1} (B, T, C), embedded Emb(x^k) (B, T, C) -> h^k (B, T, C), before the norm."""
+    ) -> tuple[Tensor, Tensor]:
+        """hidden h^{k-1} (B, T, C), embedded Emb(x^k) (B, T, C) -> (h^k, RMSNorm_k(h^k)), both
+        (B, T, C): the next depth's input and the head's (the norm runs here, inside the
+        module's FSDP2 unit)."""
         mixed = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1))
-        return self.block(mixed, ctx, cache)
+        out = self.block(mixed, ctx, cache)
+        return out, self.norm(out)
 
     def init_weights(self, cfg: ModelConfig) -> None:
         for norm in (self.enorm, self.hnorm, self.norm):
@@ -120,9 +123,9 @@ class MultiTokenPrediction(nn.Module):
             valid = shifted_valid(ctx.doc_starts, tokens.shape, k, tokens.device)
             inputs = roll_left(tokens, k, valid, 0)
             labels = roll_left(targets, k, valid, IGNORE_INDEX)
-            hidden = module(hidden, model.embed(inputs), ctx)
+            hidden, normed = module(hidden, model.embed(inputs), ctx)
             head = model.head_weight
-            loss = model.loss_fn(module.norm(hidden), head, labels, model.cfg.loss_chunk_tokens)
+            loss = model.loss_fn(normed, head, labels, model.cfg.loss_chunk_tokens)
             with torch.no_grad():
                 self.loss_sums[k - 1] += loss.detach().float()
             total = loss if total is None else total + loss

@@ -59,10 +59,10 @@ class _Drafter:
         self.cache.check_room(P)
         positions = torch.arange(start, start + P, device=tokens.device)[None]
         ctx = self.model._context(tokens, positions, start, None, hidden.dtype)
-        out = self.module(hidden, self.model.embed(tokens), ctx, self.cache.layers[0])
+        _, normed = self.module(hidden, self.model.embed(tokens), ctx, self.cache.layers[0])
         self.cache.length += P
         self.hidden, self.following = [], []
-        return F.linear(self.module.norm(out[:, -1]), self.model.head_weight).argmax(-1)
+        return F.linear(normed[:, -1], self.model.head_weight).argmax(-1)
 
 
 def _main(model: Transformer, tokens: Tensor, cache: Cache) -> tuple[Tensor, Tensor]:

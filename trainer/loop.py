@@ -189,7 +189,8 @@ class Training:
         """MTP's lambda for the step about to be taken (model.mtp.weight, then final_weight)."""
         mtp = getattr(self.engine.model, "mtp", None)
         if mtp is not None:
-            mtp.weight = self.model_cfg.mtp.weight_at(self.step, self.cfg.trainer.max_steps)
+            # over the schedule's run length, as the learning rate is
+            mtp.weight = self.model_cfg.mtp.weight_at(self.step, self.schedule.total_steps)
 
     def _stop_now(self) -> int:
         self.save(f"{self.stop.name()} received", final=True)

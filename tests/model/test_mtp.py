@@ -144,7 +144,7 @@ def test_a_module_equals_transformers_mtp_layer_with_copied_weights():
     hidden, embedded = torch.randn(2, T, 32, generator=g), torch.randn(2, T, 32, generator=g)
     positions = torch.arange(T)[None].expand(2, T)
     ctx = model._context(tokens, positions, 0, None, torch.float32)
-    ours = module.norm(module(hidden, embedded, ctx))
+    ours = module(hidden, embedded, ctx)[1]
     rope = LlamaRotaryEmbedding(hf_cfg)(hidden, positions)
     mask = torch.full((T, T), float("-inf")).triu(1)[None, None]
     theirs = layer(embedded, hidden, rope, mask, positions, None)
