@@ -11,7 +11,8 @@ adapter files registered in `HF_FAMILIES` (model/hf/family.py):
 To add a family, write model/hf/<family>.py with an `HFFamily` subclass (or a `LayeredFamily`,
 model/hf/layered.py, for per-layer conversion) registered under its name, and import it below.
 Dense and MoE softmax-attention models without a hybrid layer (Qwen3-MoE, DeepSeek-V3) have no
-family yet and are refused with a ConfigError naming the option.
+family yet and are refused with a ConfigError naming the option. MTP modules travel in
+DeepSeek-V3's layout with any family (model/hf/mtp_layers.py).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 from torch import Tensor
 
 from model.config import ConfigError, ModelConfig
-from model.hf import kimi_linear, llama, qwen3_next  # noqa: F401  (register the families)
+from model.hf import kimi_linear, llama, mtp_layers, qwen3_next  # noqa: F401  (the families)
 from model.hf.family import HF_FAMILIES, HFFamily, family_for_config, family_for_hf
 from model.hf.files import MAX_SHARD_BYTES, read_hf_state_dict, write_hf_dir
 from model.transformer import Transformer, build_model
@@ -52,17 +53,20 @@ def hf_architecture(cfg: ModelConfig) -> str:
 
 
 def hf_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    return family_for_config(cfg).to_hf_config(cfg, dtype)
+    out = family_for_config(cfg).to_hf_config(cfg, dtype)
+    if cfg.mtp.depth:  # DeepSeek-V3's key (model/hf/mtp_layers.py)
+        out["num_nextn_predict_layers"] = cfg.mtp.depth
+    return out
 
 
 def config_from_hf(hf: dict[str, Any], rope_pairing: str = "half") -> ModelConfig:
     """ModelConfig for a `config.json` of a registered family (legacy rope_scaling or v5
-    rope_parameters)."""
-    return family_for_hf(hf).from_hf_config(hf, rope_pairing)
+    rope_parameters), with its MTP depth."""
+    return mtp_layers.with_depth(family_for_hf(hf).from_hf_config(hf, rope_pairing), hf)
 
 
 def to_hf_state_dict(model: Transformer) -> dict[str, Tensor]:
-    return family_for_config(model.cfg).to_hf_state(dict(model.state_dict()), model.cfg)
+    return mtp_layers.to_hf(family_for_config(model.cfg), dict(model.state_dict()), model.cfg)
 
 
 def from_hf_state_dict(
@@ -71,7 +75,7 @@ def from_hf_state_dict(
     family = family or family_for_config(cfg)
     # old checkpoints saved RoPE frequencies; we recompute them
     kept = {n: t for n, t in hf_state.items() if not n.endswith("rotary_emb.inv_freq")}
-    out, unknown = family.from_hf_state(kept, cfg)
+    out, unknown = mtp_layers.from_hf(family, kept, cfg)
     if unknown:
         raise ConfigError(f"unexpected tensors in the checkpoint: {', '.join(unknown[:5])}")
     if cfg.tie_embeddings:
@@ -115,7 +119,7 @@ def load_hf(
         raise FileNotFoundError(f"{config_file} not found: not a Hugging Face model directory")
     hf = json.loads(config_file.read_text())
     family = family_for_hf(hf)
-    cfg = family.from_hf_config(hf, rope_pairing)
+    cfg = mtp_layers.with_depth(family.from_hf_config(hf, rope_pairing), hf)
     state = from_hf_state_dict(read_hf_state_dict(path), cfg, family)
     model = build_model(cfg, device="meta")
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)

@@ -112,6 +112,11 @@ class HFFamily:
 def family_for_config(cfg: ModelConfig) -> HFFamily:
     """The family that can express `cfg`; else a ConfigError naming why the family it is meant
     for (the first that claims it) cannot."""
+    if cfg.engram.enabled:
+        raise ConfigError(
+            f"cannot export to Hugging Face: model.engram.layers={cfg.engram.layers} (no "
+            "transformers family has Engram memory; the training checkpoint holds the model)"
+        )
     families = [HF_FAMILIES.get(name)() for name in HF_FAMILIES.names()]
     candidates = [f for f in families if f.claims(cfg)] or [f for f in families if f.fallback]
     reasons = []
