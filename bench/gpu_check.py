@@ -10,6 +10,9 @@ Checks:
       states and gradients (fp32 and bf16 inputs; an fp64 torch reference for fp32), packed
       documents with initial states (fla's varlen path), one decoded token, and the layers with
       kernel=fla vs kernel=torch. Skipped, with the reason, without CUDA or fla-core.
+  engram_offload  Engram tables of 1e7 rows on the GPU vs in pinned host memory (the rows a step
+      reads copied over): step times after a same-loss check, and the copy of one step's rows
+      alone (bench/gpu_engram.py).
 
     python bench/gpu_check.py [--out PATH] [--only NAME ...] [--budget-s 170] [--list]
 On CUDA writes bench/results/gpu_check.json (or --out); on CPU prints only, unless --out is given.
@@ -371,6 +374,18 @@ def delta_rule_fla_vs_torch(budget: Budget) -> dict:
     for kind in ("gdn", "kda"):
         sub_case(results[kind], "layer", lambda k=kind: layer_case(k), budget, 15)
     return results
+
+
+@check("engram_offload")
+def engram_offload(budget: Budget) -> dict:
+    reason = cuda_skip_reason()
+    if reason:
+        return {"skipped": reason}
+    if not budget.allows(40):
+        return {"skipped": f"time budget: {budget.left():.0f} s left, needs ~40 s"}
+    from bench.gpu_engram import engram_offload as measure
+
+    return measure(timed)
 
 
 # ---- the runner -----------------------------------------------------------------------------

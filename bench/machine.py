@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import importlib.metadata
+import json
 import os
 import platform
 from pathlib import Path
@@ -35,3 +36,11 @@ def machine(packages: tuple[str, ...] = ("torch", "numpy"), **extra: object) -> 
         **versions,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
+
+
+def save_result(name: str, body: dict) -> Path:
+    """bench/results/<name>: the body with the benchmark's name and this machine, as JSON."""
+    out = Path(__file__).resolve().parent / "results" / name
+    out.write_text(json.dumps({"benchmark": name, "machine": machine()} | body, indent=2) + "\n")
+    print(f"wrote {out}")
+    return out

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import statistics
 import subprocess
@@ -34,7 +35,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from bench.machine import machine
+from bench.machine import save_result
 
 VARIANTS = {  # name: (preset, overrides)
     "pre (tiny)": ("tiny", {}),
@@ -108,12 +109,19 @@ def step_benchmark(repeats: int) -> None:
             f"({row['time_vs_pre']:.2f}x)  peak +{row['peak_rss_growth_mib']:.0f} MiB "
             f"({row['memory_vs_pre']:.2f}x)"
         )
-    _save("residual_streams_step_cpu.json", {"batch": [8, 256], "precision": "bf16", "rows": rows})
+    save_result(
+        "residual_streams_step_cpu.json", {"batch": [8, 256], "precision": "bf16", "rows": rows}
+    )
+
+
+def run_dir_name(tag: str) -> str:
+    """A run directory name Hydra's override grammar accepts (no '=', '+', spaces...)."""
+    return re.sub(r"[^A-Za-z0-9_.]+", "_", tag)
 
 
 def corpus_run(preset: str, lr: float, tmp: Path, overrides: list[str] = (), tag: str = "") -> dict:
     """`python -m trainer model=<preset> optim.lr=<lr> <overrides>` in a run dir under `tmp`."""
-    run_dir = tmp / (tag.replace(" ", "_").replace("+", "") or f"{preset}_{lr:g}")
+    run_dir = tmp / run_dir_name(tag or f"{preset}_{lr:g}")
     env = os.environ | {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
     command = [sys.executable, "-m", "trainer", f"model={preset}", f"optim.lr={lr}", *overrides]
     command.append(f"hydra.run.dir={run_dir}")
@@ -150,7 +158,7 @@ def corpus_benchmark(only: list[str]) -> None:
             f"{row['validation'][-1][1]}, training sample {row['train_sample'][-1][1]}, "
             f"{row['median_tokens_per_s']:.0f} tokens/s, {row['skipped_steps']} skipped steps"
         )
-    _save("residual_streams_corpus_cpu.json", {"steps": 300, "rows": rows})
+    save_result("residual_streams_corpus_cpu.json", {"steps": 300, "rows": rows})
     _plot(rows, ROOT / "bench" / "results" / "residual_streams_corpus.png")
 
 
@@ -181,12 +189,6 @@ def _plot(rows: list[dict], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"wrote {path}")
-
-
-def _save(name: str, body: dict) -> None:
-    out = ROOT / "bench" / "results" / name
-    out.write_text(json.dumps({"benchmark": name, "machine": machine()} | body, indent=2) + "\n")
-    print(f"wrote {out}")
 
 
 def main() -> None:

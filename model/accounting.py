@@ -97,17 +97,25 @@ class FlopsPerToken:
 
 
 def training_flops_per_token(model: Transformer, seq_len: int) -> FlopsPerToken:
-    """The whole training step's, MTP modules included (each also runs the head once)."""
+    """The whole training step's, MTP modules included (each also runs the head once) unless
+    their lambda is 0 for the whole run (then they are skipped)."""
+    mtp = model.mtp if model.mtp is not None and _mtp_runs(model.cfg) else None
     matmul = sum(matmul_params_per_token(block) for block in model.layers.values())
-    heads = 1 + (len(model.mtp.layers) if model.mtp is not None else 0)
+    heads = 1 + (len(mtp.layers) if mtp is not None else 0)
     matmul += heads * model.head_weight.numel()  # the head is a matmul even when tied
-    if model.mtp is not None:
-        matmul += sum(matmul_params_per_token(module) for module in model.mtp.layers)
-    mixing = sum(block.attn.mixing_flops_per_token(seq_len) for block in model.blocks())
+    blocks = list(model.layers.values())
+    if mtp is not None:
+        matmul += sum(matmul_params_per_token(module) for module in mtp.layers)
+        blocks += [module.block for module in mtp.layers]
+    mixing = sum(block.attn.mixing_flops_per_token(seq_len) for block in blocks)
     stream = model.stream.flops_per_token()
     return FlopsPerToken(
         matmul=6.0 * matmul, attention=3.0 * mixing, seq_len=seq_len, residual=3.0 * stream
     )
+
+
+def _mtp_runs(cfg) -> bool:
+    return cfg.mtp.weight > 0 or cfg.mtp.final_weight > 0
 
 
 @dataclass(frozen=True)

@@ -261,7 +261,9 @@ class EngramConfig:
     table_sizes: list[int] = field(default_factory=list)
     kernel: int = 4  # taps of the short causal conv on the gated value (dilation = max_ngram)
     seed: int = 0  # the hash multipliers' seed (numpy default_rng(seed + 10007 x layer))
-    pad_id: int = 0  # token id standing for the positions before a document's first token
+    # what stands for the positions before a document's first token: -1 = an id of its own (one
+    # past the canonical ids, colliding with no token); >= 0 = that token (the demo's pad_id)
+    pad_id: int = -1
     # hash canonical ids (case, accents, spacing folded: data/token_compression.py), built from
     # the tokenizer at train start; false = the raw token ids
     compress_tokens: bool = True
@@ -295,7 +297,12 @@ class EngramConfig:
             len(set(self.layers)) == len(self.layers),
             f"model.engram.layers={self.layers} lists a layer twice",
         )
-        _require(self.pad_id >= 0, f"model.engram.pad_id={self.pad_id} must be >= 0")
+        _require(self.pad_id >= -1, f"model.engram.pad_id={self.pad_id} must be >= -1")
+        _require(
+            list(self.layers) == sorted(self.layers),
+            f"model.engram.layers={self.layers} must be in increasing order (the tables' primes "
+            "are dealt out layer after layer)",
+        )
 
     @property
     def enabled(self) -> bool:

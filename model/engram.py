@@ -56,7 +56,8 @@ class EngramTable(Fp32Parameters):
     MultiHeadEmbedding). Kept in fp32 when the model is cast (`keep_fp32`), like a master weight,
     and its gradients are sparse (only the rows read) unless `sparse_grad` is turned off (FSDP2
     reduces dense gradients: parallel/fsdp.py). With `offload` the weight stays in host memory
-    whatever device the model moves to, and the rows a step reads are copied to the device."""
+    whatever device the model moves to, and the rows a step reads are copied to the device (their
+    ids come to the host first: one synchronization per Engram layer and step)."""
 
     def __init__(self, primes: list[list[int]], head_dim: int, sparse_grad: bool, offload: bool):
         super().__init__()
@@ -94,7 +95,10 @@ class EngramTable(Fp32Parameters):
             index = index.to(self.weight.device)
         sparse = self.sparse_grad and self.weight.requires_grad and torch.is_grad_enabled()
         out = F.embedding(index, self.weight, sparse=sparse)
-        if out.device != device:
+        if out.device != device:  # offloaded: the rows read, through pinned memory (the caching
+            # host allocator reuses the page-locked block once the copy is done)
+            if device.type == "cuda":
+                out = out.pin_memory()
             out = out.to(device, non_blocking=True)
         return out
 
@@ -121,8 +125,7 @@ class EngramTable(Fp32Parameters):
             dtype = torch.float32 if p.dtype == torch.float32 else probe.dtype
             device = torch.device("cpu") if self.offload else probe.device
             if p.device.type == "meta" and device.type != "meta":
-                pin = device.type == "cpu" and self.offload and torch.cuda.is_available()
-                data = torch.empty(p.shape, dtype=dtype, device=device, pin_memory=pin)
+                data = torch.empty(p.shape, dtype=dtype, device=device)
             elif p.device == device and p.dtype == dtype:
                 continue
             else:
@@ -136,14 +139,25 @@ class EngramTable(Fp32Parameters):
 
 class TokenCompression(nn.Module):
     """The model's token id -> canonical id map (V,) that Engram layers hash (the identity until
-    `Transformer.set_token_compression`); a buffer, so checkpoints carry it."""
+    `Transformer.set_token_compression`) and the id standing for positions before a document's
+    start (`pad`, 0-d: one past the canonical ids, or a token's with engram.pad_id >= 0);
+    buffers, so checkpoints carry them."""
 
-    def __init__(self, vocab_size: int) -> None:
+    def __init__(self, vocab_size: int, pad_id: int) -> None:
         super().__init__()
+        self.pad_id = pad_id
         self.register_buffer("canonical", torch.arange(vocab_size))
+        self.register_buffer("pad", torch.tensor(vocab_size if pad_id < 0 else pad_id))
+
+    def set(self, canonical: Tensor) -> int:
+        """Install a map; returns how many ids the hashes see (canonical ids + a reserved pad)."""
+        self.canonical.copy_(canonical)
+        count = int(canonical.max()) + 1
+        self.pad.fill_(count if self.pad_id < 0 else int(canonical[self.pad_id]))
+        return count + (self.pad_id < 0)
 
     def reset(self) -> None:
-        self.canonical.copy_(torch.arange(self.canonical.shape[0]))
+        self.set(torch.arange(self.canonical.shape[0]))
 
 
 class StreamNorm(nn.Module):
@@ -214,7 +228,8 @@ class Engram(nn.Module):
         e = cfg.engram
         C, E = cfg.d_model, (e.max_ngram - 1) * e.dim
         self.layer_id, self.streams, self.width = layer_id, streams, C
-        self.max_ngram, self.seed, self.vocab_size = e.max_ngram, e.seed, cfg.vocab_size
+        self.max_ngram, self.seed = e.max_ngram, e.seed
+        self.hashed_ids = cfg.vocab_size + (e.pad_id < 0)  # with the identity map
         self.table = EngramTable(
             layer_primes(cfg, layer_id), e.dim // e.heads, e.sparse_grad, e.offload
         )
@@ -228,7 +243,7 @@ class Engram(nn.Module):
         self.register_buffer("multipliers", torch.zeros(e.max_ngram, dtype=torch.long))
 
     def set_vocabulary(self, vocab: int) -> None:
-        """The multipliers for V' = `vocab` compressed ids (they bound the products)."""
+        """The multipliers for V' = `vocab` ids the hashes see (they bound the products)."""
         values = layer_multipliers(self.seed, self.layer_id, self.max_ngram, vocab)
         self.multipliers.copy_(torch.tensor(values, dtype=torch.long))
 
@@ -239,7 +254,8 @@ class Engram(nn.Module):
         e = self.table(rows).flatten(-2).to(self.value.weight.dtype)  # (B, T, E) fp32; bf16 under
         # bf16 weights
         key = self.keys(e).unflatten(-1, (self.streams, self.width))  # (B, T, n, C)
-        score = (self.key_norm(key) * self.query_norm(h)).float().sum(-1) / math.sqrt(self.width)
+        score = (self.key_norm(key).float() * self.query_norm(h).float()).sum(-1)
+        score = score / math.sqrt(self.width)
         gate = torch.sigmoid(score.sign() * score.abs().clamp_min(1e-6).sqrt())  # (B, T, n)
         value = gate.to(h.dtype)[..., None] * self.value(e).to(h.dtype)[:, :, None, :]
         past = cache.conv if cache is not None else None
@@ -275,7 +291,7 @@ class Engram(nn.Module):
         for norm in (self.key_norm, self.query_norm, self.conv_norm):
             norm.init_weights()
         nn.init.zeros_(self.conv.weight)  # out = v at the start (Megatron-LM)
-        self.set_vocabulary(self.vocab_size)
+        self.set_vocabulary(self.hashed_ids)
 
     def new_state(self, batch: int, dtype: torch.dtype, device: torch.device) -> EngramState:
         span = (self.conv.weight.shape[-1] - 1) * self.max_ngram

@@ -26,6 +26,8 @@ Without document ids (trainer.doc_mask=false) each row is one document, as atten
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor, nn
 
@@ -139,16 +141,29 @@ class MultiTokenPrediction(nn.Module):
         self.loss_sums.zero_()
         self.forwards.zero_()
 
+    def _apply(self, fn, recurse: bool = True):  # type: ignore[override]
+        """The metric sums stay fp32 when the model is cast (bf16 would round the losses)."""
+        super()._apply(fn, recurse)
+        for name in ("loss_sums", "forwards"):
+            buffer = self._buffers[name]
+            if buffer is not None and buffer.dtype != torch.float32:
+                self._buffers[name] = buffer.float()
+        return self
+
     @torch.no_grad()
-    def stats(self) -> dict[str, float]:
-        """mtp/loss_<k>: depth k's mean loss over the training forwards since the last call (this
-        rank's micro-batches), and mtp/weight (lambda); {} when there was none. Resets."""
-        count = float(self.forwards)
-        if not count:
-            return {}
-        means = (self.loss_sums / count).tolist()
+    def stats(self, reduce: Callable[[Tensor], None] | None = None) -> dict[str, float]:
+        """mtp/loss_<k>: depth k's mean loss over the training forwards since the last call (all
+        ranks' micro-batches when `reduce` sums a tensor over them in place), and mtp/weight
+        (lambda); {} when there was none. Resets."""
+        sums = torch.cat([self.loss_sums, self.forwards[None]])
+        if reduce is not None:
+            reduce(sums)
         self.loss_sums.zero_()
         self.forwards.zero_()
+        count = float(sums[-1])
+        if not count:
+            return {}
+        means = (sums[:-1] / count).tolist()
         return {f"mtp/loss_{k}": v for k, v in enumerate(means, start=1)} | {
             "mtp/weight": self.weight
         }

@@ -101,6 +101,11 @@ def speculative_generate(
         emitted.append(current)
         if done(current):
             break
+        if len(emitted) + 1 == max_new_tokens:  # one token left: no room for a draft's position
+            _, choice = _main(model, current[:, None], cache)
+            stats.main_forwards += 1
+            emitted.append(choice[:, -1])
+            break
         draft = drafter.draft()
         snapshot = cache.snapshot()
         hidden, choice = _main(model, torch.stack([current, draft], dim=1), cache)

@@ -58,7 +58,9 @@ class Transformer(nn.Module):
         # the RoPE widths the layers rotate (layers of different kinds may differ)
         self.rotary_dims = sorted({b.attn.rotary_dim for b in self.layers.values()} - {0})
         # token id -> canonical id the Engram layers hash (the identity until set)
-        self.memory_ids = TokenCompression(cfg.vocab_size) if cfg.engram.enabled else None
+        self.memory_ids = (
+            TokenCompression(cfg.vocab_size, cfg.engram.pad_id) if cfg.engram.enabled else None
+        )
         # multi-token prediction modules (training objective, speculative drafts)
         self.mtp = MultiTokenPrediction(cfg) if cfg.mtp.depth else None
         self._mtp_objective: Tensor | None = None
@@ -105,8 +107,8 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def set_token_compression(self, canonical: Tensor | None) -> None:
         """The Engram layers' tokenizer compression: `canonical` (V,) maps each token id to its
-        canonical id (data/token_compression.py); None is the identity. Sets the hash multipliers
-        for the number of canonical ids; saved with the model's state (buffers)."""
+        canonical id (data/token_compression.py); None is the identity. Sets the pad id and the
+        hash multipliers for the ids the hashes see; saved with the model's state (buffers)."""
         if self.memory_ids is None:
             return
         if canonical is None:
@@ -116,8 +118,7 @@ class Transformer(nn.Module):
                 f"the token compression maps {tuple(canonical.shape)} ids; the model has "
                 f"model.vocab_size={self.cfg.vocab_size}"
             )
-        self.memory_ids.canonical.copy_(canonical)
-        vocab = int(canonical.max()) + 1
+        vocab = self.memory_ids.set(canonical)
         for module in self.modules():
             if isinstance(module, Engram):
                 module.set_vocabulary(vocab)
@@ -241,8 +242,10 @@ class Transformer(nn.Module):
         """The compressed ids and pad id the Engram layers hash (none without them)."""
         if self.memory_ids is None:
             return {}
-        canonical = self.memory_ids.canonical
-        return {"memory_tokens": canonical[tokens], "memory_pad": canonical[self.cfg.engram.pad_id]}
+        return {
+            "memory_tokens": self.memory_ids.canonical[tokens],
+            "memory_pad": self.memory_ids.pad,
+        }
 
     def _check_length(self, length: int) -> None:
         if self.cfg.position == "learned" and length > self.cfg.max_seq_len:

@@ -29,7 +29,7 @@ from optim.distributed_muon import NS, orthogonalize_all
 from optim.matrix_blocks import SCALINGS, MatrixBlocks, orthogonalize_blocks, update_scale
 from optim.newton_schulz import coefficient_schedule, orthogonalize
 from optim.row_adam import ALGORITHM as ROW_ADAM
-from optim.row_adam import row_adam_step
+from optim.row_adam import adam_step_count, row_adam_step
 
 
 def fan_out_in(param: Tensor, layout: str) -> tuple[int, int]:
@@ -144,12 +144,7 @@ class Muon(torch.optim.Optimizer):
             if param.grad is None:
                 continue
             state = self.state[param]
-            if not state:
-                state["step"] = torch.zeros((), dtype=torch.float32)
-                state["exp_avg"] = torch.zeros_like(param)
-                state["exp_avg_sq"] = torch.zeros_like(param)
-            state["step"] += 1
-            step = state["step"].item()
+            step = adam_step_count(state, param)
             grad, m, v = param.grad, state["exp_avg"], state["exp_avg_sq"]
             param.mul_(1 - lr * wd)
             m.lerp_(grad, 1 - beta1)

@@ -30,12 +30,27 @@ def _local(t: Tensor) -> Tensor:
 
 
 def touched_rows(grad: Tensor) -> tuple[Tensor, Tensor]:
-    """(row indices (R,), their summed gradients (R, D)) of a sparse or dense (N, D) gradient."""
+    """(row indices (R,), their summed gradients (R, D)) of a sparse or dense (N, D) gradient.
+    Rows whose gradient is exactly zero (read only where every target was ignored) count as
+    untouched either way, so the sparse and the dense form give the same update."""
     if grad.is_sparse:
         grad = grad.coalesce()  # duplicate rows (several reads, micro-batches) summed
-        return grad.indices()[0], grad.values()
+        rows, values = grad.indices()[0], grad.values()
+        keep = values.ne(0).any(dim=1)
+        return rows[keep], values[keep]
     rows = grad.ne(0).any(dim=1).nonzero()[:, 0]
     return rows, grad.index_select(0, rows)
+
+
+def adam_step_count(state: dict, param: Tensor) -> int:
+    """Adam's state of `param` (created at the first step: step, exp_avg, exp_avg_sq, the
+    layout torch.optim.AdamW uses), its step counter advanced; returns the new count."""
+    if not state:
+        state["step"] = torch.zeros((), dtype=torch.float32)
+        state["exp_avg"] = torch.zeros_like(param)
+        state["exp_avg_sq"] = torch.zeros_like(param)
+    state["step"] += 1
+    return int(state["step"].item())
 
 
 @torch.no_grad()
@@ -44,12 +59,7 @@ def row_adam_step(
 ) -> None:
     """One lazy Adam step of `param` (N, D) on the rows `grad` touches (see the module docstring)."""
     weight, grad = _local(param), _local(grad)
-    if not state:
-        state["step"] = torch.zeros((), dtype=torch.float32)
-        state["exp_avg"] = torch.zeros_like(param)
-        state["exp_avg_sq"] = torch.zeros_like(param)
-    state["step"] += 1
-    step = state["step"].item()
+    step = adam_step_count(state, param)
     m_all, v_all = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
     rows, g = touched_rows(grad)
     g = g.to(m_all.dtype)

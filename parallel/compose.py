@@ -48,7 +48,13 @@ def parallelize(
     if compile:
         compile_model(model)
     if meshes is not None:
-        apply_fsdp(model, meshes, mixed_precision(param_dtype), cfg.reshard_after_forward)
+        apply_fsdp(
+            model,
+            meshes,
+            mixed_precision(param_dtype),
+            cfg.reshard_after_forward,
+            recompute=cfg.activation_checkpoint != "none",
+        )
 
 
 def build_model_for(request: EngineRequest) -> tuple[Transformer, MasterWeights | None]:

@@ -43,10 +43,12 @@ def _shard_fp32_parts(module: nn.Module, mesh, reshard_after_forward: bool) -> N
             )
 
 
-def _shard_tables(block: nn.Module, mesh, reshard_after_forward: bool) -> None:
+def _shard_tables(block: nn.Module, mesh, reshard_after_forward: bool, recompute: bool) -> None:
     """Engram's tables: FSDP2 units of their own, sharded by rows (dim 0) and gathered in fp32,
     with dense gradients (FSDP2 reduce-scatters dense tensors; row-wise Adam finds the rows read,
-    optim/row_adam.py). Host-memory tables (offload) are one process's: refused here."""
+    optim/row_adam.py); not gathered again for backward (a lookup's backward does not read the
+    table) unless activation checkpointing recomputes the lookup there. Host-memory tables
+    (offload) are one process's: refused here."""
     for part in block.modules():
         if not isinstance(part, EngramTable):
             continue
@@ -57,13 +59,20 @@ def _shard_tables(block: nn.Module, mesh, reshard_after_forward: bool) -> None:
             )
         part.sparse_grad = False
         fully_shard(part, mesh=mesh, mp_policy=FP32, reshard_after_forward=reshard_after_forward)
+        if not recompute:
+            part.set_unshard_in_backward(False)
 
 
 def apply_fsdp(
-    model: Transformer, meshes: Meshes, mp: MixedPrecisionPolicy, reshard_after_forward: bool
+    model: Transformer,
+    meshes: Meshes,
+    mp: MixedPrecisionPolicy,
+    reshard_after_forward: bool,
+    recompute: bool = False,
 ) -> None:
+    """`recompute`: activation checkpointing recomputes the blocks in backward."""
     for block in model.blocks():
-        _shard_tables(block, meshes.dense, reshard_after_forward)
+        _shard_tables(block, meshes.dense, reshard_after_forward, recompute)
         if mp.param_dtype not in (None, torch.float32):
             _shard_fp32_parts(block, meshes.dense, reshard_after_forward)
         experts = getattr(block.ffn, "experts", None)

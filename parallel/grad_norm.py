@@ -41,8 +41,10 @@ def global_grad_norm(params: list[torch.nn.Parameter]) -> Tensor:
             by_copies.setdefault(_copies(p.grad), []).append(local)
     if not by_copies:
         return torch.zeros(())
-    total = sum(
-        torch.stack(torch._foreach_norm(grads, 2)).float().square().sum() / copies
+    device = next(iter(by_copies.values()))[0].device
+    total = sum(  # (norms moved to one device: offloaded Engram tables keep theirs in host memory)
+        torch.stack([n.to(device) for n in torch._foreach_norm(grads, 2)]).float().square().sum()
+        / copies
         for copies, grads in by_copies.items()
     )
     if several_ranks():
@@ -65,5 +67,5 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> Tensor:
         torch._foreach_mul_(dense, scale)
         for g in locals_:
             if g.is_sparse:
-                g._values().mul_(scale)  # (coalesced or not)
+                g._values().mul_(scale.to(g.device))  # (coalesced or not)
     return norm

@@ -96,7 +96,7 @@ def train_step(
         stats |= stream.stats(model)  # e.g. Attention Residuals' depth weights (attnres/...)
     mtp = getattr(model, "mtp", None)
     if mtp is not None:
-        stats |= mtp.stats()  # mtp/loss_<k>, mtp/weight
+        stats |= mtp.stats(_sum_over_ranks)  # mtp/loss_<k>, mtp/weight
     tau = settings.qk_clip_tau
     if not reason:
         clip = (lambda masters: stats.update(_qk_clip(model, masters, tau))) if tau > 0 else None
@@ -126,6 +126,11 @@ def _mean_over_ranks(value: torch.Tensor) -> float:
         dist.all_reduce(value)
         value /= dist.get_world_size()
     return value.item()
+
+
+def _sum_over_ranks(value: torch.Tensor) -> None:
+    if several_ranks():
+        dist.all_reduce(value)
 
 
 def _qk_clip(model: nn.Module, updated: nn.Module, tau: float) -> dict[str, float]:

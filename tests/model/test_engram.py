@@ -305,6 +305,8 @@ def test_offloaded_tables_stay_in_host_memory_and_fp32():
         ({}, dict(layers=[0], table_sizes=[10]), "one per n-gram order"),
         ({}, dict(layers=[0], pad_id=V), "pad_id"),
         ({}, dict(layers=[0, 0]), "twice"),
+        ({}, dict(layers=[2, 0]), "increasing order"),
+        ({}, dict(layers=[0], pad_id=-2), "pad_id=-2"),
     ],
 )
 def test_bad_engram_settings_fail_with_the_key(model, engram, message):
@@ -318,7 +320,9 @@ def test_compression_changes_the_multipliers_and_is_saved_in_the_state():
     canonical = torch.arange(V) // 2  # 150 canonical ids
     model.set_token_compression(canonical)
     engram = model.layers["1"].engram
-    assert torch.equal(engram.multipliers, torch.tensor(layer_multipliers(0, 1, 3, 150)))
+    # 150 canonical ids + the reserved pad id
+    assert torch.equal(engram.multipliers, torch.tensor(layer_multipliers(0, 1, 3, 151)))
+    assert int(model.memory_ids.pad) == 150
     assert not torch.equal(engram.multipliers, before)
     state = model.state_dict()
     assert torch.equal(state["memory_ids.canonical"], canonical)
@@ -405,3 +409,26 @@ def test_fusion_equals_transformers_qwen4_exp_ple_layer():
     expected = ple(state.reshape(2, 15, n * 32), tokens, None)
     got = (engram(state, ctx, None) - state).reshape(2, 15, n * 32)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(("pad_id", "collide"), [(-1, False), (0, True)])
+def test_the_default_pad_is_an_id_of_its_own(pad_id, collide):
+    """A document's first bigram (pad, x) reads other rows than (token 0, x) unless pad_id names
+    token 0 (as a demo-style pad_id would name a real token)."""
+    model = engram_model(pad_id=pad_id)
+    engram = model.layers["1"].engram
+    start = model._context(
+        torch.tensor([[5]]), torch.zeros(1, 1, dtype=torch.long), 0, None, torch.float32
+    )
+    after = model._context(torch.tensor([[0, 5]]), torch.arange(2)[None], 0, None, torch.float32)
+    first, second = engram.rows(start, None)[0, 0], engram.rows(after, None)[0, 1]
+    assert torch.equal(first, second) == collide
+
+
+def test_mtp_metric_sums_stay_fp32_when_the_model_is_cast():
+    from model.config import MTPConfig
+
+    model = build_model(ModelConfig(vocab_size=V, d_model=32, n_layers=2, mtp=MTPConfig(depth=1)))
+    model.to(torch.bfloat16)
+    assert model.mtp.loss_sums.dtype == torch.float32
+    assert model.embed.weight.dtype == torch.bfloat16

@@ -52,11 +52,11 @@ def test_untouched_rows_and_their_moments_stay_put():
 
 
 def test_sparse_and_dense_gradients_give_the_same_update():
-    indices = torch.tensor([[4, 1, 4, 0]])  # row 4 read twice: summed
-    values = torch.randn(4, 3)
-    sparse = torch.sparse_coo_tensor(indices, values, (6, 3))
+    indices = torch.tensor([[4, 1, 4, 0, 5]])  # row 4 read twice: summed; row 5's gradient is 0
+    values = torch.cat([torch.randn(4, 3), torch.zeros(1, 3)])
+    sparse = torch.sparse_coo_tensor(indices, values, (6, 3), check_invariants=True)
     rows, summed = touched_rows(sparse)
-    assert rows.tolist() == [0, 1, 4]
+    assert rows.tolist() == [0, 1, 4]  # row 5 (a zero gradient) counts as untouched
     torch.testing.assert_close(summed[2], values[0] + values[2])
     a, b = torch.randn(6, 3), None
     b = a.clone()

@@ -10,7 +10,7 @@ import torch
 
 from model.errors import ConfigError
 from tests.parallel.ranks import run_ranks
-from tests.parallel.workers import engine_for, small_model, train
+from tests.parallel.workers import engine_for, gradients, small_model, train
 
 pytestmark = pytest.mark.distributed
 STEPS = 4
@@ -23,18 +23,32 @@ def engram(**overrides):
 
 
 def assert_same_training(got: dict, single: dict, muon: bool = False) -> None:
-    if muon:  # as tests/parallel/test_muon_fsdp.py: reduction order flips bf16 roundings inside
-        # Newton-Schulz, moving an update element by a bf16 step
-        torch.testing.assert_close(got["losses"], single["losses"], rtol=1e-5, atol=1e-5)
-        for name, tensor in single["final"].items():
-            torch.testing.assert_close(got["final"][name], tensor, rtol=0, atol=5e-4, msg=name)
-        return
-    torch.testing.assert_close(got["losses"], single["losses"], rtol=2e-5, atol=2e-6)
-    # the table's row gradients are summed in another order (sparse rows in one process, dense
-    # per-rank sums reduce-scattered under FSDP2); Adam grows the rounding: observed 1.3e-5
-    torch.testing.assert_close(got["norms"], single["norms"], rtol=5e-5, atol=0)
-    for name, tensor in single["final"].items():
-        torch.testing.assert_close(got["final"][name], tensor, rtol=1e-4, atol=5e-5, msg=name)
+    """Losses to 2e-5. The weights: Adam moves an entry by about lr whatever the size of its
+    gradient, so entries whose gradient is near zero at the start (the gate's norms and keys:
+    ~1e-6, their rounding differences ~1e-10) may step either way: observed up to 3e-3 = lr after
+    4 steps, and the gradient norm then differs by up to 1% at step 4, while the first step's
+    gradients agree to 1e-9 (`test_one_steps_gradients_match_one_process`). Muon (as
+    tests/parallel/test_muon_fsdp.py): reduction order flips bf16 roundings in Newton-Schulz."""
+    atol = 1e-5 if muon else 2e-6
+    torch.testing.assert_close(got["losses"], single["losses"], rtol=2e-5, atol=atol)
+    assert_weights_close(got["final"], single["final"])
+
+
+def assert_weights_close(got: dict, expected: dict) -> None:
+    """Within two Adam steps of lr = 3e-3 (see assert_same_training)."""
+    for name, tensor in expected.items():
+        torch.testing.assert_close(got[name], tensor, rtol=0, atol=2 * 3e-3, msg=name)
+
+
+def test_one_steps_gradients_match_one_process() -> None:
+    """Dense row-sharded table gradients (FSDP2) = the sparse ones of one process, and every
+    other gradient, to rounding."""
+    single = gradients(0, engram(), {})
+    got = run_ranks(2, gradients, engram(), {})[0]
+    torch.testing.assert_close(got["loss"], single["loss"], rtol=1e-6, atol=0)
+    for name, grad in single["grads"].items():
+        dense = grad.to_dense() if grad.is_sparse else grad
+        torch.testing.assert_close(got["grads"][name], dense, rtol=1e-5, atol=1e-8, msg=name)
 
 
 @pytest.mark.parametrize(
@@ -66,9 +80,7 @@ def test_engram_hsdp_checkpoint_resumes_on_two_ranks(tmp_path) -> None:
     )[0]
     losses = first["losses"] + second["losses"]
     torch.testing.assert_close(losses, uninterrupted["losses"], rtol=2e-5, atol=2e-6)
-    for name, tensor in uninterrupted["final"].items():
-        # (observed 1.4e-5 for the value projection: Adam on near-zero gradient entries)
-        torch.testing.assert_close(second["final"][name], tensor, rtol=1e-4, atol=5e-5, msg=name)
+    assert_weights_close(second["final"], uninterrupted["final"])
 
 
 def offloaded_engine(rank: int) -> str:

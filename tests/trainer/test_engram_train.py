@@ -13,19 +13,14 @@ from data.errors import DataError
 from data.token_compression import canonical_ids
 from data.tokenizer import load_tokenizer
 from model.presets import load_preset
-from tests.trainer.helpers import metric_rows, small_config
+from tests.trainer.helpers import SMALL_MODEL, metric_rows, small_config
 from trainer.app import build_training
 from trainer.runtime import Ranks
 
 ONE = Ranks(rank=0, world_size=1, local_rank=0)
-SMALL = {
-    "d_model": 64,
+SMALL = SMALL_MODEL | {
     "n_layers": 3,
-    "attention.n_heads": 4,
-    "attention.n_kv_heads": 2,
     "ffn.hidden": 96,
-    "vocab_size": 0,
-    "max_seq_len": 64,
     "engram.layers": [1],
     "engram.heads": 2,
     "engram.dim": 32,

@@ -5,21 +5,12 @@ switches at its fraction of the run, and an interrupted run resumes to the same 
 from __future__ import annotations
 
 from model.presets import load_preset
-from tests.trainer.helpers import metric_rows, small_config
+from tests.trainer.helpers import SMALL_MODEL, metric_rows, small_config
 from trainer.app import build_training
 from trainer.runtime import Ranks
 
 ONE = Ranks(rank=0, world_size=1, local_rank=0)
-SMALL = {
-    "d_model": 64,
-    "n_layers": 2,
-    "attention.n_heads": 4,
-    "attention.n_kv_heads": 2,
-    "vocab_size": 0,
-    "max_seq_len": 64,
-    "mtp.depth": 2,
-    "mtp.switch_fraction": 0.5,
-}
+SMALL = SMALL_MODEL | {"mtp.depth": 2, "mtp.switch_fraction": 0.5}
 
 
 def mtp_config(dataset, steps: int):
