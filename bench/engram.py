@@ -8,20 +8,28 @@ in its own process, three rounds round-robin (the fastest kept), the default bat
 set from the built model to after the steps (the Adam moments, which are O(table), and the
 gradients; building the model peaks higher, so the peak RSS would hide it). Each phase is timed.
 
+`fsdp`: the same step through the trainer's engine with FSDP2 over 2 gloo ranks (one core each,
+the same global batch), against one process through the same engine: tables sharded by rows
+(units gathered for the forward and reduce-scattered after backward: traffic O(table)) and
+replicated (`engram.sharding=replicated`: the sparse row gradients averaged, traffic O(rows
+read), each rank holding the whole table).
+
 `corpus`: `python -m trainer model=<preset>` on the default corpus as users run it (300 steps, the
 same batches and tokens): `tiny` against `tiny_engram` (the same backbone and FLOPs plus two
 Engram layers) and against `tiny` with one multi-token-prediction module (model.mtp.depth=1);
 the validation curves and one plot of them.
 
     python bench/engram.py tables [--repeats 5]
+    python bench/engram.py fsdp
     python bench/engram.py corpus [--only tiny_engram]   (reruns those, keeps the rest)
-Writes bench/results/engram_{tables,corpus}_cpu.json (+ engram_corpus.png).
+Writes bench/results/engram_{tables,fsdp,corpus}_cpu.json (+ engram_corpus.png).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import subprocess
@@ -134,6 +142,62 @@ def tables_benchmark(repeats: int, rounds: int = 3) -> None:
     save_result("engram_tables_cpu.json", body)
 
 
+def engine_step_times(
+    rank: int, world: int, rows: int, sharding: str = "rows", steps: int = 4
+) -> list[float]:
+    """Training steps through the trainer's engine (FSDP2 when world > 1) on this rank's slice
+    of a fixed global batch of 8 x 256."""
+    import torch.distributed as dist
+
+    from data.loader import Batch
+    from model.presets import load_preset
+    from optim.config import OptimConfig
+    from parallel.config import ParallelConfig
+    from parallel.mesh import ParallelDims
+    from trainer.build import build_training_engine
+    from trainer.config import TrainerConfig
+    from trainer.step import LossTracker, StepSettings, train_step
+
+    overrides = variant(rows, True) | {"engram.sharding": sharding} if rows else {}
+    cfg = load_preset("tiny", overrides)
+    dims = ParallelDims.resolve(ParallelConfig(), world)
+    tcfg = TrainerConfig(precision="bf16", batch_size=8)
+    engine = build_training_engine(
+        cfg, tcfg, ParallelConfig(), OptimConfig(warmup_steps=0), dims, torch.device("cpu"), 0
+    )
+    tokens = torch.randint(0, cfg.vocab_size, (8, 257), generator=torch.Generator().manual_seed(0))
+    part = tokens[rank * 8 // world : (rank + 1) * 8 // world]
+    batch = Batch(part[:, :-1], part[:, 1:], torch.zeros_like(part[:, 1:]))
+    settings, tracker, times = StepSettings(grad_clip=1.0), LossTracker(0.0), []
+    for _ in range(2 + steps):
+        if world > 1:
+            dist.barrier()
+        start = time.perf_counter()
+        train_step(engine, batch, settings, tracker)
+        times.append(time.perf_counter() - start)
+    return times[2:]
+
+
+def fsdp_benchmark() -> None:
+    from bench.ranks import run_on_ranks
+
+    cores = len(os.sched_getaffinity(0))
+    results = []
+    for rows in (0, *ROWS):
+        row = {"table_rows": rows}
+        cases = [("one_process", 1, "rows"), ("fsdp2_rows", 2, "rows")]
+        cases += [("fsdp2_replicated", 2, "replicated")] if rows else []
+        for name, world, sharding in cases:
+            times = run_on_ranks(world, cores, engine_step_times, rows, sharding)
+            row[name] = statistics.median(times)
+        results.append(row)
+        print(
+            f"{rows:>10,} rows: "
+            + ", ".join(f"{k} {v:.3f} s" for k, v in row.items() if k != "table_rows")
+        )
+    save_result("engram_fsdp_cpu.json", {"batch": [8, 256], "precision": "bf16", "rows": results})
+
+
 def corpus_benchmark(only: list[str]) -> None:
     names = only or list(CORPUS)
     with tempfile.TemporaryDirectory() as tmp:
@@ -223,7 +287,7 @@ def _plot(rows: list[dict], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=("tables", "corpus", "worker"))
+    parser.add_argument("mode", choices=("tables", "fsdp", "corpus", "worker"))
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--rows", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--dense", action="store_true", help=argparse.SUPPRESS)
@@ -233,6 +297,8 @@ def main() -> None:
         print(json.dumps(measure_step(args.rows, not args.dense, args.repeats)))
     elif args.mode == "tables":
         tables_benchmark(args.repeats)
+    elif args.mode == "fsdp":
+        fsdp_benchmark()
     else:
         corpus_benchmark(args.only)
 

@@ -247,6 +247,9 @@ class AttnResConfig:
         )
 
 
+ENGRAM_SHARDINGS = ("rows", "replicated")
+
+
 @dataclass(kw_only=True)
 class EngramConfig:
     """Engram conditional memory (model/engram.py): hashed n-gram embedding tables read by the
@@ -273,6 +276,10 @@ class EngramConfig:
     # sparse (row) gradients for the tables in one process, so a step's cost does not grow with
     # their size; false = dense gradients (the same update, for comparison)
     sparse_grad: bool = True
+    # with several data-parallel ranks: rows = FSDP2 shards each table by rows (memory / ranks;
+    # gathered every step, O(table) traffic) | replicated = every rank holds the whole table and
+    # the step's sparse row gradients are averaged (traffic O(rows read), memory O(table))
+    sharding: str = "rows"
 
     def __post_init__(self) -> None:
         _require(self.max_ngram >= 2, f"model.engram.max_ngram={self.max_ngram} must be >= 2")
@@ -298,6 +305,10 @@ class EngramConfig:
             f"model.engram.layers={self.layers} lists a layer twice",
         )
         _require(self.pad_id >= -1, f"model.engram.pad_id={self.pad_id} must be >= -1")
+        _require(
+            self.sharding in ENGRAM_SHARDINGS,
+            f"model.engram.sharding={self.sharding!r}; choose one of: {', '.join(ENGRAM_SHARDINGS)}",
+        )
         _require(
             list(self.layers) == sorted(self.layers),
             f"model.engram.layers={self.layers} must be in increasing order (the tables' primes "

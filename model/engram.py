@@ -59,8 +59,16 @@ class EngramTable(Fp32Parameters):
     whatever device the model moves to, and the rows a step reads are copied to the device (their
     ids come to the host first: one synchronization per Engram layer and step)."""
 
-    def __init__(self, primes: list[list[int]], head_dim: int, sparse_grad: bool, offload: bool):
+    def __init__(
+        self,
+        primes: list[list[int]],
+        head_dim: int,
+        sparse_grad: bool,
+        offload: bool,
+        sharding: str = "rows",
+    ):
         super().__init__()
+        self.sharding = sharding  # over data-parallel ranks: rows | replicated (parallel/fsdp.py)
         self.prime_table = primes  # (O, K) as lists
         self.sizes = [p for order in primes for p in order]  # order-major, as the rows
         self.head_dim, self.sparse_grad, self.offload = head_dim, sparse_grad, offload
@@ -231,7 +239,7 @@ class Engram(nn.Module):
         self.max_ngram, self.seed = e.max_ngram, e.seed
         self.hashed_ids = cfg.vocab_size + (e.pad_id < 0)  # with the identity map
         self.table = EngramTable(
-            layer_primes(cfg, layer_id), e.dim // e.heads, e.sparse_grad, e.offload
+            layer_primes(cfg, layer_id), e.dim // e.heads, e.sparse_grad, e.offload, e.sharding
         )
         self.keys = nn.Linear(E, streams * C, bias=e.bias)  # stream i's W_K: rows i C .. (i+1) C
         self.value = nn.Linear(E, C, bias=e.bias)

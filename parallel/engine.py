@@ -36,8 +36,10 @@ from torch.distributed.fsdp import FSDPModule
 
 from model.moe import pop_aux_loss
 from model.registry import Registry
+from parallel.fsdp import replicated_tables
 from parallel.grad_norm import clip_grad_norm
 from parallel.precision import MasterWeights, autocast_factory
+from parallel.sparse_sync import average_sparse_gradients
 
 OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
 
@@ -135,6 +137,7 @@ class FSDP2Engine(TrainingEngine):
     ) -> None:
         self.model, self.optimizer, self.master = model, optimizer, master
         self._autocast = autocast_factory(precision, device)
+        self._replicated = replicated_tables(model)
 
     @property
     def state_module(self) -> nn.Module:
@@ -158,6 +161,8 @@ class FSDP2Engine(TrainingEngine):
         return loss.detach().float()
 
     def clip_gradients(self, max_norm: float) -> Tensor:
+        if self.sharded and self._replicated:  # Engram tables held whole by every rank
+            average_sparse_gradients([t.weight for t in self._replicated])
         if self.master is not None:  # bf16 gradients -> the fp32 master weights
             self.master.grads_to_master()
             params = [m for _, m in self.master.pairs if m.grad is not None]

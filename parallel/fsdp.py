@@ -35,20 +35,26 @@ def _shard_fp32_parts(module: nn.Module, mesh, reshard_after_forward: bool) -> N
     """Modules that keep their parameters fp32 (`keep_fp32`: AttnRes' pseudo-queries, mHC's maps)
     become FSDP2 units of their own that gather and compute in fp32 under any param_dtype."""
     for part in module.modules():
-        if isinstance(part, FSDPModule):
-            continue  # (Engram's tables: already their own unit)
+        if isinstance(part, (FSDPModule, EngramTable)):
+            continue  # (Engram's tables: their own unit already, or replicated)
         if getattr(part, "keep_fp32", False) and any(True for _ in part.parameters(recurse=False)):
             fully_shard(
                 part, mesh=mesh, mp_policy=FP32, reshard_after_forward=reshard_after_forward
             )
 
 
+def replicated_tables(model: nn.Module) -> list[EngramTable]:
+    """Engram tables every rank holds whole (model.engram.sharding=replicated)."""
+    return [m for m in model.modules() if isinstance(m, EngramTable) and m.sharding == "replicated"]
+
+
 def _shard_tables(block: nn.Module, mesh, reshard_after_forward: bool, recompute: bool) -> None:
-    """Engram's tables: FSDP2 units of their own, sharded by rows (dim 0) and gathered in fp32,
-    with dense gradients (FSDP2 reduce-scatters dense tensors; row-wise Adam finds the rows read,
-    optim/row_adam.py); not gathered again for backward (a lookup's backward does not read the
-    table) unless activation checkpointing recomputes the lookup there. Host-memory tables
-    (offload) are one process's: refused here."""
+    """Engram's tables (sharding=rows): FSDP2 units of their own, sharded by rows (dim 0) and
+    gathered in fp32, with dense gradients (FSDP2 reduce-scatters dense tensors; row-wise Adam
+    finds the rows read, optim/row_adam.py); not gathered again for backward (a lookup's backward
+    does not read the table) unless activation checkpointing recomputes the lookup there.
+    Replicated tables stay out of FSDP2 with their sparse gradients (averaged over the ranks by
+    the engine: parallel/sparse_sync.py). Host-memory tables (offload) are refused here."""
     for part in block.modules():
         if not isinstance(part, EngramTable):
             continue
@@ -57,6 +63,8 @@ def _shard_tables(block: nn.Module, mesh, reshard_after_forward: bool, recompute
                 "model.engram.offload=true keeps the tables in one process's host memory; it "
                 "does not work with several data-parallel ranks yet: set model.engram.offload=false"
             )
+        if part.sharding == "replicated":
+            continue
         part.sparse_grad = False
         fully_shard(part, mesh=mesh, mp_policy=FP32, reshard_after_forward=reshard_after_forward)
         if not recompute:
@@ -71,6 +79,7 @@ def apply_fsdp(
     recompute: bool = False,
 ) -> None:
     """`recompute`: activation checkpointing recomputes the blocks in backward."""
+    ignored = {table.weight for table in replicated_tables(model)}
     for block in model.blocks():
         _shard_tables(block, meshes.dense, reshard_after_forward, recompute)
         if mp.param_dtype not in (None, torch.float32):
@@ -91,7 +100,11 @@ def apply_fsdp(
                 # without a collective, and forcing the sum would divide twice.)
                 experts.set_force_sum_reduction_for_comms(True)
         fully_shard(
-            block, mesh=meshes.dense, mp_policy=mp, reshard_after_forward=reshard_after_forward
+            block,
+            mesh=meshes.dense,
+            mp_policy=mp,
+            reshard_after_forward=reshard_after_forward,
+            ignored_params=ignored,
         )
     if model.mtp is not None:  # each module's norms and projection with its block's unit
         for module in model.mtp.layers:
@@ -101,7 +114,9 @@ def apply_fsdp(
     if mp.param_dtype not in (None, torch.float32):
         _shard_fp32_parts(model.stream, meshes.dense, reshard_after_forward=False)
     # the root's weights (embedding, head) are needed again at once by the loss: keep them
-    fully_shard(model, mesh=meshes.dense, mp_policy=mp, reshard_after_forward=False)
+    fully_shard(
+        model, mesh=meshes.dense, mp_policy=mp, reshard_after_forward=False, ignored_params=ignored
+    )
 
 
 def _expert_placement(shards: int):

@@ -26,6 +26,7 @@ COMPUTE_ONLY = frozenset(
         "mhc.recompute_maps",
         "engram.offload",  # where the tables live
         "engram.sparse_grad",  # the same update from sparse or dense table gradients
+        "engram.sharding",  # how ranks hold the tables; checkpoints hold them whole
         "mtp.weight",  # lambda and its schedule: training hyperparameters, like the lr
         "mtp.final_weight",
         "mtp.switch_fraction",

@@ -64,6 +64,18 @@ def test_engram_under_fsdp2_matches_one_process(layout: dict, optimizer: str) ->
     assert not torch.equal(single["final"][TABLE], single["initial"][TABLE])  # trained
 
 
+@pytest.mark.parametrize("layout", [{}, {"dp_replicate": 2, "dp_shard": 1}])
+def test_replicated_tables_average_their_sparse_rows_and_match_one_process(layout) -> None:
+    """sharding=replicated: every rank holds the whole table (no FSDP2 unit, no gather) and the
+    ranks' sparse row gradients are averaged; the same training as one process."""
+    model = engram(**{"engram.sharding": "replicated"})
+    single = train(0, model, {}, STEPS)
+    got = run_ranks(2, train, model, layout, STEPS)[0]
+    assert_same_training(got, single)
+    assert got["placements"][TABLE] == "local"  # whole on each rank
+    assert not torch.equal(got["final"][TABLE], got["initial"][TABLE])
+
+
 def test_engram_with_moe_under_expert_parallelism_matches_one_process() -> None:
     moe = {"moe.n_routed_experts": 4, "moe.top_k": 2, "moe.first_k_dense": 1}
     model = engram(**moe, **{"moe.expert_hidden": 32, "n_layers": 3})
@@ -71,13 +83,15 @@ def test_engram_with_moe_under_expert_parallelism_matches_one_process() -> None:
     assert_same_training(run_ranks(2, train, model, {"ep": 2}, 3)[0], single)
 
 
-def test_engram_hsdp_checkpoint_resumes_on_two_ranks(tmp_path) -> None:
-    uninterrupted = train(0, engram(), {}, STEPS)
+@pytest.mark.parametrize("sharding", ["rows", "replicated"])
+def test_engram_hsdp_checkpoint_resumes_on_two_ranks(tmp_path, sharding: str) -> None:
+    model = engram(**{"engram.sharding": sharding})
+    uninterrupted = train(0, model, {}, STEPS)
     hsdp = {"dp_replicate": 2, "dp_shard": 2}
-    first = run_ranks(4, train, engram(), hsdp, 2, 1, "fp32", 1.0, "", str(tmp_path))[0]
-    second = run_ranks(
-        2, train, engram(), {}, 2, 1, "fp32", 1.0, str(tmp_path / "step_00000002"), ""
-    )[0]
+    first = run_ranks(4, train, model, hsdp, 2, 1, "fp32", 1.0, "", str(tmp_path))[0]
+    second = run_ranks(2, train, model, {}, 2, 1, "fp32", 1.0, str(tmp_path / "step_00000002"), "")[
+        0
+    ]
     losses = first["losses"] + second["losses"]
     torch.testing.assert_close(losses, uninterrupted["losses"], rtol=2e-5, atol=2e-6)
     assert_weights_close(second["final"], uninterrupted["final"])
