@@ -63,20 +63,26 @@ def per_layer_means(
 
 
 class Fp32Parameters(nn.Module):
-    """A module whose own parameters stay fp32 when the model is cast (`model.to(bf16)`, as
-    trainer.precision=bf16_master does) and that FSDP2 shards as its own unit computing in fp32
-    (parallel/fsdp.py reads `keep_fp32`): zero-initialized pseudo-queries and stream maps whose
-    small values bf16 would round (Megatron-LM and transformers keep them fp32 too)."""
+    """A module whose own parameters (and fp32 buffers) stay fp32 when the model is cast
+    (`model.to(bf16)`, as trainer.precision=bf16_master does) and that FSDP2 shards as its own
+    unit computing in fp32 (parallel/fsdp.py reads `keep_fp32`): zero-initialized pseudo-queries
+    and stream maps whose small values bf16 would round (Megatron-LM and transformers keep them
+    fp32 too), and their metric buffers."""
 
     keep_fp32: ClassVar[bool] = True
 
     def _apply(self, fn, recurse: bool = True):  # type: ignore[override]
         before = {name: p.data for name, p in self._parameters.items() if p is not None}
+        buffers = {name: b for name, b in self._buffers.items() if b is not None}
         super()._apply(fn, recurse)
         for name, old in before.items():
             new = self._parameters[name]
             if old.dtype == torch.float32 and new is not None and new.dtype != torch.float32:
                 new.data = old.to(new.device)  # the fp32 values, unrounded
+        for name, old in buffers.items():  # fp32 metric buffers (mHC's stream statistics) too
+            new = self._buffers[name]
+            if old.dtype == torch.float32 and new is not None and new.dtype != torch.float32:
+                self._buffers[name] = old.to(new.device)
         return self
 
 

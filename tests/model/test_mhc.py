@@ -212,3 +212,11 @@ def test_compiled_blocks_match_eager_and_keep_the_metrics():
         eager.stream.stats(eager)["mhc/layer1/res_diag"]
     )
     assert build_model(cfg(), seed=0).stream.stats(build_model(cfg(), seed=0)) == {}  # not trained
+
+
+def test_the_stream_metrics_stay_fp32_when_the_model_is_cast():
+    """bf16_master casts the model: the maps' parameters and their metric buffers keep fp32."""
+    model = build_model(cfg(n_layers=2), seed=0).to(torch.bfloat16)
+    hc = model.layers["0"].attn_residual
+    assert hc.fn.dtype == hc.last_rms.dtype == hc.last_diag.dtype == torch.float32
+    assert model.layers["0"].attn.q_proj.weight.dtype == torch.bfloat16
