@@ -7,8 +7,15 @@ not installed, unless LMFORGE_REQUIRE_SLURM=1 (set by .ci/run, which installs th
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# Triton kernels run under Triton's interpreter on a machine without CUDA; the flag must be set
+# before triton is first imported (torch.compile may import it), so here, before any test
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

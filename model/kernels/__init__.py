@@ -1,0 +1,1 @@
+"""Optional compute kernels (Triton); each module imports its backend lazily."""
