@@ -42,7 +42,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from bench.machine import save_result
+from bench.machine import finish_validation_plot, save_result
 from bench.residual_streams import corpus_run, run_dir_name
 
 ROWS = (10**5, 10**6, 10**7)
@@ -274,15 +274,7 @@ def _plot(rows: list[dict], path: Path) -> None:
     for row in rows:
         steps, losses = zip(*row["validation"], strict=True)
         ax.plot(steps, losses, label=row["name"])
-    ax.set_xlabel("step (8 x 256 tokens each)")
-    ax.set_ylabel("validation loss")
-    ax.set_ylim(top=min(8.0, ax.get_ylim()[1]))
-    ax.set_title("Engram and MTP on the default corpus (this CPU, 300 steps)")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"wrote {path}")
+    finish_validation_plot(fig, ax, "Engram and MTP on the default corpus", path)
 
 
 def main() -> None:

@@ -35,7 +35,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from bench.machine import save_result
+from bench.machine import finish_validation_plot, save_result
 
 VARIANTS = {  # name: (preset, overrides)
     "pre (tiny)": ("tiny", {}),
@@ -180,15 +180,7 @@ def _plot(rows: list[dict], path: Path) -> None:
             color=colors[row["preset"]],
             label=f"{row['preset']} lr {row['lr']:g}",
         )
-    ax.set_xlabel("step (8 x 256 tokens each)")
-    ax.set_ylabel("validation loss")
-    ax.set_ylim(top=min(8.0, ax.get_ylim()[1]))
-    ax.set_title("Residual streams on the default corpus (this CPU, 300 steps)")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"wrote {path}")
+    finish_validation_plot(fig, ax, "Residual streams on the default corpus", path)
 
 
 def main() -> None:

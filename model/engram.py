@@ -70,12 +70,16 @@ class EngramTable(Fp32Parameters):
         super().__init__()
         self.sharding = sharding  # over data-parallel ranks: rows | replicated (parallel/fsdp.py)
         self.prime_table = primes  # (O, K) as lists
-        self.sizes = [p for order in primes for p in order]  # order-major, as the rows
         self.head_dim, self.sparse_grad, self.offload = head_dim, sparse_grad, offload
         self.weight = nn.Parameter(torch.empty(sum(self.sizes), head_dim))
         # derived from the config: rebuilt by init_weights (after to_empty), never saved
         self.register_buffer("primes", self._primes_tensor(), persistent=False)
         self.register_buffer("offsets", self._offsets_tensor(), persistent=False)
+
+    @property
+    def sizes(self) -> list[int]:
+        """Each head's table size, order-major (order 2's heads first), as the rows lie."""
+        return [p for order in self.prime_table for p in order]
 
     def _primes_tensor(self) -> Tensor:
         return torch.tensor(self.prime_table, dtype=torch.long)

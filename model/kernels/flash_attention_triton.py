@@ -14,6 +14,34 @@ import triton.language as tl
 
 
 @triton.jit
+def _load_rows(ptr, idx, stride_t, offs_d, T):
+    """(len(idx), D) rows idx of one (batch, head) slice at `ptr`, zeros past T."""
+    return tl.load(
+        ptr + idx[:, None] * stride_t + offs_d[None, :], mask=idx[:, None] < T, other=0.0
+    )
+
+
+@triton.jit
+def _allowed(rows, cols, T, CAUSAL: tl.constexpr):
+    """(rows, cols) bool: the keys inside the sequence (and not after the row when causal);
+    rows past T are not stored, and keep a key each so that their softmax stays finite."""
+    valid = cols[None, :] < T
+    if CAUSAL:
+        valid = valid & (rows[:, None] >= cols[None, :])
+    return valid
+
+
+@triton.jit
+def _probs_and_score_grads(q, k, v, do, lse, delta, rows, cols, sm_scale, T, CAUSAL: tl.constexpr):
+    """The backward's recomputed probabilities P and dS = P (dP - delta) scale for one block."""
+    s = tl.dot(q, tl.trans(k)) * sm_scale
+    valid = _allowed(rows, cols, T, CAUSAL) & (rows[:, None] < T)
+    p = tl.where(valid, tl.exp(s - lse[:, None]), 0.0)
+    dp = tl.dot(do, tl.trans(v))
+    return p, p * (dp - delta[:, None]) * sm_scale
+
+
+@triton.jit
 def _fwd(
     Q,
     K,
@@ -50,11 +78,7 @@ def _fwd(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
-    q = tl.load(
-        Q + b * sqb + h * sqh + offs_m[:, None] * sqt + offs_d[None, :],
-        mask=offs_m[:, None] < T,
-        other=0.0,
-    )
+    q = _load_rows(Q + b * sqb + h * sqh, offs_m, sqt, offs_d, T)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
@@ -63,21 +87,10 @@ def _fwd(
         hi = tl.minimum((pid_m + 1) * BLOCK_M, T)
     for start in range(0, hi, BLOCK_N):
         cols = start + offs_n
-        k = tl.load(
-            K + b * skb + hk * skh + cols[:, None] * skt + offs_d[None, :],
-            mask=cols[:, None] < T,
-            other=0.0,
-        )
-        v = tl.load(
-            V + b * svb + hk * svh + cols[:, None] * svt + offs_d[None, :],
-            mask=cols[:, None] < T,
-            other=0.0,
-        )
+        k = _load_rows(K + b * skb + hk * skh, cols, skt, offs_d, T)
+        v = _load_rows(V + b * svb + hk * svh, cols, svt, offs_d, T)
         s = tl.dot(q, tl.trans(k)) * sm_scale
-        valid = cols[None, :] < T
-        if CAUSAL:
-            valid = valid & (offs_m[:, None] >= cols[None, :])
-        s = tl.where(valid, s, float("-inf"))
+        s = tl.where(_allowed(offs_m, cols, T, CAUSAL), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp(s - m_safe[:, None])
@@ -130,12 +143,8 @@ def _bwd_kv(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
     kmask = cols[:, None] < T
-    k = tl.load(
-        K + b * skb + hk * skh + cols[:, None] * skt + offs_d[None, :], mask=kmask, other=0.0
-    )
-    v = tl.load(
-        V + b * skb + hk * skh + cols[:, None] * skt + offs_d[None, :], mask=kmask, other=0.0
-    )
+    k = _load_rows(K + b * skb + hk * skh, cols, skt, offs_d, T)
+    v = _load_rows(V + b * skb + hk * skh, cols, skt, offs_d, T)
     dk = tl.zeros([BLOCK_N, D], tl.float32)
     dv = tl.zeros([BLOCK_N, D], tl.float32)
     lo = 0
@@ -145,25 +154,12 @@ def _bwd_kv(
         h = hk * GROUP + g
         for start in range(lo, T, BLOCK_M):
             rows = start + tl.arange(0, BLOCK_M)
-            qmask = rows[:, None] < T
-            q = tl.load(
-                Q + b * sqb + h * sqh + rows[:, None] * sqt + offs_d[None, :], mask=qmask, other=0.0
-            )
-            do = tl.load(
-                DO + b * sqb + h * sqh + rows[:, None] * sqt + offs_d[None, :],
-                mask=qmask,
-                other=0.0,
-            )
+            q = _load_rows(Q + b * sqb + h * sqh, rows, sqt, offs_d, T)
+            do = _load_rows(DO + b * sqb + h * sqh, rows, sqt, offs_d, T)
             lse = tl.load(LSE + (b * HQ + h) * T + rows, mask=rows < T, other=0.0)
             delta = tl.load(DELTA + (b * HQ + h) * T + rows, mask=rows < T, other=0.0)
-            s = tl.dot(q, tl.trans(k)) * sm_scale
-            valid = (rows[:, None] < T) & (cols[None, :] < T)
-            if CAUSAL:
-                valid = valid & (rows[:, None] >= cols[None, :])
-            p = tl.where(valid, tl.exp(s - lse[:, None]), 0.0)
+            p, ds = _probs_and_score_grads(q, k, v, do, lse, delta, rows, cols, sm_scale, T, CAUSAL)
             dv += tl.dot(tl.trans(p), do)
-            dp = tl.dot(do, tl.trans(v))
-            ds = p * (dp - delta[:, None]) * sm_scale
             dk += tl.dot(tl.trans(ds), q)
     tl.store(DK + b * skb + hk * skh + cols[:, None] * skt + offs_d[None, :], dk, mask=kmask)
     tl.store(DV + b * skb + hk * skh + cols[:, None] * skt + offs_d[None, :], dv, mask=kmask)
@@ -201,12 +197,8 @@ def _bwd_q(
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D)
     qmask = rows[:, None] < T
-    q = tl.load(
-        Q + b * sqb + h * sqh + rows[:, None] * sqt + offs_d[None, :], mask=qmask, other=0.0
-    )
-    do = tl.load(
-        DO + b * sqb + h * sqh + rows[:, None] * sqt + offs_d[None, :], mask=qmask, other=0.0
-    )
+    q = _load_rows(Q + b * sqb + h * sqh, rows, sqt, offs_d, T)
+    do = _load_rows(DO + b * sqb + h * sqh, rows, sqt, offs_d, T)
     lse = tl.load(LSE + pid_bh * T + rows, mask=rows < T, other=0.0)
     delta = tl.load(DELTA + pid_bh * T + rows, mask=rows < T, other=0.0)
     dq = tl.zeros([BLOCK_M, D], tl.float32)
@@ -215,19 +207,8 @@ def _bwd_q(
         hi = tl.minimum((pid_m + 1) * BLOCK_M, T)
     for start in range(0, hi, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
-        kmask = cols[:, None] < T
-        k = tl.load(
-            K + b * skb + hk * skh + cols[:, None] * skt + offs_d[None, :], mask=kmask, other=0.0
-        )
-        v = tl.load(
-            V + b * skb + hk * skh + cols[:, None] * skt + offs_d[None, :], mask=kmask, other=0.0
-        )
-        s = tl.dot(q, tl.trans(k)) * sm_scale
-        valid = (rows[:, None] < T) & (cols[None, :] < T)
-        if CAUSAL:
-            valid = valid & (rows[:, None] >= cols[None, :])
-        p = tl.where(valid, tl.exp(s - lse[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(v))
-        ds = p * (dp - delta[:, None]) * sm_scale
+        k = _load_rows(K + b * skb + hk * skh, cols, skt, offs_d, T)
+        v = _load_rows(V + b * skb + hk * skh, cols, skt, offs_d, T)
+        _, ds = _probs_and_score_grads(q, k, v, do, lse, delta, rows, cols, sm_scale, T, CAUSAL)
         dq += tl.dot(ds, k)
     tl.store(DQ + b * sqb + h * sqh + rows[:, None] * sqt + offs_d[None, :], dq, mask=qmask)
