@@ -7,23 +7,22 @@ Shapes: B batch, T new tokens, S keys (cached + new), C d_model, H query heads, 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
+from model.attention_backend import KernelChoice, check_backend
 from model.config import AttentionConfig, ConfigError, ModelConfig, check_rotary_dim
 from model.init import InitStds, init_linear
 from model.kv_cache import KVCache
 from model.masks import AttentionContext
 from model.mixer import LayerDims, QKClipHooks, StateSize, TokenMixer, average_context
 from model.norms import RMSNorm
-from model.qk_logits import record
 from model.registry import ATTENTIONS, MIXERS, ROPE_PAIRINGS
 from model.rope import softmax_multiplier
 
 
 @MIXERS.register("gqa")
 @ATTENTIONS.register("gqa")
-class Attention(TokenMixer, QKClipHooks):
+class Attention(KernelChoice, TokenMixer, QKClipHooks):
     kind = "gqa"
 
     @classmethod
@@ -34,6 +33,7 @@ class Attention(TokenMixer, QKClipHooks):
                 f"model.d_model={cfg.d_model} is not divisible by model.attention.n_heads={att.n_heads}; "
                 "set model.attention.head_dim explicitly"
             )
+        check_backend(att.backend, alibi=cfg.position == "alibi", head_dims=(cfg.head_dim,) * 2)
         if cfg.position != "rope":
             return
         exact = cfg.head_dim * cfg.rope.fraction
@@ -57,6 +57,7 @@ class Attention(TokenMixer, QKClipHooks):
         self.n_heads, self.n_kv_heads = a.n_heads, a.n_kv_heads or a.n_heads
         self.head_dim = a.head_dim or dims.d_model // a.n_heads
         self.window = a.sliding_window
+        self.backend = a.backend
         C, H, K, D = dims.d_model, self.n_heads, self.n_kv_heads, self.head_dim
         self.q_proj = nn.Linear(C, H * D, bias=a.bias)
         self.k_proj = nn.Linear(C, K * D, bias=a.bias)
@@ -84,29 +85,11 @@ class Attention(TokenMixer, QKClipHooks):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|K, T, D)
         if state is not None:
             k, v = state.update(k, v, ctx.start)  # (B, K, S, D)
-        y = self._attend(q, k, v, ctx)  # (B, H, T, D)
+        y = self.attend(q, k, v, ctx, self.scale)  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
         if self.gate_proj is not None:
             y = y * torch.sigmoid(self.gate_proj(x))
         return self.o_proj(y)
-
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext) -> Tensor:
-        """SDPA over q (B, H, T, D) and k, v (B, K, S, D)."""
-        if self.record_max_logits and torch.is_grad_enabled():
-            self.max_logits = record(self.max_logits, q, k, self.scale, ctx)
-        mask = ctx.mask
-        grouped = self.n_kv_heads != self.n_heads
-        if mask is not None and grouped:
-            # SDPA's GQA support covers only the flash/math kernels, and flash takes no mask: with a
-            # mask, give the memory-efficient kernel per-head k/v rather than fall back to math.
-            k = k.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)
-            v = v.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)
-            grouped = False
-        if mask is not None and mask.dtype != torch.bool:
-            mask = mask.to(q.dtype)  # ALiBi bias in the compute dtype
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=ctx.is_causal, scale=self.scale, enable_gqa=grouped
-        )
 
     def init_weights(self, stds: InitStds) -> None:
         init_linear(self.q_proj, stds.inner)

@@ -139,6 +139,9 @@ class MLAConfig:
         )
 
 
+ATTENTION_BACKEND_CHOICES = ("auto", "sdpa", "flex", "triton")  # model/attention_backend.py
+
+
 @dataclass(kw_only=True)
 class AttentionConfig:
     """Self-attention: MHA/GQA/MQA through n_kv_heads (kind gqa), or MLA (kind mla)."""
@@ -153,6 +156,9 @@ class AttentionConfig:
     sliding_window: int = 0
     bias: bool = False  # biases on the q/k/v/o projections
     softmax_scale: float = 0.0  # logit scale; 0 = 1/sqrt(query-key head dim)
+    # the attention kernel (model/attention_backend.py): auto (triton on CUDA under QK-clip, else
+    # sdpa) | sdpa | flex | triton
+    backend: str = "auto"
     mla: MLAConfig = field(default_factory=MLAConfig)  # used when kind = mla
 
     def __post_init__(self) -> None:
@@ -172,6 +178,11 @@ class AttentionConfig:
         _require(
             self.n_heads % kv == 0,
             f"model.attention.n_heads={self.n_heads} is not divisible by model.attention.n_kv_heads={kv}",
+        )
+        _require(
+            self.backend in ATTENTION_BACKEND_CHOICES,
+            f"model.attention.backend={self.backend!r}; choose one of: "
+            f"{', '.join(ATTENTION_BACKEND_CHOICES)}",
         )
         ATTENTIONS.get(self.kind).check_section(self)  # the kind's own rules on this section
 

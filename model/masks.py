@@ -2,7 +2,8 @@
 document starts, RoPE rotations and the attention mask.
 
 Shapes: B batch, T new tokens, S = start + T keys (start tokens already in the KV cache), H heads.
-The mask is None when plain causal attention suffices (SDPA's `is_causal` fast path), else either
+The mask is None when plain causal attention suffices (SDPA's `is_causal` fast path) or when no
+layer attends through SDPA, else either
 a bool tensor (B|1, 1, T, S) with True = may attend, or (ALiBi) a float bias (1|B, H, T, S) with
 -inf where attention is not allowed.
 """
@@ -32,6 +33,11 @@ class AttentionContext:
     # (B, T) bool, True where a packed document begins (recurrent layers reset their state
     # there); None: each row is one document continuing the cache
     doc_starts: Tensor | None = None
+    # what the attention backends other than SDPA read instead of `mask` (which is then None
+    # unless a layer uses SDPA; model/attention_backend.py): the triton kernel's (B|1, T) int32
+    # first visible key per row (None: every row sees keys 0..row), FlexAttention's BlockMask
+    first_key: Tensor | None = None
+    block_mask: object | None = None
 
     def rotations(self, rotary_dim: int) -> Tensor | None:
         """(B, T, R/2) rotations for R = rotary_dim, or None (no RoPE, or rotary_dim 0)."""

@@ -112,6 +112,12 @@ class TokenMixer(nn.Module):
         """One line for `model.inspect`, e.g. 'GQA 4q / 2kv x 64'."""
         raise NotImplementedError
 
+    def attention_backend(self, device: torch.device, start: int) -> str | None:
+        """The softmax-attention backend (model/attention_backend.py) a forward on `device` after
+        `start` cached tokens uses, so that the model prepares its mask in that form; None for
+        mixers that are not softmax attention."""
+        return None
+
 
 class QKClipHooks:
     """Optional mixer protocol for QK-clip (optim/qk_clip.py): softmax attention only.

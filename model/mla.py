@@ -21,20 +21,20 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from model.attention_backend import KernelChoice, check_backend
 from model.config import AttentionConfig, ConfigError, ModelConfig, check_rotary_dim
 from model.init import InitStds, init_linear, trunc_normal_
 from model.kv_cache import LatentCache
 from model.masks import AttentionContext
 from model.mixer import LayerDims, QKClipHooks, StateSize, TokenMixer, average_context
 from model.norms import RMSNorm
-from model.qk_logits import record
 from model.registry import ATTENTIONS, MIXERS, ROPE_PAIRINGS
 from model.rope import softmax_multiplier
 
 
 @MIXERS.register("mla")
 @ATTENTIONS.register("mla")
-class MultiHeadLatentAttention(TokenMixer, QKClipHooks):
+class MultiHeadLatentAttention(KernelChoice, TokenMixer, QKClipHooks):
     kind = "mla"
 
     @classmethod
@@ -48,6 +48,9 @@ class MultiHeadLatentAttention(TokenMixer, QKClipHooks):
     @classmethod
     def check(cls, cfg: ModelConfig) -> None:
         cls.check_section(cfg.attention)  # also when mla comes from layer_types
+        m = cfg.attention.mla
+        head_dims = (m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim)
+        check_backend(cfg.attention.backend, alibi=cfg.position == "alibi", head_dims=head_dims)
         if cfg.attention.mla.nope:
             return  # nothing rotates: any position setting of the other layers goes
         if cfg.position != "rope":
@@ -86,6 +89,7 @@ class MultiHeadLatentAttention(TokenMixer, QKClipHooks):
         C, H, qk_dim = dims.d_model, self.n_heads, self.nope_dim + self.rope_dim
         self.rotary_dim = 0 if m.nope or dims.rope is None else self.rope_dim
         self.window = a.sliding_window
+        self.backend = a.backend
         # queries: full rank (q_proj) or through a normalized bottleneck (q_a_proj -> q_b_proj)
         low_rank_q = m.q_lora_rank > 0
         self.q_proj = None if low_rank_q else nn.Linear(C, H * qk_dim, bias=False)
@@ -145,11 +149,7 @@ class MultiHeadLatentAttention(TokenMixer, QKClipHooks):
         q = torch.cat([q_nope, q_rope], dim=-1).transpose(1, 2)  # (B, H, T, Dn + Dr)
         k_rope = k_rope[:, :, None, :].expand(B, S, H, self.rope_dim)
         k = torch.cat([k_nope, k_rope], dim=-1).transpose(1, 2)  # (B, H, S, Dn + Dr)
-        if self.record_max_logits and torch.is_grad_enabled():
-            self.max_logits = record(self.max_logits, q, k, self.scale, ctx)
-        y = F.scaled_dot_product_attention(
-            q, k, v.transpose(1, 2), attn_mask=ctx.mask, is_causal=ctx.is_causal, scale=self.scale
-        )
+        y = self.attend(q, k, v.transpose(1, 2), ctx, self.scale)  # (B, H, T, Dv)
         return y.transpose(1, 2)
 
     def _absorbed(

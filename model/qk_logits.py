@@ -13,8 +13,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from model.masks import AttentionContext
-
 CHUNK_LOGITS = 1 << 24
 
 
@@ -51,12 +49,3 @@ def _allowed(
         queries = torch.arange(start + t0, start + t1, device=keys.device)[:, None]
         return (keys[None, :] <= queries).expand(B, H, t1 - t0, keys.numel())
     return None
-
-
-def record(
-    running: Tensor | None, q: Tensor, k: Tensor, scale: float, ctx: AttentionContext
-) -> Tensor:
-    """Update a running per-head max with this forward's logits (recomputes skip nothing: the
-    max of the same logits is the same)."""
-    new = max_logits_per_head(q, k, scale, ctx.mask, ctx.is_causal, ctx.start)
-    return new if running is None else torch.maximum(running, new)

@@ -21,10 +21,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from model import roles
+from model.attention_backend import flex_block_mask
 from model.block import Block
 from model.config import ConfigError, ModelConfig
 from model.engram import Engram, TokenCompression
 from model.init import trunc_normal_
+from model.kernels.flash_attention import key_bounds
 from model.kv_cache import Cache
 from model.loss import chunked_cross_entropy
 from model.masks import AttentionContext, build_mask, document_starts, positions_in_documents
@@ -212,16 +214,26 @@ class Transformer(nn.Module):
         doc_ids: Tensor | None,
         dtype: torch.dtype,
     ) -> AttentionContext:
-        T = tokens.shape[1]
-        mask, is_causal = build_mask(
-            T,
-            start,
-            window=self.cfg.attention.sliding_window,
-            doc_ids=doc_ids,
-            alibi_slopes=self.pos.alibi_slopes(positions.device),
-            device=positions.device,
-            dtype=dtype,
-        )
+        B, T = tokens.shape
+        device = positions.device
+        backends = self.attention_backends(device, start)
+        doc_starts = document_starts(doc_ids) if doc_ids is not None else None
+        window = self.cfg.attention.sliding_window
+        mask, is_causal = None, start == 0
+        if "sdpa" in backends:
+            mask, is_causal = build_mask(
+                T,
+                start,
+                window=window,
+                doc_ids=doc_ids,
+                alibi_slopes=self.pos.alibi_slopes(device),
+                device=device,
+                dtype=dtype,
+            )
+        first_key = key_bounds(doc_starts, window, T, device) if "triton" in backends else None
+        block_mask = None
+        if "flex" in backends:
+            block_mask = flex_block_mask(doc_starts, window, B, T, device)
         rope = {}
         for dim in self.rotary_dims:
             rotations = self.pos.rotary(positions, start + T, dim)
@@ -234,9 +246,16 @@ class Transformer(nn.Module):
             is_causal=is_causal,
             start=start,
             tokens=tokens,
-            doc_starts=document_starts(doc_ids) if doc_ids is not None else None,
+            doc_starts=doc_starts,
+            first_key=first_key,
+            block_mask=block_mask,
             **self._memory_ids(tokens),
         )
+
+    def attention_backends(self, device: torch.device, start: int) -> set[str]:
+        """The attention backends this forward's layers use (each prepares its own mask form)."""
+        kinds = {block.attn.attention_backend(device, start) for block in self.blocks()}
+        return kinds - {None}
 
     def _memory_ids(self, tokens: Tensor) -> dict[str, Tensor]:
         """The compressed ids and pad id the Engram layers hash (none without them)."""

@@ -1,87 +1,255 @@
 """FlashAttention-2 in Triton (model/kernels/flash_attention_triton.py) that also returns each
 head's max attention logit, the statistic MuonClip's QK-clip needs (the log-sum-exp is not the
-max: max <= LSE <= max + log(keys)). A first step of issue 18: causal or full attention with GQA,
-no mask (documents and sliding windows fall back to SDPA until the kernel takes them).
+max: max <= LSE <= max + log(keys)).
 
-    out, max_logits = flash_attention(q, k, v, causal=True, return_max_logits=True)
+    out, max_logits = flash_attention(q, k, v, causal=True, first_key=fk, return_max_logits=True)
 
-Shapes: q (B, Hq, T, D), k and v (B, Hkv, T, D), Hq a multiple of Hkv, D a power of two in
-16..256; out like q; max_logits (Hq,) fp32: max over batch and rows of softmax_scale q.k over
-the keys each row may see. Triton is imported on first use, never at module load; on a CPU
-machine the kernels run under its interpreter (`TRITON_INTERPRET=1`, set before triton is first
-imported), which is what the tests do. Fixed block sizes (no autotuning: the interpreter cannot).
+Shapes: q (B, Hq, T, Dqk), k (B, Hkv, T, Dqk), v (B, Hkv, T, Dv), Hq a multiple of Hkv, head
+dims up to 256 (any size: padded to a power of two inside; MLA's 192 / 128 included), fp32, bf16
+or fp16, any strides with a contiguous last dim; out (B, Hq, T, Dv) in q's dtype, its memory laid
+out as (B, T, Hq, Dv) so that merging the heads afterwards is free; max_logits (Hq,) fp32: the
+max over batch and rows of softmax_scale q.k over the keys each row may see.
+
+`first_key` (B, T) int32, with causal attention: the first key each row may see, nondecreasing
+along the row (`key_bounds` builds it from packed documents and a sliding window). The kernels
+visit only the key blocks between it and the diagonal.
+
+The kernels are torch custom ops (`lmforge::flash_attention_fwd`, `..._bwd`), opaque to
+torch.compile and safe under activation checkpointing. Triton is imported on first use, never at
+module load; on a CPU machine they run under its interpreter (`TRITON_INTERPRET=1`, set before
+triton is first imported), with fixed block sizes; on a GPU the block sizes are autotuned once
+per shape.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 
 import torch
 from torch import Tensor
 
-BLOCK = 16  # rows and keys per program (fixed: no autotune under the interpreter)
+INTERPRETER_BLOCK = 16  # rows and keys per program under the interpreter (no autotuning there)
+MAX_HEAD_DIM = 256
 
 
-def _check(q: Tensor, k: Tensor, v: Tensor) -> None:
-    if q.dim() != 4 or k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[2:] != q.shape[2:]:
+def key_bounds(
+    doc_starts: Tensor | None, window: int, T: int, device: torch.device
+) -> Tensor | None:
+    """(B|1, T) int32 first visible key of each row under causal masking: the start of the row's
+    document (doc_starts (B, T) bool, True where a document begins) and, with a sliding window
+    of W tokens (self included), row - W + 1; None when every row sees keys 0..row."""
+    if doc_starts is None and not window:
+        return None
+    index = torch.arange(T, device=device)
+    first = torch.zeros(1, T, dtype=torch.long, device=device)
+    if doc_starts is not None:
+        first = torch.where(doc_starts, index, 0).cummax(dim=1).values  # (B, T)
+    if window:
+        first = torch.maximum(first, index - window + 1)
+    return first.to(torch.int32).contiguous()
+
+
+def last_rows(first_key: Tensor) -> Tensor:
+    """(B, T) int32 last row that sees each key: first_key is nondecreasing, so the rows whose
+    first key is at most c are a prefix of the sequence."""
+    T = first_key.shape[-1]
+    keys = torch.arange(T, device=first_key.device, dtype=torch.int32).expand_as(first_key)
+    return (torch.searchsorted(first_key, keys.contiguous(), right=True) - 1).to(torch.int32)
+
+
+def _check(q: Tensor, k: Tensor, v: Tensor, first_key: Tensor | None, causal: bool) -> None:
+    B, _, T, Dqk = q.shape if q.dim() == 4 else (0, 0, 0, 0)
+    if (
+        q.dim() != 4
+        or k.dim() != 4
+        or v.dim() != 4
+        or k.shape != (B, k.shape[1], T, Dqk)
+        or v.shape[:3] != k.shape[:3]
+    ):
         raise ValueError(
-            f"flash_attention takes q (B, Hq, T, D) and k, v (B, Hkv, T, D); got {tuple(q.shape)}, "
-            f"{tuple(k.shape)}, {tuple(v.shape)}"
+            "flash_attention takes q (B, Hq, T, Dqk), k (B, Hkv, T, Dqk), v (B, Hkv, T, Dv); got "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} kv heads")
-    D = q.shape[-1]
-    if D & (D - 1) or not 16 <= D <= 256:
-        raise ValueError(f"head dim {D}: the Triton kernel takes a power of two in 16..256")
+    for name, dim in (("query-key", Dqk), ("value", v.shape[-1])):
+        if not 1 <= dim <= MAX_HEAD_DIM:
+            raise ValueError(f"{name} head dim {dim}: the Triton kernel takes 1..{MAX_HEAD_DIM}")
+    if len({q.dtype, k.dtype, v.dtype}) != 1 or q.dtype not in (
+        torch.float32,
+        torch.bfloat16,
+        torch.float16,
+    ):
+        raise ValueError(
+            f"q, k, v must share one of fp32, bf16, fp16; got {q.dtype}, {k.dtype}, {v.dtype}"
+        )
+    if first_key is not None:
+        if not causal:
+            raise ValueError("first_key (documents, sliding window) needs causal=True")
+        if first_key.dtype != torch.int32 or first_key.shape[-1] != T or first_key.dim() != 2:
+            raise ValueError(
+                f"first_key must be (B, T) int32; got {tuple(first_key.shape)} {first_key.dtype}"
+            )
 
 
-class _FlashAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float):
-        import triton
+def _last_dim_contiguous(x: Tensor) -> Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
 
-        from model.kernels.flash_attention_triton import _fwd
 
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        B, HQ, T, D = q.shape
-        out = torch.empty_like(q)
-        lse = torch.empty(B, HQ, T, dtype=torch.float32, device=q.device)
-        row_max = torch.empty_like(lse)
-        grid = (triton.cdiv(T, BLOCK), B * HQ)
-        _fwd[grid](
-            q, k, v, out, lse, row_max, scale, T, HQ, HQ // k.shape[1],
-            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-            D=D, BLOCK_M=BLOCK, BLOCK_N=BLOCK, CAUSAL=causal,
-        )  # fmt: skip
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal, ctx.scale = causal, scale
-        ctx.mark_non_differentiable(row_max)
-        return out, row_max
+def _new_out(q: Tensor, dv: int) -> Tensor:
+    """(B, Hq, T, Dv) in q's dtype, memory laid out as (B, T, Hq, Dv)."""
+    B, H, T, _ = q.shape
+    return q.new_empty(B, T, H, dv).transpose(1, 2)
 
-    @staticmethod
-    def backward(ctx, grad_out: Tensor, _grad_max: Tensor):
-        import triton
 
-        from model.kernels.flash_attention_triton import _bwd_kv, _bwd_q
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-        q, k, v, out, lse = ctx.saved_tensors
-        B, HQ, T, D = q.shape
-        HKV = k.shape[1]
-        grad_out = grad_out.contiguous()
-        delta = (grad_out.float() * out.float()).sum(-1).contiguous()  # (B, Hq, T) rowsum(dO O)
-        dq = torch.empty_like(q, dtype=torch.float32)
-        dk = torch.empty_like(k, dtype=torch.float32)
-        dv = torch.empty_like(v, dtype=torch.float32)
-        common = dict(D=D, BLOCK_M=BLOCK, BLOCK_N=BLOCK, CAUSAL=ctx.causal)
-        _bwd_kv[(triton.cdiv(T, BLOCK), B * HKV)](
-            q, k, v, grad_out, lse, delta, dk, dv, ctx.scale, T, HQ, HQ // HKV,
-            *q.stride()[:3], *k.stride()[:3], **common,
-        )  # fmt: skip
-        _bwd_q[(triton.cdiv(T, BLOCK), B * HQ)](
-            q, k, v, grad_out, lse, delta, dq, ctx.scale, T, HQ, HQ // HKV,
-            *q.stride()[:3], *k.stride()[:3], **common,
-        )  # fmt: skip
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+
+def _configs(rows_per_key_multiple: bool) -> list:
+    """GPU autotuning candidates. Forward and dQ: BLOCK_M (rows) a multiple of BLOCK_N (keys);
+    dK/dV: BLOCK_N (keys) a multiple of BLOCK_M (rows)."""
+    import triton
+
+    pairs = [(128, 64), (128, 32), (64, 64), (64, 32), (32, 32)]
+    if not rows_per_key_multiple:
+        pairs = [(n, m) for m, n in pairs]
+    return [
+        triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
+        for m, n in pairs
+        for w in (4, 8)
+        for s in (2, 3)
+        if not (w == 8 and m * n < 64 * 64)
+    ]
+
+
+@functools.cache
+def _kernels(interpreting: bool) -> dict:
+    """name -> (kernel, fixed meta-parameters or {} when autotuned)."""
+    from model.kernels import flash_attention_triton as fa
+
+    if interpreting:
+        fixed = {"BLOCK_M": INTERPRETER_BLOCK, "BLOCK_N": INTERPRETER_BLOCK}
+        return {name: (getattr(fa, name), fixed) for name in ("_fwd", "_bwd_kv", "_bwd_q")}
+    import triton
+
+    key = ["T", "D_QK", "D_V", "CAUSAL", "BOUNDED"]
+    return {
+        "_fwd": (triton.autotune(_configs(True), key=key)(fa._fwd), {}),
+        "_bwd_kv": (triton.autotune(_configs(False), key=key)(fa._bwd_kv), {}),
+        "_bwd_q": (triton.autotune(_configs(True), key=key)(fa._bwd_q), {}),
+    }
+
+
+def _run(name: str, rows: int, heads: int, args: tuple, meta: dict) -> None:
+    """Runs kernel `name` on the grid (blocks of `rows`, heads); meta holds the constexprs."""
+    import triton
+
+    kernel, fixed = _kernels(_interpreting())[name]
+    block = "BLOCK_N" if name == "_bwd_kv" else "BLOCK_M"
+    kernel[lambda m: (triton.cdiv(rows, m[block]), heads)](*args, **meta, **fixed)
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """The kernels' dot precision: exact fp32 products for fp32 inputs (no TF32), tensor-core
+    16-bit dots otherwise, and fp32 copies of 16-bit operands under the interpreter."""
+    if dtype == torch.float32:
+        return "ieee"
+    return "upcast" if _interpreting() else "tf32"  # tf32: ignored by 16-bit dots
+
+
+def _meta(q: Tensor, v: Tensor, causal: bool, bounded: bool) -> dict:
+    import triton
+
+    d_qk, d_v = q.shape[-1], v.shape[-1]
+    return dict(
+        D_QK=d_qk,
+        D_V=d_v,
+        BD_QK=max(16, triton.next_power_of_2(d_qk)),
+        BD_V=max(16, triton.next_power_of_2(d_v)),
+        CAUSAL=causal,
+        BOUNDED=bounded,
+        PRECISION=_precision(q.dtype),
+    )
+
+
+def _strides(*tensors: Tensor) -> tuple[int, ...]:
+    return tuple(s for t in tensors for s in t.stride()[:3])
+
+
+@torch.library.custom_op("lmforge::flash_attention_fwd", mutates_args=())
+def _fwd_op(
+    q: Tensor, k: Tensor, v: Tensor, first_key: Tensor | None, causal: bool, scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(out (B, Hq, T, Dv), lse2 (B, Hq, T) base-2 log-sum-exp, row max (B, Hq, T) fp32)."""
+    B, HQ, T, _ = q.shape
+    out = _new_out(q, v.shape[-1])
+    lse2 = torch.empty(B, HQ, T, dtype=torch.float32, device=q.device)
+    row_max = torch.empty_like(lse2)
+    fk = first_key if first_key is not None else lse2.new_zeros(1, dtype=torch.int32)
+    args = (q, k, v, out, lse2, row_max, fk, scale, T, HQ, HQ // k.shape[1])
+    args += _strides(q, k, v, out)
+    _run("_fwd", T, B * HQ, args, _meta(q, v, causal, first_key is not None))
+    return out, lse2, row_max
+
+
+@_fwd_op.register_fake
+def _(q, k, v, first_key, causal, scale):
+    lse2 = q.new_empty(q.shape[:3], dtype=torch.float32)
+    return _new_out(q, v.shape[-1]), lse2, torch.empty_like(lse2)
+
+
+@torch.library.custom_op("lmforge::flash_attention_bwd", mutates_args=())
+def _bwd_op(
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse2: Tensor,
+    first_key: Tensor | None,
+    causal: bool,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) in the inputs' dtypes (and layouts, where they are dense)."""
+    B, HQ, T, _ = q.shape
+    HKV = k.shape[1]
+    delta = (grad_out.float() * out.float()).sum(-1).contiguous()  # (B, Hq, T) rowsum(dO O)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    bounded = first_key is not None
+    fk = first_key if bounded else lse2.new_zeros(1, dtype=torch.int32)
+    lr = last_rows(first_key) if bounded else fk
+    meta = _meta(q, v, causal, bounded)
+    common = (scale, T, HQ, HQ // HKV, *_strides(q, k, v, grad_out))
+    kv_args = (q, k, v, grad_out, lse2, delta, dk, dv, fk, lr, *common, *_strides(dk, dv))
+    _run("_bwd_kv", T, B * HKV, kv_args, meta)
+    _run("_bwd_q", T, B * HQ, (q, k, v, grad_out, lse2, delta, dq, fk, *common, *_strides(dq)), meta)
+    return dq, dk, dv
+
+
+@_bwd_op.register_fake
+def _(grad_out, q, k, v, out, lse2, first_key, causal, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, first_key, causal, scale = inputs
+    out, lse2, _ = output
+    ctx.save_for_backward(q, k, v, out, lse2, first_key)
+    ctx.causal, ctx.scale = causal, scale
+    ctx.mark_non_differentiable(output[1], output[2])
+
+
+def _backward(ctx, grad_out: Tensor, _grad_lse: Tensor, _grad_max: Tensor):
+    q, k, v, out, lse2, first_key = ctx.saved_tensors
+    grad_out = _last_dim_contiguous(grad_out)
+    dq, dk, dv = _bwd_op(grad_out, q, k, v, out, lse2, first_key, ctx.causal, ctx.scale)
+    return dq, dk, dv, None, None, None
+
+
+_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def flash_attention(
@@ -91,13 +259,17 @@ def flash_attention(
     *,
     causal: bool = True,
     softmax_scale: float | None = None,
+    first_key: Tensor | None = None,
     return_max_logits: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """softmax(scale q k^T (+ causal mask)) v, by query heads over their kv group; with
-    `return_max_logits` also the (Hq,) max of scale q.k over every unmasked (row, key) pair."""
-    _check(q, k, v)
+    """softmax(scale q k^T, over the visible keys) v, by query heads over their kv group; with
+    `return_max_logits` also the (Hq,) max of scale q.k over every visible (row, key) pair."""
+    _check(q, k, v, first_key, causal)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    out, row_max = _FlashAttention.apply(q, k, v, causal, scale)
+    if first_key is not None and first_key.shape[0] != q.shape[0]:
+        first_key = first_key.expand(q.shape[0], -1).contiguous()
+    q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+    out, _, row_max = _fwd_op(q, k, v, first_key, causal, float(scale))
     if not return_max_logits:
         return out
     return out, row_max.amax(dim=(0, 2))

@@ -1,214 +1,324 @@
 """Triton kernels of FlashAttention-2 (forward with the per-row max logit, backward), imported only
 when `model.kernels.flash_attention` runs them: CPU installs never import triton at module load.
 
-Layout: q, o, dq (B, Hq, T, D); k, v, dk, dv (B, Hkv, T, D), Hq = G Hkv (GQA: query head h reads
-kv head h // G, nothing repeated); D a power of two. Per (batch, head): lse and max (T,) fp32.
-Online softmax in the natural-log domain, fp32 accumulators. `_fwd` keeps m_i, the running max of
-softmax_scale q.k over the keys a row may see: its final value is the row's max logit (QK-clip's
-statistic), stored beside the log-sum-exp the backward needs. `_bwd_kv` walks the query blocks of
-one key block (every query head of its group); `_bwd_q` the key blocks of one query block.
+Layout: q, o, dq (B, Hq, T, Dqk|Dv); k, dk (B, Hkv, T, Dqk); v, dv (B, Hkv, T, Dv); any strides
+with the last dim contiguous. Hq = G Hkv (GQA: query head h reads kv head h // G, nothing
+repeated). Head dims need not be powers of two: they are padded to BD_QK, BD_V (masked loads).
+Per (batch, query head): lse2 and max (T,) fp32.
+
+Which keys a row sees: key c is visible to row r iff c < T, c <= r (CAUSAL), and c >= FK[b, r]
+(BOUNDED: the first visible key of each row, nondecreasing in r; packed documents and sliding
+windows both reduce to it under causal masking). LR[b, c], the last row that sees key c, is its
+mirror for the backward over keys. Loops visit only the blocks that hold visible keys, and apply
+the mask only on the blocks where it can remove something (the causal diagonal, the rows' first
+keys, the end of the sequence).
+
+Online softmax in the base-2 domain (exp2; scores scaled by softmax_scale log2(e)), fp32
+accumulators. `_fwd` keeps m_i, the running row max: m_i ln 2 is the row's max of softmax_scale
+q.k over its visible keys, QK-clip's statistic, stored beside the base-2 log-sum-exp the backward
+needs. `_bwd_kv` walks the query blocks of one key block (every query head of its group); `_bwd_q`
+the key blocks of one query block.
 """
 
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _load_rows(ptr, idx, stride_t, offs_d, T):
-    """(len(idx), D) rows idx of one (batch, head) slice at `ptr`, zeros past T."""
-    return tl.load(
-        ptr + idx[:, None] * stride_t + offs_d[None, :], mask=idx[:, None] < T, other=0.0
-    )
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
 
 
 @triton.jit
-def _allowed(rows, cols, T, CAUSAL: tl.constexpr):
-    """(rows, cols) bool: the keys inside the sequence (and not after the row when causal);
-    rows past T are not stored, and keep a key each so that their softmax stays finite."""
-    valid = cols[None, :] < T
+def _load_rows(ptr, idx, stride_t, offs_d, T, D: tl.constexpr):
+    """(len(idx), BD) rows idx of one (batch, head) slice at `ptr`; zeros past T and past D."""
+    mask = (idx[:, None] < T) & (offs_d[None, :] < D)
+    return tl.load(ptr + idx[:, None] * stride_t + offs_d[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _dot(a, b, PRECISION: tl.constexpr):
+    """a @ b with fp32 accumulation. PRECISION "upcast" (bf16/fp16 under the interpreter, whose
+    numpy dot misreads 16-bit floats) multiplies fp32 copies of the operands."""
+    if PRECISION == "upcast":
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def _visible(rows, cols, first_keys, T, CAUSAL: tl.constexpr, BOUNDED: tl.constexpr):
+    """(rows, cols) bool: key inside the sequence, not after the row (causal), not before the
+    row's first key (bounded). Rows past T keep their keys: their softmax stays finite."""
+    ok = cols[None, :] < T
     if CAUSAL:
-        valid = valid & (rows[:, None] >= cols[None, :])
-    return valid
+        ok = ok & (rows[:, None] >= cols[None, :])
+    if BOUNDED:
+        ok = ok & (cols[None, :] >= first_keys[:, None])
+    return ok
 
 
 @triton.jit
-def _probs_and_score_grads(q, k, v, do, lse, delta, rows, cols, sm_scale, T, CAUSAL: tl.constexpr):
-    """The backward's recomputed probabilities P and dS = P (dP - delta) scale for one block."""
-    s = tl.dot(q, tl.trans(k)) * sm_scale
-    valid = _allowed(rows, cols, T, CAUSAL) & (rows[:, None] < T)
-    p = tl.where(valid, tl.exp(s - lse[:, None]), 0.0)
-    dp = tl.dot(do, tl.trans(v))
-    return p, p * (dp - delta[:, None]) * sm_scale
+def _first_keys(FK, rows, T, BOUNDED: tl.constexpr):
+    """(len(rows),) int32 first visible key of each row (0 without bounds)."""
+    if BOUNDED:
+        return tl.load(FK + rows, mask=rows < T, other=0)
+    return tl.zeros_like(rows)
+
+
+@triton.jit
+def _fwd_keys(
+    acc, l_i, m_i, q, k_ptr, v_ptr, skt, svt, rows, first_keys, lo, hi, qk_scale, T,
+    offs_dqk, offs_dv, D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, BOUNDED: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Online-softmax update of one query block with the key blocks in [lo, hi)."""
+    for start in range(lo, hi, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        k = _load_rows(k_ptr, cols, skt, offs_dqk, T, D_QK)
+        v = _load_rows(v_ptr, cols, svt, offs_dv, T, D_V)
+        s = _dot(q, tl.trans(k), PRECISION) * qk_scale  # (BM, BN) base 2
+        if MASKED:
+            s = tl.where(_visible(rows, cols, first_keys, T, CAUSAL, BOUNDED), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key seen yet
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
 
 
 @triton.jit
 def _fwd(
-    Q,
-    K,
-    V,
-    OUT,
-    LSE,
-    MAX,
-    sm_scale,
-    T,
-    HQ,
-    GROUP,
-    sqb,
-    sqh,
-    sqt,
-    skb,
-    skh,
-    skt,
-    svb,
-    svh,
-    svt,
-    sob,
-    soh,
-    sot,
-    D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr,
-):
+    Q, K, V, OUT, LSE2, MAX, FK, sm_scale, T, HQ, GROUP,
+    sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot,
+    D_QK: tl.constexpr, D_V: tl.constexpr, BD_QK: tl.constexpr, BD_V: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    BOUNDED: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One query block of one (batch, query head). BLOCK_M is a multiple of BLOCK_N."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // HQ
     h = pid_bh % HQ
     hk = h // GROUP
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, D)
-    q = _load_rows(Q + b * sqb + h * sqh, offs_m, sqt, offs_d, T)
+    m0 = pid_m * BLOCK_M
+    rows = m0 + tl.arange(0, BLOCK_M)
+    offs_dqk = tl.arange(0, BD_QK)
+    offs_dv = tl.arange(0, BD_V)
+    qk_scale = sm_scale * 1.4426950408889634  # log2(e): exp2 below
+    q = _load_rows(Q + b * sqb + h * sqh, rows, sqt, offs_dqk, T, D_QK)
+    fk_ptr = FK + b * T
+    first_keys = _first_keys(fk_ptr, rows, T, BOUNDED)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    acc = tl.zeros([BLOCK_M, BD_V], tl.float32)
+    k_ptr = K + b * skb + hk * skh
+    v_ptr = V + b * svb + hk * svh
+    lo = 0  # key blocks [lo, mid) masked, [mid, diag) whole, [diag, hi) masked
+    mid = 0
+    diag = T // BLOCK_N * BLOCK_N
     hi = T
     if CAUSAL:
-        hi = tl.minimum((pid_m + 1) * BLOCK_M, T)
-    for start in range(0, hi, BLOCK_N):
-        cols = start + offs_n
-        k = _load_rows(K + b * skb + hk * skh, cols, skt, offs_d, T)
-        v = _load_rows(V + b * svb + hk * svh, cols, svt, offs_d, T)
-        s = tl.dot(q, tl.trans(k)) * sm_scale
-        s = tl.where(_allowed(offs_m, cols, T, CAUSAL), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-    o = acc / l_i[:, None]
-    rows = offs_m < T
+        diag = m0
+        hi = tl.minimum(m0 + BLOCK_M, T)
+        if BOUNDED:  # keys before the block's smallest first key are never visible
+            lo = tl.load(fk_ptr + m0) // BLOCK_N * BLOCK_N
+            last = tl.load(fk_ptr + tl.minimum(m0 + BLOCK_M, T) - 1)  # the largest first key
+            mid = tl.minimum((last + BLOCK_N - 1) // BLOCK_N * BLOCK_N, m0)
+    acc, l_i, m_i = _fwd_keys(
+        acc, l_i, m_i, q, k_ptr, v_ptr, skt, svt, rows, first_keys, lo, mid, qk_scale, T,
+        offs_dqk, offs_dv, D_QK, D_V, BLOCK_N, True, CAUSAL, BOUNDED, PRECISION,
+    )  # fmt: skip
+    acc, l_i, m_i = _fwd_keys(
+        acc, l_i, m_i, q, k_ptr, v_ptr, skt, svt, rows, first_keys, mid, diag, qk_scale, T,
+        offs_dqk, offs_dv, D_QK, D_V, BLOCK_N, False, CAUSAL, BOUNDED, PRECISION,
+    )  # fmt: skip
+    acc, l_i, m_i = _fwd_keys(
+        acc, l_i, m_i, q, k_ptr, v_ptr, skt, svt, rows, first_keys, diag, hi, qk_scale, T,
+        offs_dqk, offs_dv, D_QK, D_V, BLOCK_N, True, CAUSAL, BOUNDED, PRECISION,
+    )  # fmt: skip
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # rows past T only
+    o = acc / l_safe[:, None]
+    in_seq = rows < T
     tl.store(
-        OUT + b * sob + h * soh + offs_m[:, None] * sot + offs_d[None, :],
+        OUT + b * sob + h * soh + rows[:, None] * sot + offs_dv[None, :],
         o.to(OUT.dtype.element_ty),
-        mask=rows[:, None],
+        mask=in_seq[:, None] & (offs_dv[None, :] < D_V),
     )
-    tl.store(LSE + pid_bh * T + offs_m, m_i + tl.log(l_i), mask=rows)
-    tl.store(MAX + pid_bh * T + offs_m, m_i, mask=rows)
+    tl.store(LSE2 + pid_bh * T + rows, m_i + tl.math.log2(l_safe), mask=in_seq)
+    tl.store(MAX + pid_bh * T + rows, m_i * 0.6931471805599453, mask=in_seq)  # ln 2: natural
+
+
+@triton.jit
+def _bwd_kv_rows(
+    dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, FK, sqt, sot, cols, lo, hi, qk_scale, T,
+    offs_dqk, offs_dv, D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_M: tl.constexpr,
+    BOUNDED: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """dK, dV (unscaled dK) of one key block from the query blocks in [lo, hi) of one head."""
+    for start in range(lo, hi, BLOCK_M):
+        rows = start + tl.arange(0, BLOCK_M)
+        q = _load_rows(q_ptr, rows, sqt, offs_dqk, T, D_QK)
+        do = _load_rows(do_ptr, rows, sot, offs_dv, T, D_V)
+        lse2 = tl.load(lse_ptr + rows, mask=rows < T, other=0.0)
+        delta = tl.load(delta_ptr + rows, mask=rows < T, other=0.0)
+        s_t = _dot(k, tl.trans(q), PRECISION) * qk_scale  # (BN, BM) keys x rows
+        p_t = tl.math.exp2(s_t - lse2[None, :])
+        if MASKED:
+            first_keys = _first_keys(FK, rows, T, BOUNDED)
+            seen = _visible(rows, cols, first_keys, T, CAUSAL, BOUNDED) & (rows[:, None] < T)
+            p_t = tl.where(tl.trans(seen), p_t, 0.0)
+        dv += _dot(p_t.to(do.dtype), do, PRECISION)
+        dp_t = _dot(v, tl.trans(do), PRECISION)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk += _dot(ds_t.to(q.dtype), q, PRECISION)
+    return dk, dv
 
 
 @triton.jit
 def _bwd_kv(
-    Q,
-    K,
-    V,
-    DO,
-    LSE,
-    DELTA,
-    DK,
-    DV,
-    sm_scale,
-    T,
-    HQ,
-    GROUP,
-    sqb,
-    sqh,
-    sqt,
-    skb,
-    skh,
-    skt,
-    D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr,
-):
-    """One key block of one kv head: dK, dV summed over the group's query heads."""
+    Q, K, V, DO, LSE2, DELTA, DK, DV, FK, LR, sm_scale, T, HQ, GROUP,
+    sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot,
+    sdkb, sdkh, sdkt, sdvb, sdvh, sdvt,
+    D_QK: tl.constexpr, D_V: tl.constexpr, BD_QK: tl.constexpr, BD_V: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    BOUNDED: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One key block of one kv head: dK, dV summed over the group's query heads. BLOCK_N is a
+    multiple of BLOCK_M. (sob, soh, sot) are DO's strides; DK and DV have their own."""
     pid_n = tl.program_id(0)
     pid_bk = tl.program_id(1)
     HKV = HQ // GROUP
     b = pid_bk // HKV
     hk = pid_bk % HKV
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, D)
-    kmask = cols[:, None] < T
-    k = _load_rows(K + b * skb + hk * skh, cols, skt, offs_d, T)
-    v = _load_rows(V + b * skb + hk * skh, cols, skt, offs_d, T)
-    dk = tl.zeros([BLOCK_N, D], tl.float32)
-    dv = tl.zeros([BLOCK_N, D], tl.float32)
-    lo = 0
+    n0 = pid_n * BLOCK_N
+    cols = n0 + tl.arange(0, BLOCK_N)
+    offs_dqk = tl.arange(0, BD_QK)
+    offs_dv = tl.arange(0, BD_V)
+    qk_scale = sm_scale * 1.4426950408889634
+    k = _load_rows(K + b * skb + hk * skh, cols, skt, offs_dqk, T, D_QK)
+    v = _load_rows(V + b * svb + hk * svh, cols, svt, offs_dv, T, D_V)
+    dk = tl.zeros([BLOCK_N, BD_QK], tl.float32)
+    dv = tl.zeros([BLOCK_N, BD_V], tl.float32)
+    fk_ptr = FK + b * T
+    # row blocks [first, diag_end) masked (the causal diagonal), [diag_end, full) whole,
+    # [full, hi) masked (rows that see part of the block, the end of the sequence)
     if CAUSAL:
-        lo = pid_n * BLOCK_N // BLOCK_M * BLOCK_M
+        first = n0  # earlier rows see none of these keys
+        diag_end = tl.minimum(n0 + BLOCK_N, T)
+        full = T // BLOCK_M * BLOCK_M
+        hi = T
+        if BOUNDED:  # rows after the last one that sees the block's first (last) key
+            full = (tl.load(LR + b * T + n0) + 1) // BLOCK_M * BLOCK_M
+            hi = tl.load(LR + b * T + diag_end - 1) + 1
+        full = tl.maximum(full, diag_end)
+        hi = tl.maximum(hi, full)
+    else:  # no diagonal
+        first = 0
+        diag_end = 0
+        full = T // BLOCK_M * BLOCK_M
+        hi = T
     for g in range(0, GROUP):
         h = hk * GROUP + g
-        for start in range(lo, T, BLOCK_M):
-            rows = start + tl.arange(0, BLOCK_M)
-            q = _load_rows(Q + b * sqb + h * sqh, rows, sqt, offs_d, T)
-            do = _load_rows(DO + b * sqb + h * sqh, rows, sqt, offs_d, T)
-            lse = tl.load(LSE + (b * HQ + h) * T + rows, mask=rows < T, other=0.0)
-            delta = tl.load(DELTA + (b * HQ + h) * T + rows, mask=rows < T, other=0.0)
-            p, ds = _probs_and_score_grads(q, k, v, do, lse, delta, rows, cols, sm_scale, T, CAUSAL)
-            dv += tl.dot(tl.trans(p), do)
-            dk += tl.dot(tl.trans(ds), q)
-    tl.store(DK + b * skb + hk * skh + cols[:, None] * skt + offs_d[None, :], dk, mask=kmask)
-    tl.store(DV + b * skb + hk * skh + cols[:, None] * skt + offs_d[None, :], dv, mask=kmask)
+        q_ptr = Q + b * sqb + h * sqh
+        do_ptr = DO + b * sob + h * soh
+        lse_ptr = LSE2 + (b * HQ + h) * T
+        delta_ptr = DELTA + (b * HQ + h) * T
+        dk, dv = _bwd_kv_rows(
+            dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, fk_ptr, sqt, sot, cols, first,
+            diag_end, qk_scale, T, offs_dqk, offs_dv, D_QK, D_V, BLOCK_M, BOUNDED, True, CAUSAL,
+            PRECISION,
+        )  # fmt: skip
+        dk, dv = _bwd_kv_rows(
+            dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, fk_ptr, sqt, sot, cols, diag_end,
+            full, qk_scale, T, offs_dqk, offs_dv, D_QK, D_V, BLOCK_M, BOUNDED, False, CAUSAL,
+            PRECISION,
+        )  # fmt: skip
+        dk, dv = _bwd_kv_rows(
+            dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, fk_ptr, sqt, sot, cols, full, hi,
+            qk_scale, T, offs_dqk, offs_dv, D_QK, D_V, BLOCK_M, BOUNDED, True, CAUSAL, PRECISION,
+        )  # fmt: skip
+    kmask = (cols[:, None] < T) & (offs_dqk[None, :] < D_QK)
+    vmask = (cols[:, None] < T) & (offs_dv[None, :] < D_V)
+    dk_ptr = DK + b * sdkb + hk * sdkh + cols[:, None] * sdkt + offs_dqk[None, :]
+    dv_ptr = DV + b * sdvb + hk * sdvh + cols[:, None] * sdvt + offs_dv[None, :]
+    tl.store(dk_ptr, (dk * sm_scale).to(DK.dtype.element_ty), mask=kmask)
+    tl.store(dv_ptr, dv.to(DV.dtype.element_ty), mask=vmask)
+
+
+@triton.jit
+def _bwd_q_keys(
+    dq, q, do, lse2, delta, k_ptr, v_ptr, skt, svt, rows, first_keys, lo, hi, qk_scale, T,
+    offs_dqk, offs_dv, D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, BOUNDED: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """dQ (unscaled) of one query block from the key blocks in [lo, hi)."""
+    for start in range(lo, hi, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        k = _load_rows(k_ptr, cols, skt, offs_dqk, T, D_QK)
+        v = _load_rows(v_ptr, cols, svt, offs_dv, T, D_V)
+        s = _dot(q, tl.trans(k), PRECISION) * qk_scale
+        p = tl.math.exp2(s - lse2[:, None])
+        if MASKED:
+            p = tl.where(_visible(rows, cols, first_keys, T, CAUSAL, BOUNDED), p, 0.0)
+        dp = _dot(do, tl.trans(v), PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq += _dot(ds.to(k.dtype), k, PRECISION)
+    return dq
 
 
 @triton.jit
 def _bwd_q(
-    Q,
-    K,
-    V,
-    DO,
-    LSE,
-    DELTA,
-    DQ,
-    sm_scale,
-    T,
-    HQ,
-    GROUP,
-    sqb,
-    sqh,
-    sqt,
-    skb,
-    skh,
-    skt,
-    D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr,
-):
+    Q, K, V, DO, LSE2, DELTA, DQ, FK, sm_scale, T, HQ, GROUP,
+    sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot, sdqb, sdqh, sdqt,
+    D_QK: tl.constexpr, D_V: tl.constexpr, BD_QK: tl.constexpr, BD_V: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    BOUNDED: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One query block of one (batch, query head): dQ (strides sdq*). BLOCK_M is a multiple of
+    BLOCK_N; the key blocks visited are the forward's."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // HQ
     h = pid_bh % HQ
     hk = h // GROUP
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, D)
-    qmask = rows[:, None] < T
-    q = _load_rows(Q + b * sqb + h * sqh, rows, sqt, offs_d, T)
-    do = _load_rows(DO + b * sqb + h * sqh, rows, sqt, offs_d, T)
-    lse = tl.load(LSE + pid_bh * T + rows, mask=rows < T, other=0.0)
+    m0 = pid_m * BLOCK_M
+    rows = m0 + tl.arange(0, BLOCK_M)
+    offs_dqk = tl.arange(0, BD_QK)
+    offs_dv = tl.arange(0, BD_V)
+    qk_scale = sm_scale * 1.4426950408889634
+    q = _load_rows(Q + b * sqb + h * sqh, rows, sqt, offs_dqk, T, D_QK)
+    do = _load_rows(DO + b * sob + h * soh, rows, sot, offs_dv, T, D_V)
+    lse2 = tl.load(LSE2 + pid_bh * T + rows, mask=rows < T, other=0.0)
     delta = tl.load(DELTA + pid_bh * T + rows, mask=rows < T, other=0.0)
-    dq = tl.zeros([BLOCK_M, D], tl.float32)
+    fk_ptr = FK + b * T
+    first_keys = _first_keys(fk_ptr, rows, T, BOUNDED)
+    dq = tl.zeros([BLOCK_M, BD_QK], tl.float32)
+    k_ptr = K + b * skb + hk * skh
+    v_ptr = V + b * svb + hk * svh
+    lo = 0  # as in the forward
+    mid = 0
+    diag = T // BLOCK_N * BLOCK_N
     hi = T
     if CAUSAL:
-        hi = tl.minimum((pid_m + 1) * BLOCK_M, T)
-    for start in range(0, hi, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        k = _load_rows(K + b * skb + hk * skh, cols, skt, offs_d, T)
-        v = _load_rows(V + b * skb + hk * skh, cols, skt, offs_d, T)
-        _, ds = _probs_and_score_grads(q, k, v, do, lse, delta, rows, cols, sm_scale, T, CAUSAL)
-        dq += tl.dot(ds, k)
-    tl.store(DQ + b * sqb + h * sqh + rows[:, None] * sqt + offs_d[None, :], dq, mask=qmask)
+        diag = m0
+        hi = tl.minimum(m0 + BLOCK_M, T)
+        if BOUNDED:
+            lo = tl.load(fk_ptr + m0) // BLOCK_N * BLOCK_N
+            last = tl.load(fk_ptr + tl.minimum(m0 + BLOCK_M, T) - 1)
+            mid = tl.minimum((last + BLOCK_N - 1) // BLOCK_N * BLOCK_N, m0)
+    dq = _bwd_q_keys(
+        dq, q, do, lse2, delta, k_ptr, v_ptr, skt, svt, rows, first_keys, lo, mid, qk_scale, T,
+        offs_dqk, offs_dv, D_QK, D_V, BLOCK_N, True, CAUSAL, BOUNDED, PRECISION,
+    )  # fmt: skip
+    dq = _bwd_q_keys(
+        dq, q, do, lse2, delta, k_ptr, v_ptr, skt, svt, rows, first_keys, mid, diag, qk_scale, T,
+        offs_dqk, offs_dv, D_QK, D_V, BLOCK_N, False, CAUSAL, BOUNDED, PRECISION,
+    )  # fmt: skip
+    dq = _bwd_q_keys(
+        dq, q, do, lse2, delta, k_ptr, v_ptr, skt, svt, rows, first_keys, diag, hi, qk_scale, T,
+        offs_dqk, offs_dv, D_QK, D_V, BLOCK_N, True, CAUSAL, BOUNDED, PRECISION,
+    )  # fmt: skip
+    qmask = (rows[:, None] < T) & (offs_dqk[None, :] < D_QK)
+    dq_ptr = DQ + b * sdqb + h * sdqh + rows[:, None] * sdqt + offs_dqk[None, :]
+    tl.store(dq_ptr, (dq * sm_scale).to(DQ.dtype.element_ty), mask=qmask)

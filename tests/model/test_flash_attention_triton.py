@@ -1,50 +1,117 @@
-"""The Triton FlashAttention kernel (model/kernels/flash_attention.py) against SDPA and the
-chunked max-logit recomputation (model/qk_logits.py), forward and backward, fp32, under Triton's
-interpreter on CPU (tests/conftest.py sets TRITON_INTERPRET=1 without CUDA): causal and full
-attention, MHA and GQA, lengths that are not a multiple of the block. Skipped where triton is not
-installed (`pip install -e ".[triton]"`)."""
+"""The Triton FlashAttention kernel (model/kernels/flash_attention.py) under Triton's interpreter
+on CPU (tests/conftest.py sets TRITON_INTERPRET=1 without CUDA), against an fp64 softmax over the
+dense mask of model/masks.py (outputs, dQ/dK/dV) and the chunked max-logit recomputation of
+model/qk_logits.py: causal and full attention, MHA / GQA / MQA, packed documents, sliding
+windows, head dims that are not powers of two (MLA's 192 / 128 shape scaled down), lengths that
+are not a multiple of the block, bf16. Skipped where triton is not installed."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
-import torch.nn.functional as F
 
+from model.masks import build_mask, document_starts
 from model.qk_logits import max_logits_per_head
 
 triton = pytest.importorskip("triton")
-from model.kernels.flash_attention import flash_attention  # noqa: E402
+from model.kernels.flash_attention import flash_attention, key_bounds, last_rows  # noqa: E402
 
-CASES = [  # (B, Hq, Hkv, T, D, causal)
-    (2, 4, 2, 50, 32, True),  # GQA, T not a multiple of 16
-    (1, 2, 2, 33, 64, True),  # MHA
-    (2, 4, 1, 24, 16, False),  # MQA, full attention
-]
+ROOT = Path(__file__).resolve().parents[2]
+
+# (B, Hq, Hkv, T, Dqk, Dv, causal, window, documents)
+CASES = {
+    "gqa causal": (2, 4, 2, 50, 32, 32, True, 0, False),
+    "mha causal": (1, 2, 2, 33, 64, 64, True, 0, False),
+    "mqa full": (2, 4, 1, 37, 16, 16, False, 0, False),
+    "gqa documents + window, odd dims": (2, 4, 2, 70, 24, 40, True, 9, True),
+    "mqa documents": (1, 2, 1, 45, 48, 32, True, 0, True),
+    "window": (1, 2, 2, 64, 32, 32, True, 20, False),
+    "mla dims 96/64": (1, 2, 2, 40, 96, 64, True, 0, True),  # 192 / 128 halved: same padding
+}
 
 
-def inputs(B, Hq, Hkv, T, D, seed=0):
+def inputs(B, Hq, Hkv, T, Dqk, Dv, seed=0, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(B, h, T, D, generator=g, requires_grad=True) for h in (Hq, Hkv, Hkv)]
+    q = torch.randn(B, Hq, T, Dqk, generator=g)
+    k = torch.randn(B, Hkv, T, Dqk, generator=g)
+    v = torch.randn(B, Hkv, T, Dv, generator=g)
+    return [x.to(dtype).requires_grad_() for x in (q, k, v)]
 
 
-@pytest.mark.parametrize(("B", "Hq", "Hkv", "T", "D", "causal"), CASES)
-def test_forward_backward_and_max_logits_equal_the_references(B, Hq, Hkv, T, D, causal):
-    q, k, v = inputs(B, Hq, Hkv, T, D)
-    out, max_logits = flash_attention(q, k, v, causal=causal, return_max_logits=True)
-    ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=Hq != Hkv)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=2e-6)
-    expected = max_logits_per_head(q, k, D**-0.5, None, causal, 0)
+def masks(B, T, causal, window, documents, seed=0):
+    """(doc_ids or None, dense bool mask (B|1, 1, T, T) or None, first_key or None)."""
+    g = torch.Generator().manual_seed(seed + 1)
+    doc_ids = torch.randint(0, 4, (B, T), generator=g).sort(dim=1).values if documents else None
+    if not causal:
+        return doc_ids, None, None
+    mask, _ = build_mask(T, 0, window=window, doc_ids=doc_ids)
+    if mask is None:
+        mask = torch.ones(T, T, dtype=torch.bool).tril()[None, None]
+    starts = document_starts(doc_ids) if documents else None
+    return doc_ids, mask, key_bounds(starts, window, T, torch.device("cpu"))
+
+
+def reference(q, k, v, mask, scale):
+    """fp64 softmax attention over the dense mask (None: every key)."""
+    G = q.shape[1] // k.shape[1]
+    k, v = k.double().repeat_interleave(G, 1), v.double().repeat_interleave(G, 1)
+    logits = (q.double() @ k.transpose(-1, -2)) * scale
+    if mask is not None:
+        logits = logits.masked_fill(~mask, float("-inf"))
+    return logits.softmax(-1) @ v
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_outputs_gradients_and_max_logits_equal_the_references(case):
+    B, Hq, Hkv, T, Dqk, Dv, causal, window, documents = CASES[case]
+    q, k, v = inputs(B, Hq, Hkv, T, Dqk, Dv)
+    _, mask, first_key = masks(B, T, causal, window, documents)
+    out, max_logits = flash_attention(
+        q, k, v, causal=causal, first_key=first_key, return_max_logits=True
+    )
+    assert out.shape == (B, Hq, T, Dv)
+    assert out.transpose(1, 2).is_contiguous()  # heads merge for free afterwards
+    leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    ref = reference(*leaves, mask, Dqk**-0.5)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=2e-6)
+    expected = max_logits_per_head(q, k, Dqk**-0.5, mask, False, 0)  # mask None: every key
     torch.testing.assert_close(max_logits, expected, rtol=1e-6, atol=2e-6)
-    cotangent = torch.randn_like(ref)
+    cotangent = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
     grads = torch.autograd.grad(out, (q, k, v), cotangent)
-    ref_grads = torch.autograd.grad(ref, (q, k, v), cotangent)
+    ref_grads = torch.autograd.grad(ref, leaves, cotangent.double())
     for name, got, want in zip("qkv", grads, ref_grads, strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=5e-6, msg=f"d{name}")
+        assert got.dtype == torch.float32 and got.shape == want.shape
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=5e-6, msg=f"d{name}")
+
+
+def test_bf16_inputs_give_bf16_outputs_and_gradients_close_to_fp32():
+    """bf16 in and out, fp32 inside (under the interpreter the dots multiply fp32 copies of the
+    bf16 operands, see `_dot`): within bf16 rounding of the fp32 kernel."""
+    q, k, v = inputs(2, 4, 2, 45, 32, 32, seed=4)
+    _, _, first_key = masks(2, 45, True, 7, True)
+    low = [x.detach().bfloat16().requires_grad_() for x in (q, k, v)]
+    out = flash_attention(*low, first_key=first_key)
+    ref = flash_attention(*(x.detach().bfloat16().float() for x in (q, k, v)), first_key=first_key)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+    cotangent = torch.randn(out.shape, generator=torch.Generator().manual_seed(5))
+    grads = torch.autograd.grad(out, low, cotangent.bfloat16())
+    fp32 = [x.detach().bfloat16().float().requires_grad_() for x in (q, k, v)]
+    ref_grads = torch.autograd.grad(flash_attention(*fp32, first_key=first_key), fp32, cotangent)
+    for got, want in zip(grads, ref_grads, strict=True):
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), want, rtol=5e-2, atol=5e-2)
 
 
 def test_the_max_is_not_the_log_sum_exp():
     """What the kernel returns is the max logit, which the LSE overestimates by up to log(keys)."""
-    q, k, v = inputs(1, 2, 2, 40, 32, seed=1)
+    q, k, v = inputs(1, 2, 2, 40, 32, 32, seed=1)
     _, max_logits = flash_attention(q, k, v, return_max_logits=True)
     logits = (q @ k.transpose(-1, -2)) / 32**0.5
     logits = logits.masked_fill(torch.ones(40, 40, dtype=torch.bool).triu(1), float("-inf"))
@@ -52,15 +119,59 @@ def test_the_max_is_not_the_log_sum_exp():
     assert (lse > max_logits + 0.1).all()
 
 
+@pytest.mark.parametrize("window", [0, 1, 6])
+def test_key_bounds_are_the_dense_masks_first_key_and_last_row(window):
+    """first_key[r] is the first True of the mask's row r, last_rows[c] the last True of column
+    c: the two bounds the kernels loop between."""
+    B, T = 3, 29
+    _, mask, first_key = masks(B, T, True, window, True, seed=window)
+    mask = mask[:, 0]  # (B, T, T)
+    index = torch.arange(T)
+    first = torch.where(mask, index, T).amin(dim=-1)
+    last = torch.where(mask, index[:, None], -1).amax(dim=-2)
+    assert torch.equal(first_key, first.int())
+    assert torch.equal(last_rows(first_key), last.int())
+    assert key_bounds(None, 0, T, torch.device("cpu")) is None
+    assert torch.equal(
+        key_bounds(None, 4, 6, torch.device("cpu")), torch.tensor([[0, 0, 0, 0, 1, 2]]).int()
+    )
+
+
 @pytest.mark.parametrize(
-    ("shapes", "message"),
+    ("shapes", "kwargs", "message"),
     [
-        (((1, 3, 8, 32), (1, 2, 8, 32)), "not a multiple"),
-        (((1, 2, 8, 24), (1, 2, 8, 24)), "power of two"),
-        (((1, 2, 8, 32), (1, 2, 9, 32)), "takes q"),
+        (((1, 3, 8, 32), (1, 2, 8, 32)), {}, "not a multiple"),
+        (((1, 2, 8, 320), (1, 2, 8, 320)), {}, "head dim 320"),
+        (((1, 2, 8, 32), (1, 2, 9, 32)), {}, "takes q"),
+        (
+            ((1, 2, 8, 32), (1, 2, 8, 32)),
+            {"causal": False, "first_key": torch.zeros(1, 8).int()},
+            "causal",
+        ),
+        (((1, 2, 8, 32), (1, 2, 8, 32)), {"first_key": torch.zeros(1, 8)}, "int32"),
     ],
 )
-def test_bad_shapes_are_refused_with_the_reason(shapes, message):
+def test_bad_inputs_are_refused_with_the_reason(shapes, kwargs, message):
     q, k = (torch.zeros(s) for s in shapes)
     with pytest.raises(ValueError, match=message):
-        flash_attention(q, k, k)
+        flash_attention(q, k, k, **kwargs)
+
+
+def test_the_kernels_compile_for_hopper(tmp_path):
+    """The interpreter runs the kernels as Python; Triton's compiler (front end, LLVM, ptxas, on
+    the CPU) compiles them for sm_90 here, with an autotuning candidate per kernel that fits the
+    GPU's shared memory (model/kernels/aot.py), for bf16 dims 128 with documents and MLA's 192/128."""
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    from model.kernels.aot import HOPPER_SHARED_BYTES, KERNELS, VARIANTS
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env |= {"TRITON_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    run = subprocess.run(
+        [sys.executable, "-m", "model.kernels.aot", "--arch", "90"],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = [json.loads(line) for line in run.stdout.splitlines()]
+    assert len(results) == len(KERNELS) * len(VARIANTS)
+    for result in results:
+        assert 0 < result["shared_bytes"] <= HOPPER_SHARED_BYTES, result

@@ -95,12 +95,16 @@ def test_qk_norm_models_are_refused() -> None:
         enable_qk_clip(build_model(cfg, seed=0))
 
 
-def _run(tau: float, steps: int = 30) -> list[float]:
+def _run(
+    tau: float, steps: int = 30, backend: str = "sdpa", stats: list | None = None
+) -> list[float]:
+    """Each step's pre-clip max logit of a high-learning-rate MuonClip run (`stats` collects the
+    steps' whole QK-clip statistics)."""
     from data.loader import Batch
     from parallel.engine import FSDP2Engine
     from trainer.step import LossTracker, StepSettings, train_step
 
-    cfg = load_preset("tiny", SMALL)
+    cfg = load_preset("tiny", SMALL | {"attention.backend": backend})
     model = build_model(cfg, seed=0)
     enable_qk_clip(model)
     opt = build_optimizer(OptimConfig(name="muonclip", lr=0.08, weight_decay=0.0), model)
@@ -112,6 +116,8 @@ def _run(tau: float, steps: int = 30) -> list[float]:
     for _ in range(steps):
         result = train_step(engine, batch, StepSettings(qk_clip_tau=tau), LossTracker(0.0))
         peaks.append(result.moe["qk/max_logit"])
+        if stats is not None:
+            stats.append({k: v for k, v in result.moe.items() if k.startswith("qk/")})
     return peaks
 
 
@@ -122,3 +128,35 @@ def test_muonclip_bounds_the_max_logit_where_muon_lets_it_grow() -> None:
     assert max(plain[-5:]) > 4 * tau  # the high learning rate keeps growing the logits (to ~30)
     # each logged value is the step's pre-clip max: one step's growth above tau at most (~7.6)
     assert max(clipped) < 2 * tau, clipped
+
+
+def test_muonclip_on_the_triton_kernel_clips_the_heads_sdpa_clips(monkeypatch) -> None:
+    """The kernel's max logits (a by-product of its forward, under Triton's interpreter here)
+    drive the same clips as SDPA plus the chunked recomputation, which the kernel path never
+    calls: the same (layer, head) pairs clipped at every step. The first step's max logits agree
+    to 1e-5; later ones to 5% only: at this learning rate Muon's bf16 Newton-Schulz turns the
+    kernels' 1e-6 gradient differences into 2e-3 after one step, 2% after five."""
+    pytest.importorskip("triton")
+    import model.attention_backend as backends
+    import trainer.step
+
+    clipped: list = []
+    apply = trainer.step.apply_qk_clip
+
+    def recording_apply(model, max_logits, tau):
+        clipped.append(max_logits > tau)  # (L, H): the heads this step clips
+        return apply(model, max_logits, tau)
+
+    monkeypatch.setattr(trainer.step, "apply_qk_clip", recording_apply)
+    sdpa_stats: list[dict] = []
+    _run(0.3, steps=5, stats=sdpa_stats)  # max logits 0.11, 0.21, 0.45, ...: clips from step 3
+    sdpa_clipped, clipped = clipped, []
+    monkeypatch.setattr(backends, "max_logits_per_head", None)  # any call would fail
+    kernel_stats: list[dict] = []
+    _run(0.3, steps=5, backend="triton", stats=kernel_stats)
+    assert sum(s["qk/clipped_heads"] for s in sdpa_stats) >= 8
+    for step, (got, want) in enumerate(zip(clipped, sdpa_clipped, strict=True)):
+        assert torch.equal(got, want), step
+    assert kernel_stats[0] == pytest.approx(sdpa_stats[0], rel=1e-5)
+    for got, want in zip(kernel_stats, sdpa_stats, strict=True):
+        assert got == pytest.approx(want, rel=5e-2)

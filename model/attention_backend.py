@@ -1,0 +1,182 @@
+"""Which kernel computes softmax attention (`model.attention.backend`), one function per backend
+in the registry ATTENTION_BACKENDS, shared by the gqa and mla mixers:
+
+  sdpa    torch's scaled_dot_product_attention (cuDNN / FlashAttention-2 / memory-efficient /
+          math); documents and sliding windows through a dense (B, 1, T, S) mask; QK-clip's max
+          logits recomputed in fp32 chunks (model/qk_logits.py).
+  flex    FlexAttention (compiled on CUDA) with a block-sparse mask for documents and sliding
+          windows; on CUDA QK-clip's max logits come from its aux output. No backward on CPU
+          (torch's rule): there it serves no-grad forwards only.
+  triton  our FlashAttention-2 kernel (model/kernels/flash_attention.py): documents and windows
+          as per-row key bounds, GQA without repeated keys, MLA's 192/128 head dims, and the max
+          logits as a by-product of the forward. On CPU it runs only under Triton's interpreter.
+  auto    triton on CUDA while QK-clip records max logits (when triton is installed), sdpa
+          otherwise: the fastest measured where no max logit is needed.
+
+Decoding and prefill after cached tokens (start > 0) always use sdpa: the kernels train.
+
+Shapes: q (B, H, T, Dqk), k (B, K, S, Dqk), v (B, K, S, Dv), H = G K; the output (B, H, T, Dv).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from model.errors import ConfigError
+from model.masks import AttentionContext
+from model.qk_logits import max_logits_per_head
+from model.registry import Registry
+
+# name -> fn(q, k, v, ctx, scale, want_max) -> (out, (H,) max logits or None)
+Attend = Callable[
+    [Tensor, Tensor, Tensor, AttentionContext, float, bool], tuple[Tensor, Tensor | None]
+]
+ATTENTION_BACKENDS: Registry = Registry("attention backend")
+
+
+@functools.cache
+def triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def resolve_backend(requested: str, device: torch.device, start: int, recording: bool) -> str:
+    """The backend a layer asking for `requested` uses for a forward on `device` after `start`
+    cached tokens; `recording`: QK-clip wants this layer's max logits."""
+    if start > 0:
+        return "sdpa"
+    if requested != "auto":
+        return requested
+    return "triton" if device.type == "cuda" and recording and triton_installed() else "sdpa"
+
+
+def check_backend(backend: str, *, alibi: bool, head_dims: tuple[int, int]) -> None:
+    """Config-time rules of a backend choice (ConfigError naming the keys)."""
+    if backend in ("flex", "triton") and alibi:
+        raise ConfigError(
+            f"model.attention.backend={backend} does not add ALiBi's bias; use "
+            "model.attention.backend=sdpa (or auto) with model.position=alibi"
+        )
+    from model.kernels.flash_attention import MAX_HEAD_DIM
+
+    if backend == "triton" and max(head_dims) > MAX_HEAD_DIM:
+        raise ConfigError(
+            f"model.attention.backend=triton takes head dims up to {MAX_HEAD_DIM}; this layer has "
+            f"query-key / value head dims {head_dims[0]} / {head_dims[1]}"
+        )
+
+
+class KernelChoice:
+    """Mixin of the softmax-attention mixers: `backend` (the config's request) and the protocol
+    method the model asks before a forward (model/mixer.py: TokenMixer.attention_backend)."""
+
+    backend: str = "auto"
+    record_max_logits: bool = False
+
+    def attention_backend(self, device: torch.device, start: int) -> str | None:
+        return resolve_backend(self.backend, device, start, self.record_max_logits)
+
+    def attend(
+        self, q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext, scale: float
+    ) -> Tensor:
+        """Attention through the resolved backend; a training forward under QK-clip folds the
+        heads' max logits into `self.max_logits`."""
+        want_max = self.record_max_logits and torch.is_grad_enabled()
+        backend = self.attention_backend(q.device, ctx.start)
+        out, new_max = ATTENTION_BACKENDS.get(backend)(q, k, v, ctx, scale, want_max)
+        if new_max is not None:
+            running = self.max_logits
+            self.max_logits = new_max if running is None else torch.maximum(running, new_max)
+        return out
+
+
+@ATTENTION_BACKENDS.register("sdpa")
+def sdpa(
+    q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext, scale: float, want_max: bool
+) -> tuple[Tensor, Tensor | None]:
+    new_max = None
+    if want_max:
+        new_max = max_logits_per_head(q, k, scale, ctx.mask, ctx.is_causal, ctx.start)
+    mask = ctx.mask
+    grouped = k.shape[1] != q.shape[1]
+    if mask is not None and grouped:
+        # SDPA's GQA support covers only the flash/math kernels, and flash takes no mask: with a
+        # mask, give the memory-efficient kernel per-head k/v rather than fall back to math.
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        grouped = False
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask.to(q.dtype)  # ALiBi bias in the compute dtype
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=ctx.is_causal, scale=scale, enable_gqa=grouped
+    )
+    return out, new_max
+
+
+@ATTENTION_BACKENDS.register("triton")
+def triton_flash(
+    q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext, scale: float, want_max: bool
+) -> tuple[Tensor, Tensor | None]:
+    if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(
+            "model.attention.backend=triton runs on CUDA (on CPU only under Triton's interpreter, "
+            "TRITON_INTERPRET=1, for tests); use model.attention.backend=auto or sdpa here"
+        )
+    from model.kernels.flash_attention import flash_attention
+
+    result = flash_attention(
+        q, k, v, causal=True, softmax_scale=scale, first_key=ctx.first_key,
+        return_max_logits=want_max,
+    )  # fmt: skip
+    return result if want_max else (result, None)
+
+
+@functools.cache
+def _compiled_flex() -> Callable:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+@ATTENTION_BACKENDS.register("flex")
+def flex(
+    q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext, scale: float, want_max: bool
+) -> tuple[Tensor, Tensor | None]:
+    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
+
+    cuda = q.device.type == "cuda"
+    if not cuda and torch.is_grad_enabled() and q.requires_grad:
+        raise RuntimeError(
+            "model.attention.backend=flex: FlexAttention has no backward on CPU; train with "
+            "model.attention.backend=sdpa (or auto) here"
+        )
+    attend = _compiled_flex() if cuda else flex_attention  # CPU: no-grad forwards only
+    kwargs = dict(block_mask=ctx.block_mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+    if want_max and cuda:
+        out, aux = attend(q, k, v, **kwargs, return_aux=AuxRequest(max_scores=True))
+        return out, aux.max_scores.amax(dim=(0, 2))  # (B, H, T) -> (H,)
+    return attend(q, k, v, **kwargs), None  # CPU: no-grad forwards, nothing to clip
+
+
+def flex_block_mask(doc_starts: Tensor | None, window: int, B: int, T: int, device: torch.device):
+    """FlexAttention's BlockMask for causal attention inside documents (doc_starts (B, T) bool,
+    True where a document begins) and a sliding window of `window` tokens (0: none)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    docs = doc_starts.cumsum(dim=1) if doc_starts is not None else None  # (B, T) doc numbers
+
+    def visible(b, h, q_idx, kv_idx):
+        ok = q_idx >= kv_idx
+        if window:
+            ok = ok & (q_idx - kv_idx < window)
+        if docs is not None:
+            ok = ok & (docs[b, q_idx] == docs[b, kv_idx])
+        return ok
+
+    return create_block_mask(visible, B if docs is not None else None, None, T, T, device=device)

@@ -1,0 +1,148 @@
+"""`model.attention.backend` (model/attention_backend.py): a model attending through the Triton
+kernel (under Triton's interpreter on CPU) or FlexAttention gives SDPA's logits and gradients
+(fp32) with packed documents, sliding windows, GQA and MLA; each forward builds only the mask
+form its layers read; cached generation, torch.compile, the auto rule and the refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model import generate
+from model.attention_backend import resolve_backend
+from model.errors import ConfigError
+from model.presets import load_preset
+from model.transformer import build_model
+
+SMALL = {"d_model": 64, "n_layers": 2, "vocab_size": 96, "max_seq_len": 64, "loss_chunk_tokens": 64}
+VARIANTS = {  # name -> (preset, overrides): each attends inside documents
+    "gqa + window": ("tiny", {"attention.sliding_window": 7}),
+    "mha": ("tiny", {"attention.n_kv_heads": 4}),
+    "mla": ("tiny_mla", {}),
+}
+
+
+def pair(variant: str, backend: str, **extra):
+    preset, overrides = VARIANTS[variant]
+    cfg = load_preset(preset, SMALL | overrides | extra | {"attention.backend": backend})
+    return build_model(cfg, seed=0), cfg
+
+
+def batch(cfg, B=2, T=40, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, cfg.vocab_size, (B, T + 1), generator=gen)
+    doc_ids = torch.randint(0, 3, (B, T), generator=gen).sort(dim=1).values
+    return tokens[:, :-1], tokens[:, 1:], doc_ids
+
+
+def loss_and_grads(model, tokens, targets, doc_ids):
+    loss = model(tokens, targets, doc_ids=doc_ids)
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    return loss.detach(), grads
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_triton_backend_trains_like_sdpa(variant):
+    pytest.importorskip("triton")
+    ref_model, cfg = pair(variant, "sdpa")
+    model, _ = pair(variant, "triton")
+    tokens, targets, doc_ids = batch(cfg)
+    loss, grads = loss_and_grads(model, tokens, targets, doc_ids)
+    ref_loss, ref_grads = loss_and_grads(ref_model, tokens, targets, doc_ids)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+    for (name, _), got, want in zip(model.named_parameters(), grads, ref_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_flex_backend_evaluates_like_sdpa_and_refuses_to_train_on_cpu():
+    ref_model, cfg = pair("gqa + window", "sdpa")
+    model, _ = pair("gqa + window", "flex")
+    tokens, targets, doc_ids = batch(cfg)
+    with torch.no_grad():
+        got = model(tokens, doc_ids=doc_ids)
+        want = ref_model(tokens, doc_ids=doc_ids)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="FlexAttention has no backward on CPU"):
+        model(tokens, targets, doc_ids=doc_ids)
+
+
+@pytest.mark.parametrize(
+    ("backend", "built", "absent"),
+    [
+        ("sdpa", "mask", "first_key"),
+        ("triton", "first_key", "mask"),
+        ("flex", "block_mask", "mask"),
+    ],
+)
+def test_a_forward_builds_only_the_mask_form_its_layers_read(backend, built, absent):
+    """The dense (B, 1, T, T) mask costs B T^2 bytes: kernels that take documents and windows in
+    another form never build it."""
+    model, cfg = pair("gqa + window", backend)
+    tokens, _, doc_ids = batch(cfg)
+    with torch.no_grad():
+        _, ctx = model._trunk(tokens, doc_ids, None)
+    assert getattr(ctx, built) is not None
+    assert getattr(ctx, absent) is None
+
+
+@pytest.mark.parametrize("variant", ["gqa + window", "mla"])
+def test_cached_generation_with_the_triton_backend_equals_full_forwards(variant):
+    """The prompt is prefilled through the kernel; tokens after it attend through SDPA over the
+    cache (the kernels train; decoding reads the cache)."""
+    pytest.importorskip("triton")
+    model, cfg = pair(variant, "triton")
+    prompt = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(2))
+    out = generate(model.eval(), prompt, 6, temperature=0)
+    with torch.no_grad():
+        full = model(out[:, :-1]).argmax(-1)[:, prompt.shape[1] - 1 :]
+    assert torch.equal(out[:, prompt.shape[1] :], full)
+
+
+def test_compiled_model_with_the_triton_kernel_matches_eager():
+    """The kernel is a custom op: torch.compile keeps it whole (no graph break into Triton)."""
+    pytest.importorskip("triton")
+    model, cfg = pair("gqa + window", "triton", n_layers=1)
+    tokens, targets, doc_ids = batch(cfg, T=24)
+    loss, grads = loss_and_grads(model, tokens, targets, doc_ids)
+    compiled = torch.compile(model, fullgraph=True)
+    c_loss, c_grads = loss_and_grads(compiled, tokens, targets, doc_ids)
+    torch.testing.assert_close(c_loss, loss, rtol=1e-5, atol=1e-6)
+    for got, want in zip(c_grads, grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_triton_backend_without_cuda_or_the_interpreter_says_so(monkeypatch):
+    model, cfg = pair("gqa + window", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    tokens, targets, _ = batch(cfg)
+    with pytest.raises(RuntimeError, match="backend=triton runs on CUDA"):
+        model(tokens, targets)
+
+
+def test_auto_picks_triton_only_on_cuda_while_qk_clip_records(monkeypatch):
+    import model.attention_backend as backends
+
+    monkeypatch.setattr(backends, "triton_installed", lambda: True)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert resolve_backend("auto", cuda, 0, recording=True) == "triton"
+    assert resolve_backend("auto", cuda, 0, recording=False) == "sdpa"
+    assert resolve_backend("auto", cpu, 0, recording=True) == "sdpa"
+    assert resolve_backend("auto", cuda, 5, recording=True) == "sdpa"  # decoding after a cache
+    assert resolve_backend("triton", cuda, 5, recording=True) == "sdpa"
+    assert resolve_backend("flex", cpu, 0, recording=False) == "flex"
+    monkeypatch.setattr(backends, "triton_installed", lambda: False)
+    assert resolve_backend("auto", cuda, 0, recording=True) == "sdpa"
+
+
+@pytest.mark.parametrize(
+    ("preset", "overrides", "message"),
+    [
+        ("tiny", {"attention.backend": "cudnn"}, "model.attention.backend='cudnn'; choose one of"),
+        ("tiny", {"attention.backend": "triton", "position": "alibi"}, "ALiBi"),
+        ("tiny", {"attention.backend": "flex", "position": "alibi"}, "ALiBi"),
+        ("tiny", {"attention.backend": "triton", "attention.head_dim": 320}, "up to 256"),
+    ],
+)
+def test_bad_backend_settings_fail_with_their_keys(preset, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_preset(preset, SMALL | overrides)
