@@ -16,8 +16,8 @@ from model.kv_cache import KVCache
 from model.masks import AttentionContext
 from model.mixer import LayerDims, QKClipHooks, StateSize, TokenMixer, average_context
 from model.norms import RMSNorm
-from model.registry import ATTENTIONS, MIXERS, ROPE_PAIRINGS
-from model.rope import softmax_multiplier
+from model.registry import ATTENTIONS, MIXERS
+from model.rope import rope_applier, softmax_multiplier
 
 
 @MIXERS.register("gqa")
@@ -68,7 +68,8 @@ class Attention(KernelChoice, TokenMixer, QKClipHooks):
         self.k_norm = RMSNorm(D, dims.norm_eps) if a.qk_norm else None
         rope = dims.rope
         self.rotary_dim = int(D * rope.fraction) if rope is not None else 0
-        self.apply_rope = ROPE_PAIRINGS.get(rope.pairing) if rope is not None else None
+        self.rope_pairing = rope.pairing if rope is not None else None
+        self.apply_rope = rope_applier(rope.pairing) if rope is not None else None
         multiplier = softmax_multiplier(rope) if rope is not None else 1.0
         self.scale = (a.softmax_scale or D**-0.5) * multiplier
 

@@ -29,10 +29,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from model.config import KernelsConfig
 from model.errors import ConfigError
 from model.masks import AttentionContext
 from model.qk_logits import max_logits_per_head
 from model.registry import Registry
+from model.rope import rope_applier
 
 # name -> fn(q, k, v, ctx, scale, want_max) -> (out, (H,) max logits or None)
 Attend = Callable[
@@ -73,11 +75,18 @@ def check_backend(backend: str, *, alibi: bool, head_dims: tuple[int, int]) -> N
 
 
 class KernelChoice:
-    """Mixin of the softmax-attention mixers: `backend` (the config's request) and the protocol
-    method the model asks before a forward (model/mixer.py: TokenMixer.attention_backend)."""
+    """Mixin of the softmax-attention mixers: `backend` (the config's request), the protocol
+    method the model asks before a forward (model/mixer.py: TokenMixer.attention_backend), and
+    the choice of RoPE kernel."""
 
     backend: str = "auto"
     record_max_logits: bool = False
+    rope_pairing: str | None = None  # None: no rotary embedding
+
+    def use_kernels(self, kernels: KernelsConfig) -> None:
+        """The fused RoPE kernel where `model.kernels.rope` asks for it."""
+        if self.rope_pairing is not None:
+            self.apply_rope = rope_applier(self.rope_pairing, kernels.rope)
 
     def attention_backend(self, device: torch.device, start: int) -> str | None:
         return resolve_backend(self.backend, device, start, self.record_max_logits)

@@ -140,6 +140,27 @@ class MLAConfig:
 
 
 ATTENTION_BACKEND_CHOICES = ("auto", "sdpa", "flex", "triton")  # model/attention_backend.py
+KERNEL_CHOICES = ("torch", "triton")
+
+
+@dataclass(kw_only=True)
+class KernelsConfig:
+    """Fused Triton training kernels (model/kernels/fused.py) in place of torch's separate ops.
+    torch.compile already fuses these elementwise chains into Triton on GPUs, so they pay only
+    where they beat it (bench/gpu_check.py measures; README); on CPU they run only under Triton's
+    interpreter."""
+
+    rms_norm: str = "torch"  # RMSNorm layers, and the add before the norm of post-norm/DeepNorm
+    rope: str = "torch"  # the rotary embedding of queries and keys (both pairings)
+    swiglu: str = "torch"  # silu(gate) * up of SwiGLU FFNs
+
+    def __post_init__(self) -> None:
+        for key in ("rms_norm", "rope", "swiglu"):
+            value = getattr(self, key)
+            _require(
+                value in KERNEL_CHOICES,
+                f"model.kernels.{key}={value!r}; choose one of: {', '.join(KERNEL_CHOICES)}",
+            )
 
 
 @dataclass(kw_only=True)
@@ -530,6 +551,7 @@ class ModelConfig:
     mhc: MHCConfig = field(default_factory=MHCConfig)  # with residual=mhc
     engram: EngramConfig = field(default_factory=EngramConfig)  # n-gram memory on some layers
     mtp: MTPConfig = field(default_factory=MTPConfig)  # multi-token prediction modules
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)  # fused Triton training kernels
     # the token mixer (model.mixer MIXERS key) of each layer, one per layer; [] = layer_pattern
     layer_types: list[str] = field(default_factory=list)
     # a short list of mixer kinds repeated over the layers (e.g. [gdn, gdn, gdn, gqa]); [] = every

@@ -11,7 +11,9 @@ from collections.abc import Callable
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from model.config import KernelsConfig
 from model.init import InitStds, init_linear
+from model.kernels.fused import swiglu
 from model.registry import FFNS
 
 
@@ -56,6 +58,15 @@ class PlainFFN(nn.Module):
 @FFNS.register("swiglu")
 class SwiGLU(GatedFFN):
     activation = staticmethod(F.silu)
+    kernel = "torch"  # torch | triton (model.kernels.swiglu: model/kernels/fused.py)
+
+    def use_kernels(self, kernels: KernelsConfig) -> None:
+        self.kernel = kernels.swiglu
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.kernel == "triton":
+            return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+        return super().forward(x)
 
 
 @FFNS.register("geglu")

@@ -28,8 +28,8 @@ from model.kv_cache import LatentCache
 from model.masks import AttentionContext
 from model.mixer import LayerDims, QKClipHooks, StateSize, TokenMixer, average_context
 from model.norms import RMSNorm
-from model.registry import ATTENTIONS, MIXERS, ROPE_PAIRINGS
-from model.rope import softmax_multiplier
+from model.registry import ATTENTIONS, MIXERS
+from model.rope import rope_applier, softmax_multiplier
 
 
 @MIXERS.register("mla")
@@ -101,7 +101,8 @@ class MultiHeadLatentAttention(KernelChoice, TokenMixer, QKClipHooks):
         self.kv_b_proj = nn.Linear(self.kv_rank, H * (self.nope_dim + self.v_dim), bias=False)
         self.o_proj = nn.Linear(H * self.v_dim, C, bias=bias)
         rotate = self.rotary_dim > 0
-        self.apply_rope = ROPE_PAIRINGS.get(dims.rope.pairing) if rotate else None
+        self.rope_pairing = dims.rope.pairing if rotate else None
+        self.apply_rope = rope_applier(dims.rope.pairing) if rotate else None
         multiplier = softmax_multiplier(dims.rope) if rotate else 1.0
         self.scale = (a.softmax_scale or qk_dim**-0.5) * multiplier
 

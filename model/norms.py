@@ -10,6 +10,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from model import roles
+from model.config import KernelsConfig
+from model.kernels.fused import rms_norm
 from model.registry import NORMS
 
 
@@ -22,6 +24,8 @@ def wide_dtype(dtype: torch.dtype) -> torch.dtype:
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, computed in fp32 and cast back to the input dtype."""
 
+    kernel = "torch"  # torch | triton (model.kernels.rms_norm: model/kernels/fused.py)
+
     def __init__(self, dim: int, eps: float = 1e-5) -> None:
         super().__init__()
         self.eps = eps
@@ -30,10 +34,21 @@ class RMSNorm(nn.Module):
     def param_roles(self) -> dict[str, str]:
         return {"weight": roles.GAIN}
 
+    def use_kernels(self, kernels: KernelsConfig) -> None:
+        self.kernel = kernels.rms_norm
+
     def forward(self, x: Tensor) -> Tensor:
+        if self.kernel == "triton":
+            return rms_norm(x, self.weight, self.eps)
         wide = wide_dtype(x.dtype)  # fp32 (fp64 stays fp64)
         y = F.rms_norm(x.to(wide), (x.shape[-1],), eps=self.eps)
         return (y * self.weight.to(wide)).to(x.dtype)
+
+    def add_and_normalize(self, x: Tensor, residual: Tensor) -> Tensor:
+        """norm(x + residual): one pass with the fused kernel, else the add then the norm."""
+        if self.kernel == "triton":
+            return rms_norm(x, self.weight, self.eps, residual=residual)[0]
+        return self(x + residual)
 
     def init_weights(self) -> None:
         nn.init.ones_(self.weight)

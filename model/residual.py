@@ -155,9 +155,11 @@ class _PostNorm(Connection):
         self.alpha = alpha
 
     def forward(self, x: Tensor, sublayer: Sublayer, norm: nn.Module) -> Tensor:
-        if self.alpha == 1.0:
-            return norm(x + sublayer(x))
-        return norm(self.alpha * x + sublayer(x))
+        y = sublayer(x)
+        scaled = x if self.alpha == 1.0 else self.alpha * x
+        if hasattr(norm, "add_and_normalize"):  # RMSNorm: the add fused into the norm's kernel
+            return norm.add_and_normalize(scaled, y)
+        return norm(scaled + y)
 
 
 @RESIDUALS.register("pre")

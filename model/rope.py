@@ -29,7 +29,9 @@ cos and sin, so YaRN's temperature scales the rotary logits by its square.
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -162,6 +164,19 @@ def apply_rope_interleaved(x: Tensor, rot: Tensor) -> Tensor:
     part, rest = x[..., :r].float(), x[..., r:]
     a, b = _rotate(part[..., 0::2], part[..., 1::2], cos, sin)
     return torch.cat([torch.stack([a, b], dim=-1).flatten(-2).to(x.dtype), rest], dim=-1)
+
+
+def rope_applier(pairing: str, kernel: str = "torch") -> Callable[[Tensor, Tensor], Tensor]:
+    """(x, rot) -> x rotated in `pairing`, by torch's ops or the fused Triton kernel."""
+    if kernel == "triton":
+        return functools.partial(_fused_rope, interleaved=pairing == "interleaved")
+    return ROPE_PAIRINGS.get(pairing)
+
+
+def _fused_rope(x: Tensor, rot: Tensor, *, interleaved: bool) -> Tensor:
+    from model.kernels.fused import rope
+
+    return rope(x, rot, interleaved)
 
 
 def interleaved_to_half(rotary_dim: int, head_dim: int) -> Tensor:

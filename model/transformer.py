@@ -66,6 +66,9 @@ class Transformer(nn.Module):
         # multi-token prediction modules (training objective, speculative drafts)
         self.mtp = MultiTokenPrediction(cfg) if cfg.mtp.depth else None
         self._mtp_objective: Tensor | None = None
+        for module in self.modules():  # model.kernels: each op's module picks its kernel
+            if hasattr(module, "use_kernels"):
+                module.use_kernels(cfg.kernels)
         if self.embed.weight.device.type != "meta":
             self.init_weights()
 

@@ -1,4 +1,4 @@
-"""Compile the FlashAttention kernels ahead of time for a GPU architecture, on any machine (no GPU
+"""Compile the Triton kernels (FlashAttention, the fused training ops) ahead of time for a GPU architecture, on any machine (no GPU
 needed: Triton's front end, LLVM and ptxas run on the CPU). The interpreter that runs the kernel
 tests on CPU executes the kernels as Python, so it never sees what only the compiler checks
 (tuples of constexprs, dtype rules of tl.dot, shared memory): this does.
@@ -16,49 +16,83 @@ import os
 import time
 
 # (kernel, BLOCK_M, BLOCK_N, num_warps, num_stages): one autotuning candidate per kernel
-KERNELS = (("_fwd", 128, 64, 8, 3), ("_bwd_q", 64, 32, 4, 2), ("_bwd_kv", 32, 64, 4, 2))
-# (dtype, Dqk, Dv, CAUSAL, BOUNDED): dense bf16 with documents, MLA's dims, fp32
-VARIANTS = (("bf16", 128, 128, True, True), ("bf16", 192, 128, True, False))
+ATTENTION_KERNELS = (("_fwd", 128, 64, 8, 3), ("_bwd_q", 64, 32, 4, 2), ("_bwd_kv", 32, 64, 4, 2))
+# (dtype, Dqk, Dv, CAUSAL, BOUNDED): dense bf16 with documents, MLA's dims
+ATTENTION_VARIANTS = (("bf16", 128, 128, True, True), ("bf16", 192, 128, True, False))
+# fused kernels: (name, constexprs) in bf16 at widths of a ~1B model (C 2048, 16 heads of 128)
+FUSED_KERNELS = (
+    ("_rms_norm_fwd", dict(BLOCK_C=2048, HAS_RESIDUAL=True)),
+    ("_rms_norm_bwd", dict(BLOCK_C=2048, HAS_DH=True)),
+    ("_rope", dict(D=128, HALF_R=64, BLOCK_H=16, BLOCK_P=64, BLOCK_REST=0, INTERLEAVED=True)),
+    ("_swiglu_fwd", dict(BLOCK=1024)),
+    ("_swiglu_bwd", dict(BLOCK=1024)),
+)
 HOPPER_SHARED_BYTES = 232448  # the largest dynamic shared memory one block may use on sm_90
+FP32_POINTERS = {"LSE2", "MAX", "DELTA", "RSTD", "DW", "ROT"}
+INT_POINTERS = {"FK", "LR"}
+FLOATS = {"sm_scale", "eps", "sign"}
+INTS = {"T", "HQ", "GROUP", "N", "C", "H"}  # upper-case scalars (sizes)
 
 
-def compile_kernel(
-    name: str, block_m: int, block_n: int, warps: int, stages: int, variant: tuple, arch: int
-) -> dict:
+def signature(fn, constants: dict, dtype: str) -> dict:
+    """Triton types of fn's arguments: upper-case names are pointers (16-bit data unless listed
+    as fp32 / int32) but for the INTS sizes, FLOATS are fp32 scalars, the rest int32."""
+
+    def kind(arg: str) -> str:
+        if arg in constants:
+            return "constexpr"
+        if arg in FLOATS:
+            return "fp32"
+        if not arg.isupper() or arg in INTS:
+            return "i32"
+        if arg in INT_POINTERS:
+            return "*i32"
+        return "*fp32" if arg in FP32_POINTERS else f"*{dtype}"
+
+    return {arg: kind(arg) for arg in fn.arg_names}
+
+
+def compile_kernel(fn, constants: dict, dtype: str, warps: int, stages: int, arch: int) -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
 
-    from model.kernels import flash_attention_triton as fa
+    source = triton.compiler.ASTSource(
+        fn=fn, signature=signature(fn, constants, dtype), constexprs=constants
+    )
+    start = time.perf_counter()
+    options = {"num_warps": warps, "num_stages": stages}
+    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+    return {
+        "kernel": fn.__name__,
+        "constants": {k: v for k, v in constants.items() if not k.startswith("BD_")},
+        "warps_stages": [warps, stages],
+        "shared_bytes": compiled.metadata.shared,
+        "seconds": round(time.perf_counter() - start, 2),
+    }
+
+
+def attention_constants(variant: tuple, block_m: int, block_n: int) -> dict:
+    import triton
 
     dtype, d_qk, d_v, causal, bounded = variant
-    fn = getattr(fa, name)
-    pointers = {n: f"*{dtype}" for n in ("Q", "K", "V", "OUT", "DO", "DQ", "DK", "DV")}
-    pointers |= {n: "*fp32" for n in ("LSE2", "MAX", "DELTA")} | {"FK": "*i32", "LR": "*i32"}
-    constants = dict(
+    return dict(
         D_QK=d_qk, D_V=d_v, BD_QK=triton.next_power_of_2(d_qk), BD_V=triton.next_power_of_2(d_v),
         BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, BOUNDED=bounded,
         PRECISION="ieee" if dtype == "fp32" else "tf32",
     )  # fmt: skip
-    signature = {
-        arg: "constexpr"
-        if arg in constants
-        else pointers.get(arg, "fp32" if arg == "sm_scale" else "i32")
-        for arg in fn.arg_names
-    }
-    source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constants)
-    start = time.perf_counter()
-    compiled = triton.compile(
-        source,
-        target=GPUTarget("cuda", arch, 32),
-        options={"num_warps": warps, "num_stages": stages},
-    )
-    return {
-        "kernel": name,
-        "variant": list(variant),
-        "blocks": [block_m, block_n, warps, stages],
-        "shared_bytes": compiled.metadata.shared,
-        "seconds": round(time.perf_counter() - start, 2),
-    }
+
+
+def compile_all(arch: int):
+    """Yields one result per kernel variant."""
+    from model.kernels import flash_attention_triton as fa
+    from model.kernels import fused_triton
+
+    for name, block_m, block_n, warps, stages in ATTENTION_KERNELS:
+        for variant in ATTENTION_VARIANTS:
+            constants = attention_constants(variant, block_m, block_n)
+            yield compile_kernel(getattr(fa, name), constants, variant[0], warps, stages, arch)
+    for name, constants in FUSED_KERNELS:
+        yield compile_kernel(getattr(fused_triton, name), constants, "bf16", 4, 1, arch)
 
 
 def main() -> None:
@@ -69,9 +103,8 @@ def main() -> None:
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("unset TRITON_INTERPRET: the interpreter replaces the compiled kernels")
-    for kernel in KERNELS:
-        for variant in VARIANTS:
-            print(json.dumps(compile_kernel(*kernel, variant, args.arch)), flush=True)
+    for result in compile_all(args.arch):
+        print(json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":

@@ -225,7 +225,9 @@ def _bwd_op(
     common = (scale, T, HQ, HQ // HKV, *_strides(q, k, v, grad_out))
     kv_args = (q, k, v, grad_out, lse2, delta, dk, dv, fk, lr, *common, *_strides(dk, dv))
     _run("_bwd_kv", T, B * HKV, kv_args, meta)
-    _run("_bwd_q", T, B * HQ, (q, k, v, grad_out, lse2, delta, dq, fk, *common, *_strides(dq)), meta)
+    _run(
+        "_bwd_q", T, B * HQ, (q, k, v, grad_out, lse2, delta, dq, fk, *common, *_strides(dq)), meta
+    )
     return dq, dk, dv
 
 
