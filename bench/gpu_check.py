@@ -2,7 +2,17 @@
 returns a dict (its numbers, or why it was skipped), run one by one with any error recorded, all
 saved in one JSON file with the machine description.
 
-Checks:
+Checks (in this order, sharing one time budget):
+  flash_attention  the Triton FlashAttention kernel checked (outputs, gradients, max logits;
+      documents, MLA dims) and timed against SDPA (cuDNN, FlashAttention-2) and FlexAttention
+      (bench/gpu_attention.py)
+  train_mfu  MFU of a ~1B dense and a MoE model through the trainer's step (compiled blocks),
+      the step's split, the profiler's top kernels; MuonClip with the kernel's max logits vs
+      SDPA + recomputation (bench/gpu_train.py)
+  fused_kernels  RMSNorm (+ add), RoPE (both pairings), SwiGLU kernels vs torch eager and
+      torch.compile (bench/gpu_kernels.py)
+  fused_cross_entropy_memory  the head + cross-entropy at vocab 128k: logits materialized vs
+      chunked (model/loss.py) vs liger-kernel (bench/gpu_kernels.py)
   delta_rule_fla_vs_torch  the gated delta rule on fla-core's Triton kernels (model/fla_ops.py)
       vs our torch chunked form (model/delta_rule.py): Gated DeltaNet (B 2, T 4096, 16 value
       heads, Dk = Dv = 128, per-head decay) and KDA (16 heads of 128, per-channel decay); forward
@@ -14,8 +24,9 @@ Checks:
       reads copied over): step times after a same-loss check, and the copy of one step's rows
       alone (bench/gpu_engram.py).
 
-    python bench/gpu_check.py [--out PATH] [--only NAME ...] [--budget-s 170] [--list]
+    python bench/gpu_check.py [--out PATH] [--only NAME ...] [--budget-s 420] [--list] [--dry-run]
 On CUDA writes bench/results/gpu_check.json (or --out); on CPU prints only, unless --out is given.
+--dry-run runs the issue-18 checks' code on CPU on tiny shapes (no numbers worth keeping).
 Exits 0 unless --strict and a check raised.
 """
 
@@ -24,9 +35,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 import time
+
+if "--dry-run" in sys.argv:  # the interpreter must be on before triton is first imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -95,6 +110,78 @@ def sub_case(results: dict, name: str, fn: Callable[[], dict], budget: Budget, n
     print(f"  {name}: {json.dumps(results[name])[:400]}", flush=True)
 
 
+# ---- issue 18: attention kernel, training-step MFU, fused kernels ----------------------------
+
+DRY_RUN = False  # --dry-run: the code paths of the checks below on CPU, on tiny shapes
+
+
+def device_or_reason() -> tuple[str, str | None]:
+    """("cuda", None), ("cpu", None) in a dry run, or why the check cannot run."""
+    if DRY_RUN:
+        return "cpu", None
+    return "cuda", cuda_skip_reason()
+
+
+def runner(budget: Budget) -> Callable:
+    """sub_case bound to the run's budget: (results, name, fn, need_s)."""
+    return lambda results, name, fn, need_s: sub_case(results, name, fn, budget, need_s)
+
+
+@check("flash_attention")
+def flash_attention(budget: Budget) -> dict:
+    device, reason = device_or_reason()
+    if reason:
+        return {"skipped": reason}
+    from bench.gpu_attention import check_cases, timing_cases
+
+    run = runner(budget)
+    return {
+        "checks": check_cases(DRY_RUN, device, run),
+        "timing": timing_cases(DRY_RUN, device, timed, run),
+    }
+
+
+@check("train_mfu")
+def train_mfu(budget: Budget) -> dict:
+    device, reason = device_or_reason()
+    if reason:
+        return {"skipped": reason}
+    from bench.gpu_train import train_case
+
+    run, dev, results = runner(budget), torch.device(device), {}
+    compile_blocks = not DRY_RUN  # the trainer's trainer.compile=true path (slow on a CPU)
+
+    def case(name: str, **kwargs) -> Callable[[], dict]:
+        return lambda: train_case(name, DRY_RUN, dev, sync, compile_blocks, **kwargs)
+
+    run(results, "dense_1b", case("dense_1b", profile=True), 120)
+    run(results, "moe", case("moe", profile=True), 120)
+    for backend in ("triton", "sdpa"):
+        extra = {"attention.backend": backend}
+        run(results, f"dense_1b_muonclip_{backend}", case("dense_1b", extra=extra), 90)
+    return results
+
+
+@check("fused_kernels")
+def fused_kernels(budget: Budget) -> dict:
+    device, reason = device_or_reason()
+    if reason:
+        return {"skipped": reason}
+    from bench.gpu_kernels import fused_kernels as measure
+
+    return measure(DRY_RUN, device, timed, runner(budget))
+
+
+@check("fused_cross_entropy_memory")
+def fused_cross_entropy_memory(budget: Budget) -> dict:
+    device, reason = device_or_reason()
+    if reason:
+        return {"skipped": reason}
+    from bench.gpu_kernels import cross_entropy_memory
+
+    return cross_entropy_memory(DRY_RUN, device, timed, runner(budget))
+
+
 # ---- delta_rule_fla_vs_torch ----------------------------------------------------------------
 
 DEVICE = "cuda"  # a dry run of the code paths may set "cpu" (with a stand-in for fla)
@@ -139,29 +226,34 @@ def fwd_bwd(rule, x: dict, cotangents: tuple | None, extra: tuple = ()):
     return o.detach(), final.detach(), torch.autograd.grad(loss, wrt)
 
 
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def timed(fn: Callable[[], object], warmup: int = 2, repeats: int = 5) -> dict:
     """Median and min wall time of fn after warm-up (each synchronized), and the peak memory
-    it allocates above what was allocated before it."""
+    it allocates above what was allocated before it (CUDA only; a CPU dry run has none)."""
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    sync()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        sync()
         times.append(time.perf_counter() - start)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
-    return {
+    result = {
         "median_ms": round(1e3 * statistics.median(times), 3),
         "min_ms": round(1e3 * min(times), 3),
-        "peak_mib": round(peak / 2**20, 1),
     }
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        result["peak_mib"] = round((torch.cuda.max_memory_allocated() - base) / 2**20, 1)
+    return result
 
 
 def differences(got: tuple, ref: tuple, names: list[str]) -> dict:
@@ -395,10 +487,18 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=None, help=f"default {DEFAULT_OUT} on CUDA")
     parser.add_argument("--only", nargs="+", choices=sorted(CHECKS), default=None)
-    parser.add_argument("--budget-s", type=float, default=170.0, help="total wall-clock budget")
+    parser.add_argument("--budget-s", type=float, default=420.0, help="total wall-clock budget")
     parser.add_argument("--list", action="store_true", help="print the checks' names and exit")
     parser.add_argument("--strict", action="store_true", help="exit 1 if a check raised")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="run the issue-18 checks' code on CPU on tiny shapes (Triton's interpreter)",
+    )
     args = parser.parse_args()
+    if args.dry_run:
+        global DRY_RUN
+        DRY_RUN = True
     if args.list:
         print("\n".join(CHECKS))
         return 0

@@ -15,8 +15,14 @@ import json
 import os
 import time
 
-# (kernel, BLOCK_M, BLOCK_N, num_warps, num_stages): one autotuning candidate per kernel
-ATTENTION_KERNELS = (("_fwd", 128, 64, 8, 3), ("_bwd_q", 64, 32, 4, 2), ("_bwd_kv", 32, 64, 4, 2))
+from model.kernels.flash_attention import DKV_CONFIGS, DQ_CONFIGS, FORWARD_CONFIGS
+
+# (kernel, BLOCK_M, BLOCK_N, num_warps, num_stages): each kernel's largest autotuning candidate
+ATTENTION_KERNELS = (
+    ("_fwd", *FORWARD_CONFIGS[0]),
+    ("_bwd_q", *DQ_CONFIGS[0]),
+    ("_bwd_kv", *DKV_CONFIGS[0]),
+)
 # (dtype, Dqk, Dv, CAUSAL, BOUNDED): dense bf16 with documents, MLA's dims
 ATTENTION_VARIANTS = (("bf16", 128, 128, True, True), ("bf16", 192, 128, True, False))
 # fused kernels: (name, constexprs) in bf16 at widths of a ~1B model (C 2048, 16 heads of 128)

@@ -1,0 +1,196 @@
+"""The training-step part of bench/gpu_check.py (issues 18 and 21): MFU of a ~1B dense model and
+of a MoE model on one GPU, the step's time split, and the profiler's top kernels.
+
+Each model trains through the trainer's own pieces (build_model, compile_model as
+`trainer.compile=true` does, build_optimizer, FSDP2Engine in one process with bf16 autocast over
+fp32 weights = `trainer.precision=bf16`, trainer.step.train_step): a few warm-up steps, then timed
+steps on random tokens. MFU = training FLOPs per token (model/accounting.py, the number the
+trainer logs) x tokens/s / the data-sheet bf16 peak (trainer/mfu.py). The split times a forward
+alone and a forward + backward against the whole step (the rest: clipping and the optimizer).
+The issue's target: >= 45% MFU for the dense model on an H100/H200-class GPU.
+
+  dense_1b   Llama-3.2-1B's shape: d 2048, 16 layers, 32 query / 8 kv heads of 64, SwiGLU 8192,
+             vocab 128256 tied; B 4 x T 4096
+  moe        d 1024, 12 layers (the first dense), 64 routed experts of 512 (top 8) + 1 shared,
+             16 / 4 heads of 64, vocab 32768; B 8 x T 2048
+  dense_1b_muonclip_triton / _sdpa   the dense model under MuonClip with attention.backend
+             triton (max logits from the kernel) and sdpa (recomputed): the QK-clip cost
+
+`small=True` shrinks every model to run the same code on CPU (a dry run).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+MODELS = {  # name -> (preset, overrides, batch, seq_len, optimizer)
+    "dense_1b": (
+        "tiny",
+        {
+            "d_model": 2048, "n_layers": 16, "vocab_size": 128256, "max_seq_len": 4096,
+            "attention.n_heads": 32, "attention.n_kv_heads": 8, "ffn.hidden": 8192,
+            "loss_chunk_tokens": 4096,
+        },
+        4, 4096, "adamw",
+    ),
+    "moe": (
+        "tiny_moe",
+        {
+            "d_model": 1024, "n_layers": 12, "vocab_size": 32768, "max_seq_len": 2048,
+            "attention.n_heads": 16, "attention.n_kv_heads": 4, "ffn.hidden": 4096,
+            "moe.n_routed_experts": 64, "moe.top_k": 8, "moe.expert_hidden": 512,
+            "loss_chunk_tokens": 4096,
+        },
+        8, 2048, "adamw",
+    ),
+}  # fmt: skip
+SMALL = {"d_model": 64, "n_layers": 2, "vocab_size": 256, "max_seq_len": 64, "ffn.hidden": 128,
+         "attention.n_heads": 4, "attention.n_kv_heads": 2, "loss_chunk_tokens": 64}  # fmt: skip
+
+
+def build(
+    name: str, small: bool, device: torch.device, compile_blocks: bool, extra: dict | None = None
+):
+    """(engine, batch, flops per token) for one of MODELS."""
+    from data.loader import Batch
+    from model.accounting import training_flops_per_token
+    from model.presets import load_preset
+    from model.transformer import build_model
+    from optim.builder import build_optimizer
+    from optim.config import OptimConfig
+    from optim.qk_clip import enable_qk_clip
+    from parallel.activation import compile_model
+    from parallel.engine import FSDP2Engine
+
+    preset, overrides, batch, seq_len, optimizer = MODELS[name]
+    overrides = overrides | (extra or {})
+    if small:
+        overrides = overrides | SMALL
+        overrides = {
+            k: v for k, v in overrides.items() if not k.startswith("moe.") or k == "moe.top_k"
+        }
+        batch, seq_len = 2, 64
+    optim_name = "muonclip" if "attention.backend" in (extra or {}) else optimizer
+    model = build_model(load_preset(preset, overrides), device=device, seed=0)
+    if optim_name == "muonclip":
+        enable_qk_clip(model)
+    if compile_blocks:
+        compile_model(model)
+    opt = build_optimizer(OptimConfig(name=optim_name, lr=1e-4), model)
+    engine = FSDP2Engine(model, opt, "bf16", device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    tokens = torch.randint(
+        0, model.cfg.vocab_size, (batch, seq_len + 1), device=device, generator=gen
+    )
+    data = Batch(tokens[:, :-1], tokens[:, 1:], torch.zeros_like(tokens[:, 1:]))
+    return engine, data, training_flops_per_token(model, seq_len).total
+
+
+def peak_flops(device: torch.device) -> tuple[float, str]:
+    from trainer.mfu import device_peak
+
+    return device_peak(device, torch.bfloat16, 0.0)
+
+
+def step_times(engine, data, qk_clip: bool, sync: Callable, steps: int) -> dict:
+    """Median seconds of a forward, a forward + backward, and a whole train_step."""
+    from trainer.step import LossTracker, StepSettings, train_step
+
+    settings = StepSettings(grad_clip=1.0, qk_clip_tau=100.0 if qk_clip else 0.0)
+
+    def forward():
+        with torch.no_grad(), engine.autocast():
+            engine.model(data.inputs, data.targets)
+
+    def forward_backward():
+        engine.forward_backward(data.inputs, data.targets, None, 1, True)
+        engine.zero_grad()
+
+    def step():
+        train_step(engine, data, settings, LossTracker(0.0))
+
+    def median(fn) -> float:
+        times = []
+        for _ in range(steps):
+            sync()
+            start = time.perf_counter()
+            fn()
+            sync()
+            times.append(time.perf_counter() - start)
+        return sorted(times)[len(times) // 2]
+
+    step()  # the optimizer's state exists from here
+    return {
+        "forward_s": median(forward),
+        "forward_backward_s": median(forward_backward),
+        "step_s": median(step),
+    }
+
+
+def top_kernels(engine, data, count: int = 15) -> list[dict]:
+    """The profiler's CUDA kernels of one train step, by total time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from trainer.step import LossTracker, StepSettings, train_step
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        train_step(engine, data, StepSettings(grad_clip=1.0), LossTracker(0.0))
+        torch.cuda.synchronize()
+    events = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)
+    total = sum(e.device_time_total for e in events) or 1.0
+    return [
+        {
+            "name": e.key[:120],
+            "ms": round(e.device_time_total / 1e3, 3),
+            "share": round(e.device_time_total / total, 4),
+            "calls": e.count,
+        }
+        for e in events[:count]
+    ]
+
+
+def train_case(
+    name: str,
+    small: bool,
+    device: torch.device,
+    sync: Callable,
+    compile_blocks: bool = True,
+    extra: dict | None = None,
+    profile: bool = False,
+) -> dict:
+    engine, data, flops_per_token = build(name, small, device, compile_blocks, extra)
+    start = time.perf_counter()
+    from trainer.step import LossTracker, StepSettings, train_step
+
+    qk_clip = extra is not None and "attention.backend" in extra
+    for _ in range(2):  # warm-up: compile, autotuning, allocator
+        train_step(
+            engine,
+            data,
+            StepSettings(grad_clip=1.0, qk_clip_tau=100.0 if qk_clip else 0.0),
+            LossTracker(0.0),
+        )
+    sync()
+    warmup_s = time.perf_counter() - start
+    times = step_times(engine, data, qk_clip, sync, steps=3 if small else 5)
+    tokens = data.inputs.numel()
+    peak, source = peak_flops(device)
+    result = {
+        "tokens_per_step": tokens,
+        "params": sum(p.numel() for p in engine.model.parameters()),
+        "flops_per_token": flops_per_token,
+        "warmup_s": round(warmup_s, 1),
+        **{k: round(v, 4) for k, v in times.items()},
+        "tokens_per_s": round(tokens / times["step_s"]),
+        "mfu": round(flops_per_token * tokens / times["step_s"] / peak, 4),
+        "peak_flops": peak,
+        "peak_source": source,
+    }
+    if device.type == "cuda":
+        result["max_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        if profile:
+            result["top_kernels"] = top_kernels(engine, data)
+    return result
