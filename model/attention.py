@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from model.attention_backend import KernelChoice, check_backend
+from model.attention_backend import KernelChoice, check_backend, kernel_fits
 from model.config import AttentionConfig, ConfigError, ModelConfig, check_rotary_dim
 from model.init import InitStds, init_linear
 from model.kv_cache import KVCache
@@ -50,7 +50,9 @@ class Attention(KernelChoice, TokenMixer, QKClipHooks):
 
     @classmethod
     def build(cls, cfg: ModelConfig, layer_id: int = 0) -> Attention:
-        return cls(cfg.attention, LayerDims.of(cfg))
+        layer = cls(cfg.attention, LayerDims.of(cfg))
+        layer.kernel_fits = kernel_fits(cfg.position == "alibi", (layer.head_dim, layer.head_dim))
+        return layer
 
     def __init__(self, a: AttentionConfig, dims: LayerDims) -> None:
         super().__init__()

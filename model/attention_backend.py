@@ -10,8 +10,9 @@ in the registry ATTENTION_BACKENDS, shared by the gqa and mla mixers:
   triton  our FlashAttention-2 kernel (model/kernels/flash_attention.py): documents and windows
           as per-row key bounds, GQA without repeated keys, MLA's 192/128 head dims, and the max
           logits as a by-product of the forward. On CPU it runs only under Triton's interpreter.
-  auto    triton on CUDA while QK-clip records max logits (when triton is installed), sdpa
-          otherwise: the fastest measured where no max logit is needed.
+  auto    triton on CUDA (sm_80 or newer) while QK-clip records max logits, when triton is
+          installed and the kernel fits the layer (no ALiBi, head dims <= 256); sdpa otherwise:
+          the fastest measured where no max logit is needed.
 
 Decoding and prefill after cached tokens (start > 0) always use sdpa: the kernels train.
 
@@ -48,14 +49,33 @@ def triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def resolve_backend(requested: str, device: torch.device, start: int, recording: bool) -> str:
+@functools.cache
+def _bf16_tensor_cores(index: int) -> bool:
+    """The kernel's 16-bit tl.dot needs sm_80 or newer."""
+    return torch.cuda.get_device_capability(index) >= (8, 0)
+
+
+def kernel_fits(alibi: bool, head_dims: tuple[int, int]) -> bool:
+    """Whether the Triton kernel can compute a layer: no ALiBi bias, head dims it takes."""
+    from model.kernels.flash_attention import MAX_HEAD_DIM
+
+    return not alibi and max(head_dims) <= MAX_HEAD_DIM
+
+
+def resolve_backend(
+    requested: str, device: torch.device, start: int, recording: bool, fits: bool = True
+) -> str:
     """The backend a layer asking for `requested` uses for a forward on `device` after `start`
-    cached tokens; `recording`: QK-clip wants this layer's max logits."""
+    cached tokens; `recording`: QK-clip wants this layer's max logits; `fits`: the Triton
+    kernel can compute this layer (`kernel_fits`)."""
     if start > 0:
         return "sdpa"
     if requested != "auto":
         return requested
-    return "triton" if device.type == "cuda" and recording and triton_installed() else "sdpa"
+    if device.type != "cuda" or not (recording and fits and triton_installed()):
+        return "sdpa"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return "triton" if _bf16_tensor_cores(index) else "sdpa"
 
 
 def check_backend(backend: str, *, alibi: bool, head_dims: tuple[int, int]) -> None:
@@ -82,6 +102,7 @@ class KernelChoice:
     backend: str = "auto"
     record_max_logits: bool = False
     rope_pairing: str | None = None  # None: no rotary embedding
+    kernel_fits: bool = True  # the Triton kernel can compute this layer (set by `build`)
 
     def use_kernels(self, kernels: KernelsConfig) -> None:
         """The fused RoPE kernel where `model.kernels.rope` asks for it."""
@@ -89,7 +110,9 @@ class KernelChoice:
             self.apply_rope = rope_applier(self.rope_pairing, kernels.rope)
 
     def attention_backend(self, device: torch.device, start: int) -> str | None:
-        return resolve_backend(self.backend, device, start, self.record_max_logits)
+        return resolve_backend(
+            self.backend, device, start, self.record_max_logits, self.kernel_fits
+        )
 
     def attend(
         self, q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext, scale: float

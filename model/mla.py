@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from model.attention_backend import KernelChoice, check_backend
+from model.attention_backend import KernelChoice, check_backend, kernel_fits
 from model.config import AttentionConfig, ConfigError, ModelConfig, check_rotary_dim
 from model.init import InitStds, init_linear, trunc_normal_
 from model.kv_cache import LatentCache
@@ -72,7 +72,11 @@ class MultiHeadLatentAttention(KernelChoice, TokenMixer, QKClipHooks):
 
     @classmethod
     def build(cls, cfg: ModelConfig, layer_id: int = 0) -> MultiHeadLatentAttention:
-        return cls(cfg.attention, LayerDims.of(cfg))
+        layer = cls(cfg.attention, LayerDims.of(cfg))
+        layer.kernel_fits = kernel_fits(
+            cfg.position == "alibi", (layer.nope_dim + layer.rope_dim, layer.v_dim)
+        )
+        return layer
 
     def __init__(self, a: AttentionConfig, dims: LayerDims) -> None:
         super().__init__()

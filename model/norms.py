@@ -47,7 +47,8 @@ class RMSNorm(nn.Module):
     def add_and_normalize(self, x: Tensor, residual: Tensor) -> Tensor:
         """norm(x + residual): one pass with the fused kernel, else the add then the norm."""
         if self.kernel == "triton":
-            return rms_norm(x, self.weight, self.eps, residual=residual)[0]
+            dtype = torch.result_type(x, residual)  # autocast: an fp32 stream + a bf16 output
+            return rms_norm(x.to(dtype), self.weight, self.eps, residual=residual.to(dtype))[0]
         return self(x + residual)
 
     def init_weights(self) -> None:

@@ -3,7 +3,8 @@ needed: Triton's front end, LLVM and ptxas run on the CPU). The interpreter that
 tests on CPU executes the kernels as Python, so it never sees what only the compiler checks
 (tuples of constexprs, dtype rules of tl.dot, shared memory): this does.
 
-    python -m model.kernels.aot [--arch 90]     prints one JSON line per kernel variant
+    python -m model.kernels.aot [--arch 90]     one JSON line per kernel variant; exit 1 if one
+                                                needs more shared memory than an sm_90 block has
 
 Run it with TRITON_INTERPRET unset (the interpreter replaces the compiled kernels).
 """
@@ -17,14 +18,15 @@ import time
 
 from model.kernels.flash_attention import DKV_CONFIGS, DQ_CONFIGS, FORWARD_CONFIGS
 
-# (kernel, BLOCK_M, BLOCK_N, num_warps, num_stages): each kernel's largest autotuning candidate
-ATTENTION_KERNELS = (
-    ("_fwd", *FORWARD_CONFIGS[0]),
-    ("_bwd_q", *DQ_CONFIGS[0]),
-    ("_bwd_kv", *DKV_CONFIGS[0]),
+CANDIDATES = {"_fwd": FORWARD_CONFIGS, "_bwd_q": DQ_CONFIGS, "_bwd_kv": DKV_CONFIGS}
+# (which autotuning candidate, (dtype, Dqk, Dv, CAUSAL, BOUNDED)), compiled for every kernel: the
+# largest candidate in bf16 (dense dims 128 with documents; MLA's 192 / 128), and the smallest in
+# fp32 at MLA's dims (padded to 256 / 128), the shape most likely to outgrow shared memory
+ATTENTION_VARIANTS = (
+    (0, ("bf16", 128, 128, True, True)),
+    (0, ("bf16", 192, 128, True, False)),
+    (-1, ("fp32", 192, 128, True, True)),
 )
-# (dtype, Dqk, Dv, CAUSAL, BOUNDED): dense bf16 with documents, MLA's dims
-ATTENTION_VARIANTS = (("bf16", 128, 128, True, True), ("bf16", 192, 128, True, False))
 # fused kernels: (name, constexprs) in bf16 at widths of a ~1B model (C 2048, 16 heads of 128)
 FUSED_KERNELS = (
     ("_rms_norm_fwd", dict(BLOCK_C=2048, HAS_RESIDUAL=True)),
@@ -93,8 +95,9 @@ def compile_all(arch: int):
     from model.kernels import flash_attention_triton as fa
     from model.kernels import fused_triton
 
-    for name, block_m, block_n, warps, stages in ATTENTION_KERNELS:
-        for variant in ATTENTION_VARIANTS:
+    for name, candidates in CANDIDATES.items():
+        for which, variant in ATTENTION_VARIANTS:
+            block_m, block_n, warps, stages = candidates[which]
             constants = attention_constants(variant, block_m, block_n)
             yield compile_kernel(getattr(fa, name), constants, variant[0], warps, stages, arch)
     for name, constants in FUSED_KERNELS:
@@ -109,8 +112,15 @@ def main() -> None:
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("unset TRITON_INTERPRET: the interpreter replaces the compiled kernels")
+    too_large = 0
     for result in compile_all(args.arch):
+        result["fits"] = result["shared_bytes"] <= HOPPER_SHARED_BYTES
+        too_large += not result["fits"]
         print(json.dumps(result), flush=True)
+    if too_large:
+        raise SystemExit(
+            f"{too_large} kernel variant(s) need more than {HOPPER_SHARED_BYTES} bytes of shared memory"
+        )
 
 
 if __name__ == "__main__":

@@ -108,11 +108,13 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-# GPU autotuning candidates (BLOCK_M rows, BLOCK_N keys, warps, stages): few, so that tuning a
-# new shape costs seconds. Forward and dQ: BLOCK_M a multiple of BLOCK_N; dK/dV the reverse.
+# GPU autotuning candidates (BLOCK_M rows, BLOCK_N keys, warps, stages), largest first: few, so
+# that tuning a new shape costs seconds; the last of each list fits the shared memory of an sm_90
+# block even in fp32 at head dim 256 (model/kernels/aot.py checks). Forward and dQ: BLOCK_M a
+# multiple of BLOCK_N; dK/dV the reverse.
 FORWARD_CONFIGS = ((128, 64, 8, 3), (128, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 2))
-DQ_CONFIGS = ((128, 32, 8, 2), (64, 32, 4, 3), (64, 64, 4, 2))
-DKV_CONFIGS = ((32, 128, 8, 2), (32, 64, 4, 3), (64, 64, 4, 2))
+DQ_CONFIGS = ((128, 32, 8, 2), (64, 32, 4, 3), (64, 64, 4, 2), (32, 16, 4, 1))
+DKV_CONFIGS = ((32, 128, 8, 2), (32, 64, 4, 3), (64, 64, 4, 2), (16, 32, 4, 1))
 
 
 def _configs(candidates: tuple) -> list:

@@ -64,6 +64,25 @@ def _first_keys(FK, rows, T, BOUNDED: tl.constexpr):
 
 
 @triton.jit
+def _key_ranges(fk_ptr, m0, T, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                CAUSAL: tl.constexpr, BOUNDED: tl.constexpr):  # fmt: skip
+    """The key blocks of query block [m0, m0 + BLOCK_M): [lo, mid) masked (the rows' first
+    keys), [mid, diag) whole, [diag, hi) masked (the causal diagonal, the end of the sequence)."""
+    lo = 0
+    mid = 0
+    diag = T // BLOCK_N * BLOCK_N
+    hi = T
+    if CAUSAL:
+        diag = m0
+        hi = tl.minimum(m0 + BLOCK_M, T)
+        if BOUNDED:  # keys before the block's smallest first key are never visible
+            lo = tl.load(fk_ptr + m0) // BLOCK_N * BLOCK_N
+            last = tl.load(fk_ptr + tl.minimum(m0 + BLOCK_M, T) - 1)  # the largest first key
+            mid = tl.minimum((last + BLOCK_N - 1) // BLOCK_N * BLOCK_N, m0)
+    return lo, mid, diag, hi
+
+
+@triton.jit
 def _fwd_keys(
     acc, l_i, m_i, q, k_ptr, v_ptr, skt, svt, rows, first_keys, lo, hi, qk_scale, T,
     offs_dqk, offs_dv, D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -97,7 +116,7 @@ def _fwd(
 ):  # fmt: skip
     """One query block of one (batch, query head). BLOCK_M is a multiple of BLOCK_N."""
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_bh = tl.program_id(1).to(tl.int64)  # int64 offsets: B H T D may pass 2^31
     b = pid_bh // HQ
     h = pid_bh % HQ
     hk = h // GROUP
@@ -114,17 +133,7 @@ def _fwd(
     acc = tl.zeros([BLOCK_M, BD_V], tl.float32)
     k_ptr = K + b * skb + hk * skh
     v_ptr = V + b * svb + hk * svh
-    lo = 0  # key blocks [lo, mid) masked, [mid, diag) whole, [diag, hi) masked
-    mid = 0
-    diag = T // BLOCK_N * BLOCK_N
-    hi = T
-    if CAUSAL:
-        diag = m0
-        hi = tl.minimum(m0 + BLOCK_M, T)
-        if BOUNDED:  # keys before the block's smallest first key are never visible
-            lo = tl.load(fk_ptr + m0) // BLOCK_N * BLOCK_N
-            last = tl.load(fk_ptr + tl.minimum(m0 + BLOCK_M, T) - 1)  # the largest first key
-            mid = tl.minimum((last + BLOCK_N - 1) // BLOCK_N * BLOCK_N, m0)
+    lo, mid, diag, hi = _key_ranges(fk_ptr, m0, T, BLOCK_M, BLOCK_N, CAUSAL, BOUNDED)
     acc, l_i, m_i = _fwd_keys(
         acc, l_i, m_i, q, k_ptr, v_ptr, skt, svt, rows, first_keys, lo, mid, qk_scale, T,
         offs_dqk, offs_dv, D_QK, D_V, BLOCK_N, True, CAUSAL, BOUNDED, PRECISION,
@@ -187,7 +196,7 @@ def _bwd_kv(
     """One key block of one kv head: dK, dV summed over the group's query heads. BLOCK_N is a
     multiple of BLOCK_M. (sob, soh, sot) are DO's strides; DK and DV have their own."""
     pid_n = tl.program_id(0)
-    pid_bk = tl.program_id(1)
+    pid_bk = tl.program_id(1).to(tl.int64)  # int64 offsets: B H T D may pass 2^31
     HKV = HQ // GROUP
     b = pid_bk // HKV
     hk = pid_bk % HKV
@@ -278,7 +287,7 @@ def _bwd_q(
     """One query block of one (batch, query head): dQ (strides sdq*). BLOCK_M is a multiple of
     BLOCK_N; the key blocks visited are the forward's."""
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_bh = tl.program_id(1).to(tl.int64)  # int64 offsets: B H T D may pass 2^31
     b = pid_bh // HQ
     h = pid_bh % HQ
     hk = h // GROUP
@@ -296,17 +305,7 @@ def _bwd_q(
     dq = tl.zeros([BLOCK_M, BD_QK], tl.float32)
     k_ptr = K + b * skb + hk * skh
     v_ptr = V + b * svb + hk * svh
-    lo = 0  # as in the forward
-    mid = 0
-    diag = T // BLOCK_N * BLOCK_N
-    hi = T
-    if CAUSAL:
-        diag = m0
-        hi = tl.minimum(m0 + BLOCK_M, T)
-        if BOUNDED:
-            lo = tl.load(fk_ptr + m0) // BLOCK_N * BLOCK_N
-            last = tl.load(fk_ptr + tl.minimum(m0 + BLOCK_M, T) - 1)
-            mid = tl.minimum((last + BLOCK_N - 1) // BLOCK_N * BLOCK_N, m0)
+    lo, mid, diag, hi = _key_ranges(fk_ptr, m0, T, BLOCK_M, BLOCK_N, CAUSAL, BOUNDED)
     dq = _bwd_q_keys(
         dq, q, do, lse2, delta, k_ptr, v_ptr, skt, svt, rows, first_keys, lo, mid, qk_scale, T,
         offs_dqk, offs_dv, D_QK, D_V, BLOCK_N, True, CAUSAL, BOUNDED, PRECISION,

@@ -5,7 +5,7 @@ runs: CPU installs never import triton at module load.
 Shapes: rows (N, C) with a row stride and contiguous columns (RMSNorm); x (B, T, H, D) with the
 rotations as (B, T, R/2, 2) fp32 [cos, sin] (RoPE); flat contiguous (n,) tensors (SwiGLU). All
 arithmetic in fp32; results stored in the input dtype. Scalars arrive as kernel arguments and are
-only used in arithmetic (Triton's interpreter rejects `.to()` on them).
+only used in arithmetic (Triton's interpreter rejects `.to()` on them); offsets are int64.
 """
 
 import triton
@@ -19,7 +19,7 @@ def _rms_norm_fwd(
 ):  # fmt: skip
     """One row: h = x (+ r, rounded to the input dtype as the unfused add would), y = h / rms(h)
     * w; stores y, h (with a residual) and 1 / rms(h)."""
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # int64 offsets: N C may pass 2^31
     cols = tl.arange(0, BLOCK_C)
     mask = cols < C
     h = tl.load(X + row * sx + cols, mask=mask, other=0.0).to(tl.float32)
@@ -41,7 +41,7 @@ def _rms_norm_bwd(
 ):  # fmt: skip
     """Rows [pid r, (pid + 1) r) of dx = rstd (w dy - h_hat mean(w dy h_hat)) (+ dh, the
     gradient of the residual sum h itself) and this program's partial sum of dw = dy h_hat."""
-    pid = tl.program_id(0)
+    pid = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_C)
     mask = cols < C
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
@@ -70,7 +70,7 @@ def _rope(
 ):  # fmt: skip
     """One token, every head: pair i of dims (2i, 2i+1) (interleaved) or (i, i + R/2) (half)
     rotated by the token's angle i (sign -1: by minus it, the backward); dims R..D copied."""
-    pid = tl.program_id(0)
+    pid = tl.program_id(0).to(tl.int64)
     b = pid // T
     t = pid % T
     heads = tl.arange(0, BLOCK_H)[:, None]
@@ -100,7 +100,7 @@ def _rope(
 @triton.jit
 def _swiglu_fwd(G, U, OUT, n, BLOCK: tl.constexpr):
     """out = silu(g) u."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(U + offs, mask=mask, other=0.0).to(tl.float32)
@@ -111,7 +111,7 @@ def _swiglu_fwd(G, U, OUT, n, BLOCK: tl.constexpr):
 @triton.jit
 def _swiglu_bwd(G, U, DOUT, DG, DU, n, BLOCK: tl.constexpr):
     """dg = dout u sigmoid(g) (1 + g (1 - sigmoid(g))), du = dout silu(g)."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(U + offs, mask=mask, other=0.0).to(tl.float32)

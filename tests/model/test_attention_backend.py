@@ -123,15 +123,41 @@ def test_auto_picks_triton_only_on_cuda_while_qk_clip_records(monkeypatch):
     import model.attention_backend as backends
 
     monkeypatch.setattr(backends, "triton_installed", lambda: True)
-    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.setattr(backends, "_bf16_tensor_cores", lambda index: True)
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     assert resolve_backend("auto", cuda, 0, recording=True) == "triton"
     assert resolve_backend("auto", cuda, 0, recording=False) == "sdpa"
     assert resolve_backend("auto", cpu, 0, recording=True) == "sdpa"
     assert resolve_backend("auto", cuda, 5, recording=True) == "sdpa"  # decoding after a cache
     assert resolve_backend("triton", cuda, 5, recording=True) == "sdpa"
     assert resolve_backend("flex", cpu, 0, recording=False) == "flex"
+    assert resolve_backend("auto", cuda, 0, recording=True, fits=False) == "sdpa"
+    monkeypatch.setattr(backends, "_bf16_tensor_cores", lambda index: False)  # before sm_80
+    assert resolve_backend("auto", cuda, 0, recording=True) == "sdpa"
+    monkeypatch.setattr(backends, "_bf16_tensor_cores", lambda index: True)
     monkeypatch.setattr(backends, "triton_installed", lambda: False)
     assert resolve_backend("auto", cuda, 0, recording=True) == "sdpa"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ({}, {"triton"}),
+        ({"position": "alibi"}, {"sdpa"}),  # the kernel adds no bias
+        ({"attention.head_dim": 320}, {"sdpa"}),  # beyond the kernel's 256
+    ],
+)
+def test_auto_keeps_sdpa_for_layers_the_kernel_cannot_compute(monkeypatch, overrides, expected):
+    """Under QK-clip on CUDA, auto would pick the kernel: not for ALiBi or head dims over 256,
+    which `triton` itself refuses at config time (asked for by name)."""
+    import model.attention_backend as backends
+    from optim.qk_clip import enable_qk_clip
+
+    monkeypatch.setattr(backends, "triton_installed", lambda: True)
+    monkeypatch.setattr(backends, "_bf16_tensor_cores", lambda index: True)
+    model = build_model(load_preset("tiny", SMALL | overrides), device="meta")
+    enable_qk_clip(model)
+    assert model.attention_backends(torch.device("cuda", 0), 0) == expected
 
 
 @pytest.mark.parametrize(

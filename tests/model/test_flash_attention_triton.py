@@ -159,17 +159,12 @@ def test_bad_inputs_are_refused_with_the_reason(shapes, kwargs, message):
 
 def test_the_kernels_compile_for_hopper(tmp_path):
     """The interpreter runs the kernels as Python; Triton's compiler (front end, LLVM, ptxas, on
-    the CPU) compiles them for sm_90 here, with an autotuning candidate per kernel that fits the
-    GPU's shared memory (model/kernels/aot.py), for bf16 dims 128 with documents and MLA's
-    192/128; and the fused training kernels (model/kernels/fused_triton.py) at a ~1B model's
-    widths."""
+    the CPU) compiles them for sm_90 here (model/kernels/aot.py) and checks each fits an sm_90
+    block's shared memory: the largest autotuning candidate in bf16 (dims 128 with documents,
+    MLA's 192/128), the smallest in fp32 at MLA's dims (without it fp32 there could not run),
+    and the fused training kernels (model/kernels/fused_triton.py) at a ~1B model's widths."""
     pytest.importorskip("triton.backends.nvidia.compiler")
-    from model.kernels.aot import (
-        ATTENTION_KERNELS,
-        ATTENTION_VARIANTS,
-        FUSED_KERNELS,
-        HOPPER_SHARED_BYTES,
-    )
+    from model.kernels.aot import ATTENTION_VARIANTS, CANDIDATES, FUSED_KERNELS, HOPPER_SHARED_BYTES
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env |= {"TRITON_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(ROOT)}
@@ -179,6 +174,6 @@ def test_the_kernels_compile_for_hopper(tmp_path):
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     results = [json.loads(line) for line in run.stdout.splitlines()]
-    assert len(results) == len(ATTENTION_KERNELS) * len(ATTENTION_VARIANTS) + len(FUSED_KERNELS)
+    assert len(results) == len(CANDIDATES) * len(ATTENTION_VARIANTS) + len(FUSED_KERNELS)
     for result in results:
         assert result["shared_bytes"] <= HOPPER_SHARED_BYTES, result

@@ -148,6 +148,21 @@ def test_a_model_on_the_fused_kernels_trains_like_torch(name):
     assert set(kinds.values()) == {"triton"}, kinds
 
 
+def test_the_fused_add_under_autocast_adds_an_fp32_stream_and_a_bf16_output():
+    """trainer.precision=bf16: a post-norm block's stream is fp32 and its sublayers' outputs
+    bf16; the fused add promotes both as the unfused add does."""
+    from model.presets import load_preset
+    from model.transformer import build_model
+
+    overrides = SMALL | {"residual": "post"}
+    ref = build_model(load_preset("tiny", overrides), seed=0)
+    fused = build_model(load_preset("tiny", overrides | {"kernels.rms_norm": "triton"}), seed=0)
+    tokens = torch.randint(0, 96, (2, 17), generator=torch.Generator().manual_seed(1))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        losses = [m(tokens[:, :-1], tokens[:, 1:]) for m in (fused, ref)]
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-2, atol=1e-2)
+
+
 def test_unknown_kernel_choices_fail_with_their_key():
     from model.errors import ConfigError
     from model.presets import load_preset
