@@ -155,8 +155,8 @@ class _PostNorm(Connection):
         self.alpha = alpha
 
     def forward(self, x: Tensor, sublayer: Sublayer, norm: nn.Module) -> Tensor:
+        scaled = x if self.alpha == 1.0 else self.alpha * x  # first: autograd's summation order
         y = sublayer(x)
-        scaled = x if self.alpha == 1.0 else self.alpha * x
         if hasattr(norm, "add_and_normalize"):  # RMSNorm: the add fused into the norm's kernel
             return norm.add_and_normalize(scaled, y)
         return norm(scaled + y)
