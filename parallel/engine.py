@@ -12,6 +12,8 @@ and the optimizer and offers:
   forward_backward(...)  one micro-batch: forward, the MoE balance losses, backward (accumulating)
   clip_gradients(c)      the global gradient norm over every shard, clipped to c
   step(edit)             the update; `edit` (QK-clip) may change the fp32 master weights after it
+  finish_step(c, ok, edit)  clip, then step unless the loss was bad (`ok` False) or the norm is
+                         not finite: what the loop calls (by default the two above)
   zero_grad()            drop the gradients (also how a bad step is skipped)
   full_weights()         a context with whole weights for generation (sampling)
   state_dict() / load_state_dict(state)   model + optimizer state for checkpoints, in DCP's
@@ -24,6 +26,7 @@ process or FSDP2/HSDP (+ expert parallelism), built by one composition path (`bu
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
@@ -97,6 +100,19 @@ class TrainingEngine:
 
     def step(self, edit: Callable[[nn.Module], None] | None = None) -> None:
         raise NotImplementedError
+
+    def finish_step(
+        self, max_norm: float, apply: bool, edit: Callable[[nn.Module], None] | None = None
+    ) -> tuple[float, bool]:
+        """The end of a step: the accumulated gradients clipped to `max_norm` and, when `apply`
+        (the loss was good) and their global norm is finite, the update (`edit` after it).
+        Returns (the norm before clipping, whether the update was applied). Engines that clip
+        and judge the norm inside their own step (DeepSpeed) override this."""
+        norm = float(self.clip_gradients(max_norm))
+        if apply and math.isfinite(norm):
+            self.step(edit)
+            return norm, True
+        return norm, False
 
     def zero_grad(self) -> None:
         raise NotImplementedError

@@ -87,20 +87,22 @@ def train_step(
         doc_ids = mb.doc_ids if settings.doc_mask else None
         loss_sum += engine.forward_backward(mb.inputs, mb.targets, doc_ids, n, index == n - 1)
     max_norm = settings.grad_clip if settings.grad_clip > 0 else float("inf")
-    norm = engine.clip_gradients(max_norm)
-    loss_value, norm_value = _mean_over_ranks(loss_sum / n), float(norm)
-    kind, reason = _bad_step_reason(loss_value, norm_value, tracker)
+    loss_value = _mean_over_ranks(loss_sum / n)
+    kind, reason = _bad_loss_reason(loss_value, tracker)
     stats: dict[str, float] = {}
     stream = getattr(model, "stream", None)
-    if stream is not None:  # here, after the norm's sync: reading the small summaries costs nothing
+    if stream is not None:  # after the loss's sync: reading the small summaries costs nothing
         stats |= stream.stats(model)  # e.g. Attention Residuals' depth weights (attnres/...)
     mtp = getattr(model, "mtp", None)
     if mtp is not None:
         stats |= mtp.stats(_sum_over_ranks)  # mtp/loss_<k>, mtp/weight
     tau = settings.qk_clip_tau
-    if not reason:
-        clip = (lambda masters: stats.update(_qk_clip(model, masters, tau))) if tau > 0 else None
-        engine.step(clip)
+    clip = (lambda masters: stats.update(_qk_clip(model, masters, tau))) if tau > 0 else None
+    norm_value, applied = engine.finish_step(max_norm, not reason, clip)
+    if not reason and not applied:
+        kind = "nonfinite_grad_norm"
+        reason = f"gradient norm is {norm_value} (loss {loss_value:.4f})"
+    if applied:
         tracker.update(loss_value)
     elif tau > 0:
         pop_max_logits(model)  # a skipped step's logits are not acted on
@@ -109,12 +111,11 @@ def train_step(
     return StepResult(loss_value, norm_value, reason, stats, kind)
 
 
-def _bad_step_reason(loss: float, norm: float, tracker: LossTracker) -> tuple[str, str]:
-    """(kind, reason) of a step that must not be applied; ("", "") for a good one."""
+def _bad_loss_reason(loss: float, tracker: LossTracker) -> tuple[str, str]:
+    """(kind, reason) of a step whose loss says it must not be applied; ("", "") for a good
+    one. A good loss can still come with a non-finite gradient norm (judged by the engine)."""
     if not math.isfinite(loss):
         return "nonfinite_loss", f"loss is {loss}"
-    if not math.isfinite(norm):
-        return "nonfinite_grad_norm", f"gradient norm is {norm} (loss {loss:.4f})"
     if tracker.spike(loss):
         return "loss_spike", f"loss {loss:.3f} > {tracker.factor} x running mean {tracker.mean:.3f}"
     return "", ""
