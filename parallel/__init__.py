@@ -8,7 +8,10 @@ and filled (`parallel.compose`). The trainer sees only the resulting `TrainingEn
 
 from __future__ import annotations
 
-from parallel import compose  # noqa: F401  (registers the fsdp2 engine)
+from parallel import (
+    compose,  # noqa: F401  (registers the fsdp2 engine)
+    deepspeed_engine,  # noqa: F401  (registers deepspeed; imports it on use only)
+)
 from parallel.compose import fsdp_param_dtype, parallelize
 from parallel.engine import ENGINES, EngineRequest, TrainingEngine, build_engine
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from model.errors import ConfigError
 
@@ -14,6 +14,51 @@ BACKENDS = ("auto", "nccl", "gloo")
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
+
+
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+
+
+@dataclass(kw_only=True)
+class DeepSpeedConfig:
+    """`parallel.engine=deepspeed` (parallel/deepspeed_engine.py): ZeRO over every rank."""
+
+    zero_stage: int = (
+        2  # 0 (plain data parallel), 1 (optimizer states), 2 (+ gradients), 3 (+ weights)
+    )
+    offload_optimizer: str = "none"  # none | cpu | nvme: optimizer states and step off the device
+    offload_params: str = "none"  # none | cpu | nvme: weights off the device (ZeRO-3 only)
+    nvme_path: str = ""  # the directory nvme offload swaps to
+    # a DeepSpeed JSON whose other settings pass through; the keys set here or by the trainer
+    # (batch sizes, clipping, precision, ZeRO stage and offload) are filled in, and a file that
+    # sets one of them to another value is refused
+    config: str = ""
+
+    def __post_init__(self) -> None:
+        _require(
+            self.zero_stage in (0, 1, 2, 3),
+            f"parallel.deepspeed.zero_stage={self.zero_stage} must be 0, 1, 2 or 3",
+        )
+        for key in ("offload_optimizer", "offload_params"):
+            value = getattr(self, key)
+            _require(
+                value in OFFLOAD_DEVICES,
+                f"parallel.deepspeed.{key}={value!r} is not one of {OFFLOAD_DEVICES}",
+            )
+        _require(
+            self.offload_params == "none" or self.zero_stage == 3,
+            f"parallel.deepspeed.offload_params={self.offload_params} needs zero_stage=3 "
+            f"(ZeRO-{self.zero_stage} keeps whole weights on every rank)",
+        )
+        _require(
+            self.offload_optimizer == "none" or self.zero_stage >= 1,
+            "parallel.deepspeed.offload_optimizer needs zero_stage >= 1",
+        )
+        nvme = "nvme" in (self.offload_optimizer, self.offload_params)
+        _require(
+            not nvme or bool(self.nvme_path),
+            "nvme offload needs parallel.deepspeed.nvme_path (a directory on a fast local disk)",
+        )
 
 
 @dataclass(kw_only=True)
@@ -28,8 +73,10 @@ class ParallelConfig:
     # seconds a collective may wait for the other ranks before this rank gives up (a hung or
     # dead rank); raise it when ranks legitimately drift apart longer (long compiles or saves)
     timeout_s: float = 300.0
-    # the training engine (parallel.engine.ENGINES): fsdp2 = one process or FSDP2/HSDP (+ EP)
+    # the training engine (parallel.engine.ENGINES): fsdp2 = one process or FSDP2/HSDP (+ EP);
+    # deepspeed = DeepSpeed's ZeRO (parallel.deepspeed)
     engine: str = "fsdp2"
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
 
     def __post_init__(self) -> None:
         _require(

@@ -224,7 +224,8 @@ class FSDP2Engine(TrainingEngine):
 @dataclass(frozen=True)
 class EngineRequest:
     """What an engine builder gets: the model and parallel configs, the trainer's precision and
-    compile choice, the resolved layout and device, the seed, and how to make the optimizer."""
+    compile choice, the resolved layout and device, the seed, how to make the optimizer, and the
+    step's shape (clip value, micro-batch size and count) for engines that own accumulation."""
 
     model_cfg: Any  # model.config.ModelConfig
     parallel: Any  # parallel.config.ParallelConfig
@@ -234,6 +235,10 @@ class EngineRequest:
     device: torch.device
     seed: int
     make_optimizer: OptimizerFactory
+    grad_clip: float = 0.0  # trainer.grad_clip (engines that clip inside their own step)
+    micro_batch_size: int = 1  # sequences per forward on one rank
+    micro_batches: int = 1  # forwards accumulated into one step on each rank
+    optimizer_name: str = "adamw"  # optim.name (engines that cannot run every optimizer)
 
 
 EngineBuilder = Callable[[EngineRequest], TrainingEngine]

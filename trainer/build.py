@@ -117,6 +117,8 @@ def build_training_engine(
     ranks) starting from the weights one process would have (seeded by `seed`) and the
     optimizer of `optim` over the weights it updates (the fp32 masters under bf16_master)."""
     check_expert_parallel(model_cfg, dims, parallel.activation_checkpoint)
+    local = trainer.batch_size // dims.world_size  # sequences per rank and step
+    micro = trainer.micro_batch_size or local
     request = EngineRequest(
         model_cfg=model_cfg,
         parallel=parallel,
@@ -126,6 +128,10 @@ def build_training_engine(
         device=device,
         seed=seed,
         make_optimizer=lambda weights: build_optimizer(optim, weights),
+        grad_clip=trainer.grad_clip,
+        micro_batch_size=micro,
+        micro_batches=local // micro,
+        optimizer_name=optim.name,
     )
     return build_engine(parallel.engine, request)
 

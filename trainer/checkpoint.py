@@ -38,9 +38,11 @@ from trainer.checkpoint_errors import CheckpointConflict, CheckpointError, Unsaf
 
 # the reading half, re-exported: `from trainer.checkpoint import resume, load_checkpoint, ...`
 from trainer.checkpoint_load import (
+    DCP,
     LOAD_ERRORS,
     Checkpointable,
     Restored,
+    checkpoint_format,
     load_checkpoint,
     resume,
     set_aside,
@@ -119,11 +121,16 @@ class Checkpointer:
         with _disk_full_is_one_line(self, final, tmp):
             _agreed(lambda: _fresh_dir(tmp) if self.rank == 0 else None)
             tmp.mkdir(parents=True, exist_ok=True)  # other nodes may not see rank 0's mkdir yet
-            states = state.state_dict()
+            own = checkpoint_format(state) != DCP  # an engine with a format of its own
+            states = None if own else state.state_dict()
             identity = {"run_id": self.run_id}
             if self.fingerprint is not None:
                 identity["fingerprint"] = self.fingerprint.to_dict()
             _agreed(lambda: torch.save(extra | identity, tmp / f"trainer_rank{self.rank}.pt"))
+            if own:  # its own collective write, then the same commit
+                state.write_checkpoint(tmp)
+                self._commit(tmp, final)
+                return final
             if self.async_save:
                 future = dcp.async_save(states, checkpoint_id=str(tmp), process_group=self._group)
                 self._pending = (future, tmp, final)

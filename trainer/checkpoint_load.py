@@ -32,11 +32,33 @@ LOAD_ERRORS = (Exception, CheckpointException)
 class Checkpointable(Protocol):
     """What checkpoints save and load: a training engine (parallel.engine), or
     `parallel.engine.ModuleState(model, optimizer)`. `state_dict()` is in DCP's form (names that
-    do not depend on the layout) and is also the template that loading fills."""
+    do not depend on the layout) and is also the template that loading fills.
+
+    An engine with a checkpoint format of its own (DeepSpeed's) has instead a
+    `checkpoint_format` name (the folder its files go in, inside the step directory),
+    `write_checkpoint(dir)` / `read_checkpoint(dir)`, collective like DCP's save and load, and
+    `checkpoint_conflict(dir)`: why it cannot load that one (or None). The step directory, the
+    trainer's per-rank files, checksums, commit and fallback stay the same."""
 
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+DCP = "dcp"  # the checkpoint format of engines without one of their own
+
+
+def checkpoint_format(target: object) -> str:
+    return getattr(target, "checkpoint_format", DCP)
+
+
+def format_of(path: Path) -> str | None:
+    """The format a step directory was written in: DCP (its .metadata), an engine's folder,
+    or None (neither: incomplete)."""
+    if (path / METADATA).is_file():
+        return DCP
+    folders = [p.name for p in path.iterdir() if p.is_dir()] if path.is_dir() else []
+    return folders[0] if len(folders) == 1 else None
 
 
 @dataclass
@@ -61,8 +83,9 @@ def load_checkpoint(
     problem, unsafe = "", False
     extra: dict[str, Any] = {}
     metadata = None
+    _refuse_other_format(path, checkpoint_format(target))
     try:
-        extra, metadata = read_checked(path, rank, verify)
+        extra, metadata = read_checked(path, rank, verify, checkpoint_format(target))
     except UnsafeCheckpointError as err:
         problem, unsafe = str(err), True
     except Exception as err:  # I/O, format: this rank's view; agreed on below
@@ -78,24 +101,35 @@ def load_checkpoint(
             f"the run's original overrides, or start a new run: resume=none and another "
             f"hydra.run.dir"
         )
+    if checkpoint_format(target) != DCP:
+        if conflict := target.checkpoint_conflict(path):
+            raise CheckpointConflict(conflict)
+        target.read_checkpoint(path)  # its own collective load
+        return extra
     state = target.state_dict()
     read_states(state, path, metadata)
     target.load_state_dict(state)
     return extra
 
 
-def read_checked(path: Path, rank: int, verify: bool = True) -> tuple[dict[str, Any], Any]:
-    """(this rank's trainer state, DCP's metadata) of the checkpoint at `path`, after checking
-    its record and this rank's share of the checksums; refuses crafted files. No collective:
-    callers with several ranks agree on the outcome."""
-    if not (path / METADATA).is_file():
+def read_checked(
+    path: Path, rank: int, verify: bool = True, form: str = DCP
+) -> tuple[dict[str, Any], Any]:
+    """(this rank's trainer state, DCP's metadata or None for another format) of the checkpoint
+    at `path`, after checking its record and this rank's share of the checksums; refuses crafted
+    files. No collective: callers with several ranks agree on the outcome."""
+    if form == DCP and not (path / METADATA).is_file():
         raise CheckpointError(f"{path} is incomplete (no .metadata)")
+    if form != DCP and not (path / form).is_dir():
+        raise CheckpointError(f"{path} is incomplete (no {form}/)")
     record = CommitRecord.read(path)
     if record is None:
         log.warning("%s has no commit.json (an older checkpoint): files not verified", path)
     elif verify and (problem := file_problem(path, record.files)):
         raise CheckpointError(problem)
-    metadata = read_dcp_metadata(path / METADATA)  # refuses a crafted pickle by name
+    metadata = None
+    if form == DCP:
+        metadata = read_dcp_metadata(path / METADATA)  # refuses a crafted pickle by name
     extra_path = path / f"trainer_rank{rank}.pt"
     if not extra_path.is_file():
         extra_path = path / "trainer_rank0.pt"
@@ -180,6 +214,19 @@ def set_aside(failed: list[Path], run_dir: Path, is_main: bool) -> Path:
         (run_dir / "checkpoints" / LATEST).unlink(missing_ok=True)
     barrier()
     return target
+
+
+def _refuse_other_format(path: Path, form: str) -> None:
+    """A checkpoint another engine wrote is a conflict (not damage: no fallback past it)."""
+    found = format_of(path)
+    if found is None or found == form:
+        return
+    engines = {DCP: "parallel.engine=fsdp2 (DCP)", "deepspeed": "parallel.engine=deepspeed"}
+    raise CheckpointConflict(
+        f"{path} was written by {engines.get(found, found)}, and this run uses "
+        f"{engines.get(form, form)}: resume with the engine that wrote it, or start this run "
+        f"from its consolidated fp32 weights (see the README's DeepSpeed section)"
+    )
 
 
 def _raise_if_not_damage(err: BaseException) -> None:

@@ -1,0 +1,319 @@
+"""DeepSpeed as the training engine (`parallel.engine=deepspeed`, settings `parallel.deepspeed`).
+
+`deepspeed.initialize` takes the plain model (no FSDP2, no DTensors: ZeRO partitions plain
+parameters itself) with activation checkpointing and compile applied as under FSDP2, and the
+trainer's optimizer as a client optimizer (its parameter groups, weight decay by role and
+learning rates intact; with optimizer offload, DeepSpeed's CPU Adam over the same groups). The
+trainer's semantics carry over:
+
+  batch        each rank's micro-batches (trainer.micro_batch_size) accumulate into one step;
+               the loop marks the last one, and scales each loss by 1 / micro-batches itself
+  clipping     trainer.grad_clip, by DeepSpeed inside its step over the partitioned gradients
+               (ZeRO-0: by the engine over the whole averaged gradients, as under FSDP2)
+  bad steps    a non-finite gradient norm: DeepSpeed's own skip; a bad loss (judged by the loop
+               before the step): the step's gradients are dropped through the same path
+  precision    fp32; bf16 = autocast over fp32 weights (DeepSpeed's torch_autocast);
+               bf16_master = bf16 weights with fp32 masters in the optimizer (DeepSpeed's bf16)
+
+Checkpoints are DeepSpeed's own files in `<step dir>/deepspeed/`, written and committed by the
+trainer's scheme (temporary directory, checksums, `latest`, fallback past damaged ones), and
+load on the same number of ranks. ZeRO stages 1-3 need a process group; one process gets a
+1-rank gloo group. Not yet here (refused at start with the reason): Muon / MuonClip (DeepSpeed's
+own Muon is the route), expert parallelism, Engram tables, resharding checkpoints (DeepSpeed's
+universal checkpoint is the route).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import socket
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from model.errors import ConfigError
+from model.transformer import Transformer, build_model
+from parallel.activation import apply_activation_checkpointing, compile_model
+from parallel.engine import ENGINES, EngineRequest, TrainingEngine, training_objective
+from parallel.grad_norm import clip_grad_norm
+from parallel.precision import autocast_factory
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _ensure_process_group(device: torch.device) -> None:
+    """DeepSpeed communicates through torch.distributed: one process gets a 1-rank group."""
+    if dist.is_initialized():
+        return
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        os.environ.setdefault(key, value)  # DeepSpeed reads them
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, rank=0, world_size=1)
+
+
+def refuse_unsupported(request: EngineRequest, optimizer_name: str) -> None:
+    """The settings this engine does not take yet, each with its reason (ConfigError)."""
+    cfg, ds = request.model_cfg, request.parallel.deepspeed
+    problems = []
+    if optimizer_name in ("muon", "muonclip"):
+        problems.append(
+            f"optim={optimizer_name}: ZeRO hands a client optimizer flat partitions, not matrices; "
+            "DeepSpeed's own Muon is not wired in yet (use optim=adamw or parallel.engine=fsdp2)"
+        )
+    if request.dims.ep > 1:
+        problems.append("parallel.ep > 1: expert parallelism runs under parallel.engine=fsdp2")
+    if cfg.engram.enabled:
+        problems.append(
+            "model.engram: its tables' row-wise updates run under parallel.engine=fsdp2"
+        )
+    if ds.zero_stage == 0 and request.precision == "bf16_master":
+        problems.append(
+            "trainer.precision=bf16_master with parallel.deepspeed.zero_stage=0 (DeepSpeed's fp16 "
+            "wrapper path): use zero_stage >= 1, or trainer.precision=bf16 / fp32"
+        )
+    if problems:
+        raise ConfigError("parallel.engine=deepspeed: " + "; ".join(problems))
+
+
+def deepspeed_config(request: EngineRequest) -> dict[str, Any]:
+    """DeepSpeed's config: the user's JSON (parallel.deepspeed.config) with the trainer's and
+    parallel.deepspeed's settings filled in; a key the JSON sets to another value is refused."""
+    ds = request.parallel.deepspeed
+    zero: dict[str, Any] = {"stage": ds.zero_stage}
+    for key, device in (
+        ("offload_optimizer", ds.offload_optimizer),
+        ("offload_param", ds.offload_params),
+    ):
+        if device != "none":
+            zero[key] = {"device": device} | (
+                {"nvme_path": ds.nvme_path} if device == "nvme" else {}
+            )
+    ours: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": request.micro_batch_size,
+        "gradient_accumulation_steps": request.micro_batches,
+        "gradient_clipping": request.grad_clip if ds.zero_stage > 0 else 0.0,
+        "zero_optimization": zero,
+        "bf16": {"enabled": request.precision == "bf16_master"},
+        "steps_per_print": 2**31 - 1,
+        "zero_allow_untested_optimizer": True,
+    }
+    if request.precision == "bf16":
+        ours["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
+    theirs: dict[str, Any] = {}
+    if ds.config:
+        path = Path(ds.config)
+        if not path.is_file():
+            raise ConfigError(f"parallel.deepspeed.config={ds.config}: no such file")
+        try:
+            theirs = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"parallel.deepspeed.config={ds.config} is not JSON: {err}") from None
+    return _merge(theirs, ours, "")
+
+
+def _merge(theirs: dict, ours: dict, prefix: str) -> dict:
+    merged = dict(theirs)
+    for key, value in ours.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and isinstance(theirs.get(key), dict):
+            merged[key] = _merge(theirs[key], value, name + ".")
+        elif key in theirs and theirs[key] != value:
+            raise ConfigError(
+                f"parallel.deepspeed.config sets {name}={theirs[key]!r}, but the run sets it to "
+                f"{value!r} (from trainer.* / parallel.deepspeed.*): set it in one place"
+            )
+        else:
+            merged[key] = value
+    return merged
+
+
+CHECKPOINT_FOLDER = "deepspeed"
+
+
+class DeepSpeedEngine(TrainingEngine):
+    """The TrainingEngine over a `deepspeed.DeepSpeedEngine` (see the module docstring)."""
+
+    def __init__(self, ds_engine: Any, precision: str, device: torch.device, grad_clip: float):
+        self.ds = ds_engine
+        self.model: Transformer = ds_engine.module
+        self.optimizer = ds_engine.optimizer  # param_groups: the client optimizer's groups
+        self.stage = ds_engine.zero_optimization_stage()
+        self.grad_clip = grad_clip
+        self._autocast = autocast_factory(precision, device)
+        self._buffer_names = set(self.model.state_dict().keys()) - {
+            name for name, _ in self.model.named_parameters()
+        }  # persistent buffers (MoE selection biases): not partitioned by ZeRO
+
+    @property
+    def state_module(self) -> nn.Module:
+        return self.model
+
+    def autocast(self) -> AbstractContextManager:
+        """For forwards outside DeepSpeed's (evaluation): its own applies torch_autocast."""
+        return self._autocast()
+
+    def forward_backward(
+        self, inputs: Tensor, targets: Tensor, doc_ids: Tensor | None, divide_by: int, last: bool
+    ) -> Tensor:
+        self.ds.set_gradient_accumulation_boundary(last)
+        loss = self.ds(inputs, targets, doc_ids=doc_ids)
+        self.ds.backward(training_objective(self.model, loss) / divide_by, scale_wrt_gas=False)
+        return loss.detach().float()
+
+    def clip_gradients(self, max_norm: float) -> Tensor:
+        """ZeRO-0 only (whole averaged gradients on every rank); ZeRO 1-3 clip in their step."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        return clip_grad_norm(params, max_norm)
+
+    def step(self, edit: Callable[[nn.Module], None] | None = None) -> None:
+        if edit is not None:
+            raise NotImplementedError("weight edits after the step (QK-clip) under DeepSpeed")
+        self.ds.step()
+
+    def finish_step(
+        self, max_norm: float, apply: bool, edit: Callable[[nn.Module], None] | None = None
+    ) -> tuple[float, bool]:
+        if self.stage == 0:  # plain data parallel: the FSDP2 engine's order
+            return super().finish_step(max_norm, apply, edit)
+        configured = self.grad_clip if self.grad_clip > 0 else math.inf
+        if max_norm != configured:
+            raise ValueError(f"DeepSpeed clips at {configured} (its config), asked {max_norm}")
+        if not apply:
+            with self._forced_skip():  # drop the step's gradients the way DeepSpeed does
+                self.ds.step()
+            return math.nan, False
+        self.step(edit)
+        norm = self.ds.get_global_grad_norm()
+        return (math.nan if norm is None else float(norm)), bool(self.ds.was_step_applied())
+
+    @contextmanager
+    def _forced_skip(self) -> Iterator[None]:
+        """One step that DeepSpeed's ZeRO optimizer treats as an overflow: it clears the
+        accumulated gradients and partitions, updates nothing and counts a skipped step."""
+        optimizer = self.ds.optimizer
+        name = "_get_norm_groups" if self.stage == 3 else "scaled_global_norm"
+        if self.stage == 3:
+            fake = lambda *a, **k: [torch.tensor(math.inf)]  # noqa: E731
+        else:
+            fake = lambda *a, **k: torch.tensor(math.inf)  # noqa: E731
+        setattr(optimizer, name, fake)
+        try:
+            yield
+        finally:
+            delattr(optimizer, name)
+
+    def zero_grad(self) -> None:
+        self.ds.zero_grad()
+
+    @contextmanager
+    def full_weights(self) -> Iterator[nn.Module]:
+        """ZeRO-3 partitions the weights, and a forward releases each module's weights after it
+        (the tied head too): sampling, which calls methods rather than forward, gets a whole
+        copy gathered for the occasion (one model's memory while it lasts)."""
+        if self.stage != 3:
+            yield self.model
+            return
+        import deepspeed
+
+        params = dict(self.model.named_parameters())
+        with deepspeed.zero.GatheredParameters(list(params.values())):
+            state = {name: p.detach().clone() for name, p in params.items()}
+        state |= {name: b for name, b in self.model.named_buffers() if name in self._buffer_names}
+        device = next(iter(state.values())).device
+        whole = build_model(self.model.cfg, device=device)
+        whole.load_state_dict(state)
+        yield whole.train(self.model.training)
+
+    # checkpoints: DeepSpeed's own files in <step dir>/deepspeed/, inside the trainer's scheme
+    # (trainer/checkpoint.py: temporary directory, checksums, commit, latest, fallback)
+    checkpoint_format = CHECKPOINT_FOLDER
+
+    def write_checkpoint(self, directory: Path) -> None:
+        """DeepSpeed's save (collective): model, optimizer partitions, its step counters."""
+        self.ds.save_checkpoint(str(directory), tag=CHECKPOINT_FOLDER, save_latest=False)
+
+    def checkpoint_conflict(self, directory: Path) -> str | None:
+        """Why this run cannot load the checkpoint in `directory` (None: it can): ZeRO's
+        optimizer partitions belong to the ranks that wrote them."""
+        written = saved_ranks(directory / CHECKPOINT_FOLDER)
+        size = dist.get_world_size()
+        if written and written != size:
+            return (
+                f"{directory} holds ZeRO optimizer partitions of {written} ranks and this run has "
+                f"{size}: resume on {written} ranks (ZeRO checkpoints do not reshard yet)"
+            )
+        return None
+
+    def read_checkpoint(self, directory: Path) -> None:
+        """DeepSpeed's load (collective): weights, optimizer partitions, its step counters."""
+        path, _ = self.ds.load_checkpoint(
+            str(directory), tag=CHECKPOINT_FOLDER, load_lr_scheduler_states=False
+        )
+        if path is None:
+            raise FileNotFoundError(f"DeepSpeed found no checkpoint in {directory}")
+
+    def state_dict(self) -> dict[str, Any]:
+        raise NotImplementedError("DeepSpeed writes its own checkpoint format (write_checkpoint)")
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        raise NotImplementedError("DeepSpeed reads its own checkpoint format (read_checkpoint)")
+
+
+def saved_ranks(folder: Path) -> int:
+    """How many ranks wrote a DeepSpeed checkpoint folder (0: not partitioned, ZeRO-0)."""
+    return len(list(folder.glob("*zero_pp_rank_*_optim_states.pt"))) or len(
+        list(folder.glob("*zero_pp_rank_*_model_states.pt"))
+    )
+
+
+@ENGINES.register("deepspeed")
+def build_deepspeed(request: EngineRequest) -> DeepSpeedEngine:
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if request.device.type == "cuda" else "cpu")
+    try:
+        import deepspeed
+    except ImportError:
+        raise ConfigError(
+            'parallel.engine=deepspeed needs DeepSpeed: pip install -e ".[deepspeed]"'
+        ) from None
+    refuse_unsupported(request, request.optimizer_name)
+    _ensure_process_group(request.device)
+    model = build_model(request.model_cfg, device=request.device, seed=request.seed)
+    apply_activation_checkpointing(model, request.parallel.activation_checkpoint)
+    if request.compile:
+        compile_model(model)
+    config = deepspeed_config(request)
+    client = request.make_optimizer(model)
+    kwargs: dict[str, Any] = {"optimizer": client}
+    if request.parallel.deepspeed.offload_optimizer != "none":  # DeepSpeed's CPU Adam, same groups
+        config["optimizer"] = _ds_adamw(client)
+        kwargs = {"model_parameters": [dict(g) for g in client.param_groups]}
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # its config dump, per rank
+    ds_engine, *_ = deepspeed.initialize(model=model, config=config, **kwargs)
+    return DeepSpeedEngine(ds_engine, request.precision, request.device, request.grad_clip)
+
+
+def _ds_adamw(client: torch.optim.Optimizer) -> dict[str, Any]:
+    defaults = client.defaults
+    return {
+        "type": "AdamW",
+        "params": {
+            "lr": defaults["lr"],
+            "betas": list(defaults["betas"]),
+            "eps": defaults["eps"],
+            "weight_decay": defaults.get("weight_decay", 0.0),
+        },
+    }

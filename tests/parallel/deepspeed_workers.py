@@ -1,0 +1,73 @@
+"""What each rank runs in the DeepSpeed engine tests: tests/parallel/workers.py's training
+(the same model, data and steps) through `parallel.engine=deepspeed`, with the weights gathered
+whole at the end (ZeRO-3 partitions them)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from model.config import ModelConfig
+from optim.config import OptimConfig
+from parallel.config import DeepSpeedConfig, ParallelConfig
+from parallel.mesh import ParallelDims
+from tests.parallel.workers import GLOBAL_BATCH, global_batches, local_batch, world
+from trainer.build import build_training_engine
+from trainer.config import TrainerConfig
+from trainer.step import LossTracker, StepSettings, train_step
+
+
+def deepspeed_engine(
+    model_cfg: ModelConfig,
+    zero_stage: int,
+    precision: str = "fp32",
+    micro_batches: int = 1,
+    **ds: Any,
+):
+    _, size = world()
+    pcfg = ParallelConfig(
+        engine="deepspeed", deepspeed=DeepSpeedConfig(zero_stage=zero_stage, **ds)
+    )
+    micro = GLOBAL_BATCH // size // micro_batches
+    tcfg = TrainerConfig(precision=precision, batch_size=GLOBAL_BATCH, micro_batch_size=micro)
+    optim_cfg = OptimConfig(name="adamw", lr=3e-3, warmup_steps=0, schedule="constant")
+    dims = ParallelDims.resolve(pcfg, size)
+    return build_training_engine(model_cfg, tcfg, pcfg, optim_cfg, dims, torch.device("cpu"), 0)
+
+
+def train_deepspeed(
+    rank: int,
+    model_cfg: ModelConfig,
+    zero_stage: int,
+    steps: int,
+    micro_batches: int = 1,
+    precision: str = "fp32",
+    bad_loss_at: int = -1,
+    options: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Losses, norms, whether each step applied, and the final whole weights; `bad_loss_at`:
+    the loop judges that step's loss bad (a spike), so the engine must drop its gradients;
+    `options`: more parallel.deepspeed settings."""
+    engine = deepspeed_engine(model_cfg, zero_stage, precision, micro_batches, **(options or {}))
+    settings = StepSettings(micro_batches=micro_batches, grad_clip=1.0)
+    tracker = LossTracker(0.0)
+    losses, norms, applied = [], [], []
+    for step, tokens in enumerate(global_batches(steps, model_cfg.vocab_size)):
+        if step == bad_loss_at:
+            tracker.spike = lambda loss: True  # the loop's verdict; the engine must drop it
+        result = train_step(engine, local_batch(tokens), settings, tracker)
+        tracker.spike = LossTracker.spike.__get__(tracker)
+        losses.append(result.loss)
+        norms.append(result.grad_norm)
+        applied.append(not result.skipped)
+    with engine.full_weights() as model:
+        final = {name: p.detach().float().clone() for name, p in model.named_parameters()}
+    return {
+        "losses": losses,
+        "norms": [n if math.isfinite(n) else None for n in norms],
+        "applied": applied,
+        "final": final,
+        "optimizer": type(engine.optimizer).__name__,
+    }

@@ -1,0 +1,83 @@
+"""`parallel.engine=deepspeed` on 2 gloo ranks (DS_ACCELERATOR=cpu) against the FSDP2 engine in
+one process on the same global batches: ZeRO 0-3, gradient accumulation, a step the loop judges
+bad, bf16 modes, CPU optimizer offload. Skipped where DeepSpeed is not installed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.parallel.ranks import run_ranks
+from tests.parallel.workers import small_model, train
+
+pytest.importorskip("deepspeed")
+from tests.parallel.deepspeed_workers import train_deepspeed
+
+pytestmark = pytest.mark.distributed
+STEPS = 4
+# fp32: ZeRO sums the same numbers in another order (per-rank means, partitioned reductions)
+RTOL, ATOL = 2e-5, 2e-6
+
+
+@pytest.fixture(scope="module")
+def single() -> dict:
+    return train(0, small_model(), {}, STEPS)
+
+
+def assert_same_run(got: dict, ref: dict, rtol: float = RTOL, atol: float = ATOL) -> None:
+    torch.testing.assert_close(got["losses"], ref["losses"], rtol=rtol, atol=atol)
+    torch.testing.assert_close(got["norms"], ref["norms"], rtol=1e-4, atol=1e-6)
+    for name, tensor in ref["final"].items():
+        torch.testing.assert_close(got["final"][name], tensor, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_every_zero_stage_trains_like_one_process(single, stage):
+    """The same losses, gradient norms (clipped at 1.0 by DeepSpeed inside its step for ZeRO
+    1-3) and final weights (gathered whole under ZeRO-3) as the FSDP2 engine in one process."""
+    results = run_ranks(2, train_deepspeed, small_model(), stage, STEPS)
+    assert_same_run(results[0], single)
+    assert results[0]["losses"] == results[1]["losses"]
+    expected = {0: "AdamW", 1: "DeepSpeedZeroOptimizer", 2: "DeepSpeedZeroOptimizer"}
+    assert results[0]["optimizer"] == expected.get(stage, "DeepSpeedZeroOptimizer_Stage3")
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_gradient_accumulation_equals_one_step_on_the_larger_batch(single, stage):
+    """2 ranks x 2 micro-batches of 2 sequences: the global batch of 8 of the reference (the
+    loop scales each micro-batch's loss; DeepSpeed must not divide again)."""
+    assert_same_run(run_ranks(2, train_deepspeed, small_model(), stage, STEPS, 2)[0], single)
+
+
+def test_a_step_the_loop_judges_bad_is_dropped_by_every_stage():
+    """Step 1's loss is declared a spike: ZeRO-2/3 drop the step's gradients through DeepSpeed's
+    own skip path and end where plain data parallelism (ZeRO-0, the FSDP2 engine's order) ends."""
+    runs = {
+        s: run_ranks(2, train_deepspeed, small_model(), s, STEPS, 1, "fp32", 1)[0]
+        for s in (0, 2, 3)
+    }
+    for stage, run in runs.items():
+        assert run["applied"] == [True, False, True, True], stage
+        assert run["norms"][1] is None or stage == 0
+    for stage in (2, 3):
+        torch.testing.assert_close(runs[stage]["losses"], runs[0]["losses"], rtol=RTOL, atol=ATOL)
+        for name, tensor in runs[0]["final"].items():
+            torch.testing.assert_close(runs[stage]["final"][name], tensor, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "bf16_master"])
+def test_bf16_modes_follow_the_fsdp2_engine(precision):
+    """bf16 = autocast over fp32 weights (DeepSpeed's torch_autocast), bf16_master = bf16
+    weights with fp32 masters (DeepSpeed's bf16): losses within bf16 rounding of one process."""
+    ref = train(0, small_model(), {}, STEPS, 1, precision)
+    got = run_ranks(2, train_deepspeed, small_model(), 2, STEPS, 1, precision)[0]
+    torch.testing.assert_close(got["losses"], ref["losses"], rtol=2e-4, atol=2e-4)
+
+
+def test_cpu_optimizer_offload_trains_like_the_device_optimizer(single):
+    """ZeRO-2 with the optimizer on the CPU (DeepSpeed's CPU Adam over the same groups: decay
+    by role, AdamW's decoupled weight decay)."""
+    options = {"offload_optimizer": "cpu"}
+    got = run_ranks(2, train_deepspeed, small_model(), 2, STEPS, 1, "fp32", -1, options)[0]
+    assert got["optimizer"] == "DeepSpeedZeroOptimizer"
+    assert_same_run(got, single, rtol=1e-5, atol=1e-5)

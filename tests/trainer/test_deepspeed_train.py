@@ -1,0 +1,89 @@
+"""`python -m trainer parallel.engine=deepspeed` end to end on CPU: torchrun with 2 ranks under
+ZeRO-3 trains, evaluates, samples (whole weights gathered for it) and checkpoints inside the
+trainer's scheme; a killed run resumes with the same losses bitwise; one process works (a 1-rank
+group); a checkpoint meets the wrong rank count or engine with a one-line refusal, and settings
+the engine does not take yet fail at start with their reasons."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from tests.trainer.helpers import SMALL_OVERRIDES, run_trainer, train_losses
+from tests.trainer.test_torchrun import torchrun
+
+pytest.importorskip("deepspeed")
+pytestmark = [pytest.mark.integration, pytest.mark.distributed]
+
+FP32 = ["trainer.precision=fp32", "trainer.eval_every=2"]
+ZERO3 = ["parallel.engine=deepspeed", "parallel.deepspeed.zero_stage=3"]
+
+
+def test_zero3_on_two_ranks_trains_checkpoints_and_resumes_exactly(dataset, tmp_path):
+    run_dir = tmp_path / "run"
+    common = [f"data.path={dataset}", *SMALL_OVERRIDES, *FP32, *ZERO3, f"hydra.run.dir={run_dir}"]
+    result = torchrun(2, *common, "trainer.max_steps=4", "checkpoint.every=2", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    log = (run_dir / "train.log").read_text()
+    assert "sample at step 4" in log and "validation loss" in log
+    first = train_losses(run_dir)
+    step2 = run_dir / "checkpoints" / "step_00000002"
+    assert sorted(p.name for p in (step2 / "deepspeed").iterdir()) == [
+        f"zero_pp_rank_{r}_mp_rank_00_{kind}_states.pt"
+        for r in (0, 1)
+        for kind in ("model", "optim")
+    ]
+    # as if killed after step 3: the newest checkpoint is step 2
+    shutil.rmtree(run_dir / "checkpoints" / "step_00000004")
+    (run_dir / "checkpoints" / "latest").write_text("step_00000002\n")
+    result = torchrun(2, *common, "trainer.max_steps=4", "checkpoint.every=2", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "resumed from" in (run_dir / "train.log").read_text()
+    resumed = train_losses(run_dir)
+    assert {step: resumed[step] for step in (3, 4)} == {step: first[step] for step in (3, 4)}
+
+    # the same checkpoint on one rank: ZeRO's optimizer partitions belong to their ranks
+    other = tmp_path / "one_rank"
+    result = run_trainer(
+        *common[:-1],
+        f"hydra.run.dir={other}",
+        f"resume={step2}",
+        "trainer.max_steps=4",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "holds ZeRO optimizer partitions of 2 ranks and this run has 1" in result.stderr
+
+
+def test_one_process_trains_and_an_fsdp2_checkpoint_is_refused_by_name(dataset, tmp_path):
+    fsdp2_dir = tmp_path / "fsdp2"
+    common = [f"data.path={dataset}", *SMALL_OVERRIDES, *FP32, "trainer.max_steps=2"]
+    result = run_trainer(*common, "checkpoint.every=2", f"hydra.run.dir={fsdp2_dir}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ds_dir = tmp_path / "deepspeed"
+    result = run_trainer(*common, *ZERO3, f"hydra.run.dir={ds_dir}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]  # one process: a 1-rank group
+    assert sorted(train_losses(ds_dir)) == [1, 2]
+    checkpoint = fsdp2_dir / "checkpoints" / "step_00000002"
+    result = run_trainer(
+        *common, *ZERO3, f"hydra.run.dir={tmp_path / 'mixed'}", f"resume={checkpoint}", cwd=tmp_path
+    )
+    assert result.returncode == 2
+    assert "was written by parallel.engine=fsdp2 (DCP)" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("optim=muon", "optim=muon: ZeRO hands a client optimizer flat partitions"),
+        ("parallel.deepspeed.zero_stage=5", "parallel.deepspeed.zero_stage=5 must be 0, 1, 2 or 3"),
+        ("parallel.deepspeed.offload_params=cpu", "offload_params=cpu needs zero_stage=3"),
+    ],
+)
+def test_settings_the_engine_does_not_take_fail_at_start(dataset, tmp_path, override, message):
+    common = [f"data.path={dataset}", *SMALL_OVERRIDES, "trainer.max_steps=1"]
+    result = run_trainer(*common, "parallel.engine=deepspeed", override, cwd=tmp_path)
+    assert result.returncode != 0
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
