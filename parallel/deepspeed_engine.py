@@ -54,15 +54,16 @@ def _free_port() -> int:
 
 
 def _ensure_process_group(device: torch.device) -> None:
-    """DeepSpeed communicates through torch.distributed: one process gets a 1-rank group."""
-    if dist.is_initialized():
-        return
-    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
-        os.environ.setdefault(key, value)  # DeepSpeed reads them
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, rank=0, world_size=1)
+    """DeepSpeed communicates through torch.distributed (one process gets a 1-rank group) and
+    reads the launcher's rank variables (set here from the group where no launcher did)."""
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, rank=0, world_size=1)
+    os.environ.setdefault("RANK", str(dist.get_rank()))
+    os.environ.setdefault("WORLD_SIZE", str(dist.get_world_size()))
+    os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])  # one node; torchrun/srun set it
 
 
 def refuse_unsupported(request: EngineRequest, optimizer_name: str) -> None:

@@ -135,7 +135,7 @@ def test_sigterm_saves_and_exits_then_resume_finishes(dataset, tmp_path):
         (["data.seq_len=128"], "data.seq_len=128 exceeds the model's context of 64 tokens"),
         (["model.vocab_size=100"], "model.vocab_size=100 is smaller than the tokenizer's 300 ids"),
         (["trainer.precision=fp16"], "trainer.precision='fp16' is not one of"),
-        (["parallel.engine=deepspeed"], "unknown training engine (parallel.engine) 'deepspeed'"),
+        (["parallel.engine=megatron"], "unknown training engine (parallel.engine) 'megatron'"),
         (
             ["model.layer_pattern=[gqa,mamba]"],
             "model.layer_pattern='mamba' is not a known token mixer",
