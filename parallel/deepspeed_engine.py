@@ -109,11 +109,18 @@ def deepspeed_config(request: EngineRequest) -> dict[str, Any]:
         "gradient_clipping": request.grad_clip if ds.zero_stage > 0 else 0.0,
         "zero_optimization": zero,
         "bf16": {"enabled": request.precision == "bf16_master"},
+        # gradients reduced in fp32, as FSDP2 does (DeepSpeed's default under bf16 is bf16)
+        "communication_data_type": "fp32",
         "steps_per_print": 2**31 - 1,
         "zero_allow_untested_optimizer": True,
     }
     if request.precision == "bf16":
-        ours["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
+        # no module's weights communicated in bf16 (DeepSpeed's default marks nn.Linear's)
+        ours["torch_autocast"] = {
+            "enabled": True,
+            "dtype": "bfloat16",
+            "lower_precision_safe_modules": [],
+        }
     theirs: dict[str, Any] = {}
     if ds.config:
         path = Path(ds.config)

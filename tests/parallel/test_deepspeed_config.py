@@ -36,7 +36,9 @@ def test_the_trainers_settings_fill_the_config():
     assert config["zero_optimization"] == {"stage": 3, "offload_optimizer": {"device": "cpu"}}
     assert "torch_autocast" not in config
     autocast = deepspeed_config(request("bf16"))
-    assert autocast["torch_autocast"] == {"enabled": True, "dtype": "bfloat16"}
+    assert autocast["torch_autocast"]["dtype"] == "bfloat16"
+    assert autocast["torch_autocast"]["lower_precision_safe_modules"] == []  # fp32 reductions
+    assert config["communication_data_type"] == "fp32"
     assert deepspeed_config(request(zero_stage=0))["gradient_clipping"] == 0.0  # clipped by us
 
 
