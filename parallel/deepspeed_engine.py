@@ -16,11 +16,11 @@ trainer's semantics carry over:
                bf16_master = bf16 weights with fp32 masters in the optimizer (DeepSpeed's bf16)
 
 Checkpoints are DeepSpeed's own files in `<step dir>/deepspeed/`, written and committed by the
-trainer's scheme (temporary directory, checksums, `latest`, fallback past damaged ones), and
-load on the same number of ranks. ZeRO stages 1-3 need a process group; one process gets a
-1-rank gloo group. Not yet here (refused at start with the reason): Muon / MuonClip (DeepSpeed's
-own Muon is the route), expert parallelism, Engram tables, resharding checkpoints (DeepSpeed's
-universal checkpoint is the route).
+trainer's scheme (temporary directory, checksums, `latest`, fallback past damaged ones); on
+another number of ranks they load through DeepSpeed's universal checkpoint (converted beside the
+step directory, then removed). ZeRO stages 1-3 need a process group; one process gets a 1-rank
+gloo group. Not yet here (refused at start with the reason): Muon / MuonClip (DeepSpeed's own
+Muon is the route), expert parallelism, Engram tables.
 """
 
 from __future__ import annotations
@@ -29,7 +29,10 @@ import json
 import logging
 import math
 import os
+import shutil
 import socket
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
@@ -42,9 +45,12 @@ from torch import Tensor, nn
 from model.errors import ConfigError
 from model.transformer import Transformer, build_model
 from parallel.activation import apply_activation_checkpointing, compile_model
+from parallel.collective import max_over_ranks
 from parallel.engine import ENGINES, EngineRequest, TrainingEngine, training_objective
 from parallel.grad_norm import clip_grad_norm
 from parallel.precision import autocast_factory
+
+log = logging.getLogger("parallel.deepspeed")
 
 
 def _free_port() -> int:
@@ -255,30 +261,107 @@ class DeepSpeedEngine(TrainingEngine):
         self.ds.save_checkpoint(str(directory), tag=CHECKPOINT_FOLDER, save_latest=False)
 
     def checkpoint_conflict(self, directory: Path) -> str | None:
-        """Why this run cannot load the checkpoint in `directory` (None: it can): ZeRO's
-        optimizer partitions belong to the ranks that wrote them."""
-        written = saved_ranks(directory / CHECKPOINT_FOLDER)
-        size = dist.get_world_size()
-        if written and written != size:
-            return (
-                f"{directory} holds ZeRO optimizer partitions of {written} ranks and this run has "
-                f"{size}: resume on {written} ranks (ZeRO checkpoints do not reshard yet)"
-            )
+        """Why this run cannot load the checkpoint in `directory` (None: it can). Any ZeRO
+        checkpoint loads on any number of ranks (another count goes through DeepSpeed's
+        universal checkpoint, see read_checkpoint)."""
+        if not (directory / CHECKPOINT_FOLDER).is_dir():
+            return f"{directory} has no {CHECKPOINT_FOLDER}/ folder"
         return None
 
     def read_checkpoint(self, directory: Path) -> None:
-        """DeepSpeed's load (collective): weights, optimizer partitions, its step counters."""
+        """DeepSpeed's load (collective): weights, optimizer partitions, its step counters. A
+        checkpoint from another number of ranks is first converted to DeepSpeed's universal
+        checkpoint (one file per parameter and state; rank 0 converts, every rank reads its
+        own partitions from it) beside the step directory, removed after loading."""
+        written = saved_ranks(directory / CHECKPOINT_FOLDER)
+        if written and written != dist.get_world_size():
+            self._read_resharded(directory, written)
+            return
         path, _ = self.ds.load_checkpoint(
             str(directory), tag=CHECKPOINT_FOLDER, load_lr_scheduler_states=False
         )
         if path is None:
             raise FileNotFoundError(f"DeepSpeed found no checkpoint in {directory}")
 
+    def _read_resharded(self, directory: Path, written: int) -> None:
+        universal = directory.parent / f".{directory.name}.universal"
+        problem = ""
+        if dist.get_rank() == 0:
+            log.info(
+                "%s was written by %d ranks; converting it to DeepSpeed's universal checkpoint "
+                "for %d",
+                directory,
+                written,
+                dist.get_world_size(),
+            )
+            try:
+                convert_to_universal(directory / CHECKPOINT_FOLDER, universal / CHECKPOINT_FOLDER)
+            except (OSError, RuntimeError) as err:
+                problem = str(err)
+        if max_over_ranks(1 if problem else 0):  # every rank learns rank 0's outcome
+            raise RuntimeError(problem or "rank 0 could not convert it to a universal checkpoint")
+        # ZeRO-3's universal load gives every group the first group's hyperparameters (weight
+        # decay included): the run's own are put back (DeepSpeed 0.19.8, stage3.py::
+        # load_hp_checkpoint_state_from_checkpoint_dir_stage3)
+        settings = [
+            {k: v for k, v in group.items() if k not in ("params", "step")}
+            for group in self.optimizer.param_groups
+        ]
+        self.ds._config.load_universal_checkpoint = True  # read once, at load time
+        try:
+            path, _ = self.ds.load_checkpoint(
+                str(universal), tag=CHECKPOINT_FOLDER, load_lr_scheduler_states=False
+            )
+        finally:
+            self.ds._config.load_universal_checkpoint = False
+        for group, own in zip(self.optimizer.param_groups, settings, strict=True):
+            group.update(own)
+        _unshare_step_counters(self.ds.optimizer)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(universal, ignore_errors=True)
+        if path is None:
+            raise FileNotFoundError(f"DeepSpeed found no universal checkpoint in {universal}")
+
     def state_dict(self) -> dict[str, Any]:
         raise NotImplementedError("DeepSpeed writes its own checkpoint format (write_checkpoint)")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         raise NotImplementedError("DeepSpeed reads its own checkpoint format (read_checkpoint)")
+
+
+def _unshare_step_counters(zero_optimizer: Any) -> None:
+    """ZeRO-3's universal load gives every partition's state the same `step` tensor, which
+    torch's Adam then advances once per partition and step (Adam's bias correction runs
+    ahead): each state gets its own copy."""
+    inner = getattr(zero_optimizer, "optimizer", None)
+    seen: set[int] = set()
+    for state in getattr(inner, "state", {}).values():
+        step = state.get("step")
+        if isinstance(step, Tensor):
+            if id(step) in seen:
+                state["step"] = step.clone()
+            seen.add(id(step))
+
+
+def convert_to_universal(folder: Path, out: Path) -> None:
+    """DeepSpeed's own converter (`python -m deepspeed.checkpoint.ds_to_universal`) in a child
+    process: ZeRO partitions of any number of ranks -> one folder per parameter with its fp32
+    weights and optimizer states, which any number of ranks can load."""
+    shutil.rmtree(out.parent, ignore_errors=True)  # a conversion an earlier crash left
+    out.parent.mkdir(parents=True)
+    workers = max(1, min(8, (os.cpu_count() or 1) // 2))
+    command = [
+        sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
+        "--input_folder", str(folder), "--output_folder", str(out), "--inject_missing_state",
+        "--num_extract_workers", str(workers), "--num_merge_workers", str(max(1, workers // 2)),
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise RuntimeError(
+            f"DeepSpeed could not convert {folder} to a universal checkpoint: {tail[0]}"
+        )
 
 
 def saved_ranks(folder: Path) -> int:

@@ -5,6 +5,7 @@ whole at the end (ZeRO-3 partitions them)."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -62,8 +63,7 @@ def train_deepspeed(
         losses.append(result.loss)
         norms.append(result.grad_norm)
         applied.append(not result.skipped)
-    with engine.full_weights() as model:
-        final = {name: p.detach().float().clone() for name, p in model.named_parameters()}
+    final = whole_weights(engine)
     return {
         "losses": losses,
         "norms": [n if math.isfinite(n) else None for n in norms],
@@ -71,3 +71,38 @@ def train_deepspeed(
         "final": final,
         "optimizer": type(engine.optimizer).__name__,
     }
+
+
+def train_and_save(
+    rank: int, model_cfg: ModelConfig, zero_stage: int, steps: int, save_after: int, where: str
+) -> dict[str, Any]:
+    """The losses of `steps` steps and the final whole weights, DeepSpeed's checkpoint written
+    after `save_after` of them into `where` (a step directory)."""
+    engine = deepspeed_engine(model_cfg, zero_stage)
+    settings, tracker = StepSettings(micro_batches=1, grad_clip=1.0), LossTracker(0.0)
+    losses = []
+    for step, tokens in enumerate(global_batches(steps, model_cfg.vocab_size)):
+        losses.append(train_step(engine, local_batch(tokens), settings, tracker).loss)
+        if step + 1 == save_after:
+            engine.write_checkpoint(Path(where))
+    return {"losses": losses, "final": whole_weights(engine)}
+
+
+def whole_weights(engine) -> dict[str, torch.Tensor]:
+    with engine.full_weights() as model:
+        return {name: p.detach().float().clone() for name, p in model.named_parameters()}
+
+
+def resume_and_train(
+    rank: int, model_cfg: ModelConfig, zero_stage: int, steps: int, start: int, where: str
+) -> dict[str, Any]:
+    """The losses of steps start+1 .. steps after loading the checkpoint in `where`, the final
+    whole weights and each optimizer group's weight decay."""
+    engine = deepspeed_engine(model_cfg, zero_stage)
+    assert engine.checkpoint_conflict(Path(where)) is None
+    engine.read_checkpoint(Path(where))
+    settings, tracker = StepSettings(micro_batches=1, grad_clip=1.0), LossTracker(0.0)
+    batches = global_batches(steps, model_cfg.vocab_size)[start:]
+    losses = [train_step(engine, local_batch(t), settings, tracker).loss for t in batches]
+    decay = [group["weight_decay"] for group in engine.optimizer.param_groups]
+    return {"losses": losses, "final": whole_weights(engine), "decay": decay}

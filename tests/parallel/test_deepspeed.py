@@ -14,7 +14,7 @@ from tests.parallel.workers import small_model, train
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # these ranks train on the CPU, also on GPU hosts
 pytest.importorskip("deepspeed")
-from tests.parallel.deepspeed_workers import train_deepspeed
+from tests.parallel.deepspeed_workers import resume_and_train, train_and_save, train_deepspeed
 
 pytestmark = pytest.mark.distributed
 STEPS = 4
@@ -84,3 +84,19 @@ def test_cpu_optimizer_offload_trains_like_the_device_optimizer(single):
     got = run_ranks(2, train_deepspeed, small_model(), 2, STEPS, 1, "fp32", -1, options)[0]
     assert got["optimizer"] == "DeepSpeedZeroOptimizer"
     assert_same_run(got, single, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("stage", "saved_on", "loaded_on"), [(2, 2, 1), (3, 2, 1), (3, 1, 2)])
+def test_a_checkpoint_resumes_on_another_number_of_ranks(tmp_path, stage, saved_on, loaded_on):
+    """Saved by 2 ranks after step 2, loaded by 1, or the reverse (DeepSpeed's universal checkpoint:
+    weights, Adam moments and step counts resharded; each group keeps its own weight decay):
+    steps 3-4 give the uninterrupted run's losses and final weights, and the conversion leaves
+    nothing behind."""
+    where = str(tmp_path / "step_00000002")
+    two = run_ranks(saved_on, train_and_save, small_model(), stage, STEPS, 2, where)[0]
+    one = run_ranks(loaded_on, resume_and_train, small_model(), stage, STEPS, 2, where)[0]
+    torch.testing.assert_close(one["losses"], two["losses"][2:], rtol=RTOL, atol=ATOL)
+    for name, tensor in two["final"].items():
+        torch.testing.assert_close(one["final"][name], tensor, rtol=1e-4, atol=1e-5, msg=name)
+    assert 0.0 in one["decay"] and max(one["decay"]) > 0  # no-decay groups stay so
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000002"]
