@@ -31,8 +31,6 @@ import math
 import os
 import shutil
 import socket
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
@@ -46,8 +44,10 @@ from model.errors import ConfigError
 from model.transformer import Transformer, build_model
 from parallel.activation import apply_activation_checkpointing, compile_model
 from parallel.collective import max_over_ranks
+from parallel.deepspeed_checkpoint import CHECKPOINT_FOLDER, convert_to_universal, saved_ranks
 from parallel.engine import ENGINES, EngineRequest, TrainingEngine, training_objective
 from parallel.grad_norm import clip_grad_norm
+from parallel.init import load_whole_weights
 from parallel.precision import autocast_factory
 
 log = logging.getLogger("parallel.deepspeed")
@@ -153,9 +153,6 @@ def _merge(theirs: dict, ours: dict, prefix: str) -> dict:
         else:
             merged[key] = value
     return merged
-
-
-CHECKPOINT_FOLDER = "deepspeed"
 
 
 class DeepSpeedEngine(TrainingEngine):
@@ -344,33 +341,6 @@ def _unshare_step_counters(zero_optimizer: Any) -> None:
             seen.add(id(step))
 
 
-def convert_to_universal(folder: Path, out: Path) -> None:
-    """DeepSpeed's own converter (`python -m deepspeed.checkpoint.ds_to_universal`) in a child
-    process: ZeRO partitions of any number of ranks -> one folder per parameter with its fp32
-    weights and optimizer states, which any number of ranks can load."""
-    shutil.rmtree(out.parent, ignore_errors=True)  # a conversion an earlier crash left
-    out.parent.mkdir(parents=True)
-    workers = max(1, min(8, (os.cpu_count() or 1) // 2))
-    command = [
-        sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
-        "--input_folder", str(folder), "--output_folder", str(out), "--inject_missing_state",
-        "--num_extract_workers", str(workers), "--num_merge_workers", str(max(1, workers // 2)),
-    ]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0:
-        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
-        raise RuntimeError(
-            f"DeepSpeed could not convert {folder} to a universal checkpoint: {tail[0]}"
-        )
-
-
-def saved_ranks(folder: Path) -> int:
-    """How many ranks wrote a DeepSpeed checkpoint folder (0: not partitioned, ZeRO-0)."""
-    return len(list(folder.glob("*zero_pp_rank_*_optim_states.pt"))) or len(
-        list(folder.glob("*zero_pp_rank_*_model_states.pt"))
-    )
-
-
 @ENGINES.register("deepspeed")
 def build_deepspeed(request: EngineRequest) -> DeepSpeedEngine:
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if request.device.type == "cuda" else "cpu")
@@ -383,6 +353,8 @@ def build_deepspeed(request: EngineRequest) -> DeepSpeedEngine:
     refuse_unsupported(request, request.optimizer_name)
     _ensure_process_group(request.device)
     model = build_model(request.model_cfg, device=request.device, seed=request.seed)
+    if request.initial_weights is not None:  # before ZeRO copies them into its partitions
+        load_whole_weights(model, request.initial_weights())
     apply_activation_checkpointing(model, request.parallel.activation_checkpoint)
     if request.compile:
         compile_model(model)

@@ -239,6 +239,9 @@ class EngineRequest:
     micro_batch_size: int = 1  # sequences per forward on one rank
     micro_batches: int = 1  # forwards accumulated into one step on each rank
     optimizer_name: str = "adamw"  # optim.name (engines that cannot run every optimizer)
+    # the whole weights (names of Transformer.state_dict()) to start from instead of the seeded
+    # initialization; called once, on every rank (init_from)
+    initial_weights: Callable[[], dict[str, Tensor]] | None = None
 
 
 EngineBuilder = Callable[[EngineRequest], TrainingEngine]

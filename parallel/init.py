@@ -30,6 +30,27 @@ def init_like_single_process(model: Transformer, device: torch.device, seed: int
         del replica  # before the next part is built: at most one full part at a time
 
 
+@torch.no_grad()
+def load_whole_weights(model: nn.Module, state: dict[str, Tensor]) -> None:
+    """Fill `model` (sharded in any layout, or not) from the whole `state` (its state_dict's
+    names): each rank keeps its shard. Every parameter and persistent buffer must be there."""
+    targets = dict(model.named_parameters()) | {
+        name: b for name, b in model.named_buffers() if name in model.state_dict()
+    }
+    missing = sorted(set(targets) - set(state))
+    if missing:
+        raise KeyError(
+            f"the weights lack {', '.join(missing[:4])}" + (" ..." if len(missing) > 4 else "")
+        )
+    for name, tensor in targets.items():
+        full = state[name].to(device=_local(tensor).device, dtype=tensor.dtype)
+        if full.shape != tensor.shape:
+            raise ValueError(
+                f"{name}: the weights hold {tuple(full.shape)}, the model {tuple(tensor.shape)}"
+            )
+        _local(tensor).copy_(_shard_of(full, tensor))
+
+
 def _copy_shards(target: nn.Module, full: nn.Module) -> None:
     sources = dict(full.named_parameters()) | dict(full.named_buffers())
     targets = dict(target.named_parameters()) | dict(target.named_buffers())

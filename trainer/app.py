@@ -11,6 +11,7 @@ import logging
 import os
 import socket
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +38,7 @@ from trainer.build import (
     resolve_model_config,
 )
 from trainer.checkpoint import Checkpointer, resume, set_aside
+from trainer.checkpoint_weights import starting_weights
 from trainer.config import RootConfig
 from trainer.distributed import is_collective_timeout
 from trainer.evaluate import describe_evaluation
@@ -71,7 +73,8 @@ def build_training(cfg: RootConfig, run_dir: Path, ranks: Ranks) -> Training:
     )
     loader.manifest.check_tokenizer(manifest.tokenizer)
     canonical = token_compression(model_cfg, loader, run_dir, ranks.is_main)
-    engine = build_state(cfg, model_cfg, dims, device, canonical)
+    initial = starting_weights(cfg.init_from, cfg.resume, model_cfg, run_dir)
+    engine = build_state(cfg, model_cfg, dims, device, canonical, initial)
     peak, peak_source = device_peak(device, compute_dtype(tcfg.precision), tcfg.peak_flops)
     flops = training_flops_per_token(engine.model, cfg.data.seq_len).total
     log.info("%s; device %s; %s", describe_environment(), device, dims.describe())
@@ -91,7 +94,7 @@ def build_training(cfg: RootConfig, run_dir: Path, ranks: Ranks) -> Training:
     restart = Restart(engine=engine)
     del engine  # the restart holds it (and drops it if it must be rebuilt)
     restart = _resume(cfg, run_dir, ranks, checkpointer, restart, loader, tracker, metrics)
-    restart.engine = _fresh_if_needed(cfg, model_cfg, dims, device, restart, canonical)
+    restart.engine = _fresh_if_needed(cfg, model_cfg, dims, device, restart, canonical, initial)
     wandb = WandbRun(
         cfg.logging,
         run_dir,
@@ -191,13 +194,14 @@ def build_state(
     dims: ParallelDims,
     device: torch.device,
     canonical: torch.Tensor | None = None,
+    initial: Callable[[], dict[str, torch.Tensor]] | None = None,
 ) -> TrainingEngine:
     """The training engine (model sharded when there are several ranks, its fp32 master copy if
-    any, the optimizer), as a fresh run starts it (seeded by `cfg.seed`); `canonical`: Engram's
-    token compression."""
+    any, the optimizer), as a fresh run starts it (seeded by `cfg.seed`, or from `initial()`'s
+    weights); `canonical`: Engram's token compression."""
     seed_everything(cfg.seed)
     engine = build_training_engine(
-        model_cfg, cfg.trainer, cfg.parallel, cfg.optim, dims, device, cfg.seed
+        model_cfg, cfg.trainer, cfg.parallel, cfg.optim, dims, device, cfg.seed, initial
     )
     if canonical is not None:
         engine.set_token_compression(canonical)
@@ -277,13 +281,14 @@ def _fresh_if_needed(
     device: torch.device,
     restart: Restart,
     canonical: torch.Tensor | None,
+    initial: Callable[[], dict[str, torch.Tensor]] | None,
 ) -> TrainingEngine:
     """The engine to train with: a freshly initialized one after failed loads."""
     if not restart.start_over:
         return restart.engine
     restart.engine = None  # free the half-read one before building its replacement
     gc.collect()
-    return build_state(cfg, model_cfg, dims, device, canonical)
+    return build_state(cfg, model_cfg, dims, device, canonical, initial)
 
 
 def train(cfg: RootConfig, run_dir: Path, ranks: Ranks) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -112,10 +113,12 @@ def build_training_engine(
     dims: ParallelDims,
     device: torch.device,
     seed: int,
+    initial_weights: Callable[[], dict[str, torch.Tensor]] | None = None,
 ) -> TrainingEngine:
     """The engine named by parallel.engine, with the model (sharded when there are several
-    ranks) starting from the weights one process would have (seeded by `seed`) and the
-    optimizer of `optim` over the weights it updates (the fp32 masters under bf16_master)."""
+    ranks) starting from the weights one process would have (seeded by `seed`), or from
+    `initial_weights()`, and the optimizer of `optim` over the weights it updates (the fp32
+    masters under bf16_master)."""
     check_expert_parallel(model_cfg, dims, parallel.activation_checkpoint)
     local = trainer.batch_size // dims.world_size  # sequences per rank and step
     micro = trainer.micro_batch_size or local
@@ -132,6 +135,7 @@ def build_training_engine(
         micro_batch_size=micro,
         micro_batches=local // micro,
         optimizer_name=optim.name,
+        initial_weights=initial_weights,
     )
     return build_engine(parallel.engine, request)
 

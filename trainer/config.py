@@ -112,6 +112,9 @@ class RootConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     seed: int = 0  # seeds weight init, the data order and sampling
     resume: str = "auto"  # auto (newest complete checkpoint in this run directory) | none | <path>
+    # a checkpoint (step or run directory, either engine) whose weights a new run starts from,
+    # with a fresh optimizer at step 0; ignored when the run resumes a checkpoint of its own
+    init_from: str = ""
 
 
 def register_configs() -> None:

@@ -1,5 +1,5 @@
 """`python -m trainer.export path=<run dir or checkpoint dir> out=<dir> [dtype=bf16]`:
-a training checkpoint -> a Hugging Face directory (config.json + safetensors) for the families
+a training checkpoint (of either engine) -> a Hugging Face directory (config.json + safetensors) for the families
 that transformers knows (Llama, Qwen3; see model/hf/).
 
 The checkpoint holds the resolved model config (vocabulary included), so nothing else is needed;
@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import shutil
 import sys
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,8 +26,8 @@ from model.config import ModelConfig, config_from_dict
 from model.errors import ConfigError
 from model.hf import save_hf
 from model.transformer import build_model
-from trainer.checkpoint import LOAD_ERRORS, CheckpointError, complete_checkpoints
-from trainer.checkpoint_load import read_checked, read_states
+from trainer.checkpoint import CheckpointError
+from trainer.checkpoint_weights import newest_weights
 from trainer.config import CONF_DIR
 
 log = logging.getLogger("trainer.export")
@@ -49,41 +48,13 @@ class ExportConfig:
             raise ConfigError(f"dtype={self.dtype!r} is not one of {sorted(DTYPES)}")
 
 
-def candidates(path: Path) -> list[Path]:
-    """A checkpoint directory itself, or a run directory's checkpoints, newest first."""
-    if (path / ".metadata").is_file():
-        return [path]
-    for root in (path / "checkpoints", path):
-        found = complete_checkpoints(root)
-        if found:
-            return found
-    raise ConfigError(f"path={path} is neither a checkpoint nor a run directory with one")
-
-
 def load_for_export(path: Path) -> tuple[Path, dict, torch.nn.Module]:
     """(checkpoint, its trainer state, the model with its weights) of the newest checkpoint
     under `path` that verifies and loads; damaged ones are reported and skipped."""
-    tried = []
-    for ckpt in candidates(path):
-        try:
-            return (ckpt, *_load(ckpt))
-        except LOAD_ERRORS as err:  # damaged, unsafe or incomplete: the one before it
-            log.warning(
-                "checkpoint %s cannot be exported (%s); trying the one before it", ckpt, err
-            )
-            tried.append(ckpt.name)
-    raise CheckpointError(f"no checkpoint under {path} loads (tried {', '.join(tried)})")
-
-
-def _load(ckpt: Path) -> tuple[dict, torch.nn.Module]:
-    extra, metadata = read_checked(ckpt, rank=0)
+    ckpt, extra, state = newest_weights(path, "exported")
     model = build_model(config_from_dict(ModelConfig, extra["model_config"]), device="cpu")
-    state = {"model": model.state_dict()}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        read_states(state, ckpt, metadata)
-    model.load_state_dict(state["model"])
-    return extra, model
+    model.load_state_dict(state)
+    return ckpt, extra, model
 
 
 def copy_tokenizer(extra: dict, out: Path) -> None:

@@ -50,3 +50,19 @@ def test_resume_in_another_layout_continues_the_run(
     torch.testing.assert_close(losses, uninterrupted["losses"], rtol=2e-5, atol=2e-6)
     for name, tensor in uninterrupted["final"].items():
         torch.testing.assert_close(second["final"][name], tensor, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize(("preset", "layout"), [("tiny", {}), ("tiny_moe", {"ep": 2})])
+def test_a_run_starts_from_whole_weights_in_any_layout(preset, layout):
+    """init_from's path: whole weights cut into each rank's FSDP (and expert-parallel) shards
+    give back exactly those weights."""
+    from model.transformer import build_model
+    from tests.parallel.workers import started_from_weights
+
+    cfg = small_model(preset, **({"moe.expert_hidden": 32} if "moe" in preset else {}))
+    expected = build_model(cfg, device="cpu", seed=7).state_dict()
+    got = run_ranks(2, started_from_weights, cfg, layout)[0]
+    assert set(got) >= set(expected) - {"lm_head.weight"}
+    for name, tensor in got.items():
+        if name in expected:
+            assert torch.equal(tensor, expected[name]), name

@@ -237,3 +237,19 @@ def sharded_newton_schulz(rank: int, shapes: list[tuple[int, ...]]) -> dict[str,
         for r, (t, _, _, ns) in zip(results, cases)
     ]
     return {"equal": equal, "work": dict(distributed_muon.work)}
+
+
+def started_from_weights(rank: int, model_cfg: ModelConfig, layout: dict[str, Any]) -> dict:
+    """The engine built with initial weights (init_from): another seed's whole model, which
+    each rank must cut into its own shards (FSDP, expert parallelism)."""
+    from model.transformer import build_model
+
+    _, size = world()
+    pcfg = ParallelConfig(**layout)
+    dims = ParallelDims.resolve(pcfg, size)
+    tcfg = TrainerConfig(precision="fp32", batch_size=GLOBAL_BATCH)
+    weights = build_model(model_cfg, device="cpu", seed=7).state_dict()
+    engine = build_training_engine(
+        model_cfg, tcfg, pcfg, OptimConfig(), dims, torch.device("cpu"), 0, lambda: weights
+    )
+    return full_state(engine.model)

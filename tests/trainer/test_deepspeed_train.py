@@ -10,6 +10,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
+import torch
 
 from tests.trainer.helpers import SMALL_OVERRIDES, run_trainer, train_losses
 from tests.trainer.test_torchrun import torchrun
@@ -54,9 +55,10 @@ def test_zero3_on_two_ranks_trains_checkpoints_and_resumes_exactly(dataset, tmp_
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "converting it to DeepSpeed's universal checkpoint for 1" in (
-        other / "train.log"
-    ).read_text()
+    assert (
+        "converting it to DeepSpeed's universal checkpoint for 1"
+        in (other / "train.log").read_text()
+    )
     one = train_losses(other)
     assert sorted(one) == [3, 4]
     for step in (3, 4):
@@ -94,4 +96,48 @@ def test_settings_the_engine_does_not_take_fail_at_start(dataset, tmp_path, over
     result = run_trainer(*common, "parallel.engine=deepspeed", override, cwd=tmp_path)
     assert result.returncode != 0
     assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_runs_move_between_engines_through_their_weights_and_both_export(dataset, tmp_path):
+    """init_from=<checkpoint> starts a run of either engine from a checkpoint of the other
+    (weights only, a fresh optimizer at step 0). With an lr too small to move an fp32 weight,
+    the weights survive DeepSpeed -> FSDP2 -> DeepSpeed bit for bit, as their Hugging Face
+    exports (trainer.export reads both formats) show; another model is refused in one line."""
+    from safetensors.torch import load_file
+
+    from trainer.export import ExportConfig, export
+
+    common = [f"data.path={dataset}", *SMALL_OVERRIDES, *FP32, "checkpoint.every=1"]
+    still = ["optim.lr=1e-30", "trainer.max_steps=1"]  # updates below fp32's resolution
+    runs = {name: tmp_path / name for name in ("ds", "fsdp2", "back")}
+    steps = [
+        [*ZERO3, "trainer.max_steps=2", f"hydra.run.dir={runs['ds']}"],
+        [*still, f"init_from={runs['ds']}", f"hydra.run.dir={runs['fsdp2']}"],
+        [
+            *ZERO3,
+            "parallel.deepspeed.zero_stage=2",
+            *still,
+            f"init_from={runs['fsdp2']}",
+            f"hydra.run.dir={runs['back']}",
+        ],
+    ]
+    for overrides in steps:
+        result = run_trainer(*common, *overrides, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert "starting from the weights of" in (runs["back"] / "train.log").read_text()
+    weights = {}
+    for name, run in runs.items():
+        out = export(ExportConfig(path=str(run), out=str(tmp_path / f"hf_{name}"), dtype="fp32"))
+        weights[name] = load_file(out / "model.safetensors")
+    for name in ("fsdp2", "back"):
+        assert weights[name].keys() == weights["ds"].keys()
+        for key, tensor in weights["ds"].items():
+            assert torch.equal(weights[name][key], tensor), (name, key)
+
+    result = run_trainer(
+        *common, *still, "model.n_layers=3", f"init_from={runs['ds']}", cwd=tmp_path
+    )
+    assert result.returncode == 2
+    assert "holds another model (model.n_layers=2 in the checkpoint, 3 now)" in result.stderr
     assert "Traceback" not in result.stderr

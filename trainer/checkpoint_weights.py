@@ -1,0 +1,105 @@
+"""The whole weights of a training checkpoint of either engine, read in one process: what
+`python -m trainer.export` writes out, and what `init_from=<checkpoint>` starts a run from
+(which is how a run moves between `parallel.engine=fsdp2` and `deepspeed`).
+
+DCP checkpoints are read through the safe reader into a model built from the checkpoint's own
+config; DeepSpeed's are consolidated from every rank's fp32 ZeRO partitions
+(parallel.deepspeed_checkpoint). Both hold the whole model in this process.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor
+
+from model.config import ModelConfig, config_from_dict
+from model.errors import ConfigError
+from model.transformer import build_model
+from optim.config import OptimConfig
+from parallel.deepspeed_checkpoint import CHECKPOINT_FOLDER, consolidated_weights
+from trainer.checkpoint import LOAD_ERRORS, CheckpointError, complete_checkpoints
+from trainer.checkpoint_load import DCP, format_of, read_checked, read_states
+from trainer.fingerprint import Fingerprint
+
+log = logging.getLogger("trainer.checkpoint")
+
+
+def candidates(path: Path) -> list[Path]:
+    """A checkpoint directory itself, or a run directory's checkpoints, newest first."""
+    if path.is_dir() and format_of(path) in (DCP, CHECKPOINT_FOLDER):
+        return [path]
+    for root in (path / "checkpoints", path):
+        found = complete_checkpoints(root)
+        if found:
+            return found
+    raise ConfigError(f"{path} is neither a checkpoint nor a run directory with one")
+
+
+def newest_weights(path: Path, purpose: str) -> tuple[Path, dict[str, Any], dict[str, Tensor]]:
+    """(checkpoint, its trainer state, its whole fp32 weights) of the newest checkpoint under
+    `path` that verifies and loads; damaged ones are reported and skipped."""
+    tried = []
+    for ckpt in candidates(path):
+        try:
+            return (ckpt, *whole_weights(ckpt))
+        except LOAD_ERRORS as err:  # damaged, unsafe or incomplete: the one before it
+            log.warning(
+                "checkpoint %s cannot be %s (%s); trying the one before it", ckpt, purpose, err
+            )
+            tried.append(ckpt.name)
+    raise CheckpointError(f"no checkpoint under {path} loads (tried {', '.join(tried)})")
+
+
+def whole_weights(ckpt: Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """(trainer state, whole state dict) of one checkpoint, after its checksums are verified."""
+    form = format_of(ckpt)
+    if form is None:
+        raise CheckpointError(
+            f"{ckpt} is incomplete (neither DCP's .metadata nor an engine's folder)"
+        )
+    extra, metadata = read_checked(ckpt, rank=0, form=form)
+    model_cfg = config_from_dict(ModelConfig, extra["model_config"])
+    if form != DCP:
+        return extra, consolidated_weights(ckpt)
+    model = build_model(model_cfg, device="cpu")
+    state = {"model": model.state_dict()}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        read_states(state, ckpt, metadata)
+    return extra, state["model"]
+
+
+def model_differences(extra: dict[str, Any], model_cfg: ModelConfig) -> list[str]:
+    """How the checkpoint's model differs from `model_cfg` (empty: its weights fit), ignoring
+    the optimizer (a run started from weights builds its own)."""
+    mine = Fingerprint.of(model_cfg, OptimConfig())
+    return [d for d in mine.differences(extra) if d.startswith("model.")]
+
+
+def starting_weights(
+    init_from: str, resume: str, model_cfg: ModelConfig, run_dir: Path
+) -> Callable[[], dict[str, Tensor]] | None:
+    """init_from=<checkpoint>: a reader of its whole weights, after checking that they fit this
+    model (None without init_from, or when this run resumes a checkpoint of its own)."""
+    if not init_from:
+        return None
+    if resume != "none" and (resume != "auto" or complete_checkpoints(run_dir / "checkpoints")):
+        log.info("init_from=%s is not used: the run resumes its checkpoint", init_from)
+        return None
+    source = Path(init_from).expanduser()
+    if not source.exists():
+        raise ConfigError(f"init_from={init_from} does not exist")
+    ckpt = candidates(source)[0]
+    extra, _ = read_checked(ckpt, rank=0, form=format_of(ckpt) or DCP)
+    if differences := model_differences(extra, model_cfg):
+        raise ConfigError(
+            f"init_from={ckpt} holds another model ({'; '.join(differences)}): set the model "
+            f"options it was trained with"
+        )
+    log.info("starting from the weights of %s (step %d, a fresh optimizer)", ckpt, extra["step"])
+    return lambda: whole_weights(ckpt)[1]
