@@ -16,6 +16,8 @@ weights untouched). Sharded (DTensor) weights are scaled on their local rows.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -55,9 +57,17 @@ def pop_max_logits(model: nn.Module) -> Tensor | None:
     return torch.stack(logits)
 
 
+RowScaler = Callable[[Tensor, Tensor], None]  # (param, per-row factor): param[r] *= factor[r]
+
+
 @torch.no_grad()
-def apply_qk_clip(model: nn.Module, max_logits: Tensor, tau: float) -> dict[str, float]:
-    """Rescale heads whose max logit exceeds tau; returns logging statistics."""
+def apply_qk_clip(
+    model: nn.Module, max_logits: Tensor, tau: float, scale: RowScaler | None = None
+) -> dict[str, float]:
+    """Rescale heads whose max logit exceeds tau; returns logging statistics. `scale`: how a
+    weight's rows are scaled (default `scale_rows`; an engine whose optimizer keeps the weights
+    elsewhere, DeepSpeed's ZeRO, brings its own)."""
+    scale = scale or scale_rows
     peaks = max_logits.float()
     over = peaks > tau  # only these heads change (tau / peak could round below 1 at peak == tau)
     gammas = torch.where(over, tau / peaks.clamp(min=1e-30), torch.ones_like(peaks))  # (L, H)
@@ -69,7 +79,7 @@ def apply_qk_clip(model: nn.Module, max_logits: Tensor, tau: float) -> dict[str,
     ):
         if clipped:
             for param, rows in module.qk_clip_row_scales(gamma):
-                scale_rows(param, rows)
+                scale(param, rows)
         layer = name.split(".")[1] if name.startswith("layers.") else name
         stats[f"qk/layer{layer}/max_logit"] = peak
     stats["qk/max_logit"] = max(layer_peaks)

@@ -19,8 +19,8 @@ Checkpoints are DeepSpeed's own files in `<step dir>/deepspeed/`, written and co
 trainer's scheme (temporary directory, checksums, `latest`, fallback past damaged ones); on
 another number of ranks they load through DeepSpeed's universal checkpoint (converted beside the
 step directory, then removed). ZeRO stages 1-3 need a process group; one process gets a 1-rank
-gloo group. Not yet here (refused at start with the reason): Muon / MuonClip (DeepSpeed's own
-Muon is the route), expert parallelism, Engram tables.
+gloo group. Muon and MuonClip run through DeepSpeed's own Muon (parallel.deepspeed_muon). Not yet
+here (refused at start with the reason): expert parallelism, Engram tables.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from model.transformer import Transformer, build_model
 from parallel.activation import apply_activation_checkpointing, compile_model
 from parallel.collective import max_over_ranks
 from parallel.deepspeed_checkpoint import CHECKPOINT_FOLDER, convert_to_universal, saved_ranks
+from parallel.deepspeed_muon import MUON_OPTIMIZERS, deepspeed_muon, muon_problems
 from parallel.engine import ENGINES, EngineRequest, TrainingEngine, training_objective
 from parallel.grad_norm import clip_grad_norm
 from parallel.init import load_whole_weights
@@ -76,11 +77,6 @@ def refuse_unsupported(request: EngineRequest, optimizer_name: str) -> None:
     """The settings this engine does not take yet, each with its reason (ConfigError)."""
     cfg, ds = request.model_cfg, request.parallel.deepspeed
     problems = []
-    if optimizer_name in ("muon", "muonclip"):
-        problems.append(
-            f"optim={optimizer_name}: ZeRO hands a client optimizer flat partitions, not matrices; "
-            "DeepSpeed's own Muon is not wired in yet (use optim=adamw or parallel.engine=fsdp2)"
-        )
     if request.dims.ep > 1:
         problems.append("parallel.ep > 1: expert parallelism runs under parallel.engine=fsdp2")
     if cfg.engram.enabled:
@@ -109,6 +105,8 @@ def deepspeed_config(request: EngineRequest) -> dict[str, Any]:
             zero[key] = {"device": device} | (
                 {"nvme_path": ds.nvme_path} if device == "nvme" else {}
             )
+    if request.optimizer_name in MUON_OPTIMIZERS and ds.zero_stage == 3:
+        zero["reduce_scatter"] = False  # DeepSpeed's ZeRO-3 Muon gathers whole gradients
     ours: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": request.micro_batch_size,
         "gradient_accumulation_steps": request.micro_batches,
@@ -158,12 +156,21 @@ def _merge(theirs: dict, ours: dict, prefix: str) -> dict:
 class DeepSpeedEngine(TrainingEngine):
     """The TrainingEngine over a `deepspeed.DeepSpeedEngine` (see the module docstring)."""
 
-    def __init__(self, ds_engine: Any, precision: str, device: torch.device, grad_clip: float):
+    def __init__(
+        self,
+        ds_engine: Any,
+        precision: str,
+        device: torch.device,
+        grad_clip: float,
+        muon: bool = False,
+    ):
         self.ds = ds_engine
         self.model: Transformer = ds_engine.module
         self.optimizer = ds_engine.optimizer  # param_groups: the client optimizer's groups
         self.stage = ds_engine.zero_optimization_stage()
         self.grad_clip = grad_clip
+        # ZeRO 1-3's norm under Muon covers Muon's orthogonalized updates, not the gradients
+        self.reports_norm = not (muon and self.stage > 0)
         self._autocast = autocast_factory(precision, device)
         self._buffer_names = set(self.model.state_dict().keys()) - {
             name for name, _ in self.model.named_parameters()
@@ -191,9 +198,33 @@ class DeepSpeedEngine(TrainingEngine):
         return clip_grad_norm(params, max_norm)
 
     def step(self, edit: Callable[[nn.Module], None] | None = None) -> None:
-        if edit is not None:
-            raise NotImplementedError("weight edits after the step (QK-clip) under DeepSpeed")
+        """DeepSpeed's step, then `edit` (QK-clip) on the model: its row scalings go through
+        `scale_rows`, which edits DeepSpeed's fp32 masters and the module's copy alike."""
         self.ds.step()
+        if edit is not None and self.ds.was_step_applied():
+            edit(self.model)
+
+    def scale_rows(self, param: nn.Parameter, rows: Tensor) -> None:
+        """param[r, ...] *= rows[r] on the weight the optimizer updates: ZeRO-0's parameter
+        itself; under ZeRO 1-3 the fp32 master (gathered whole through DeepSpeed's safe
+        accessors, collective) and the module's copy, which otherwise would only follow at the
+        next step (ZeRO-3: its partitions, rewritten from rank 0's whole tensor)."""
+        factor = rows.view(-1, *([1] * (param.dim() - 1)))
+        if self.stage == 0:
+            param.data.mul_(factor.to(param.dtype))
+            return
+        import deepspeed
+        from deepspeed.utils import safe_get_full_fp32_param, safe_set_full_fp32_param
+
+        master = safe_get_full_fp32_param(param)
+        master.mul_(factor.to(master.device, master.dtype))
+        safe_set_full_fp32_param(param, master)
+        if self.stage == 3:
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+                if dist.get_rank() == 0:
+                    param.data.copy_(master.view_as(param).to(param.dtype))
+        else:
+            param.data.copy_(master.view_as(param).to(param.dtype))
 
     def finish_step(
         self, max_norm: float, apply: bool, edit: Callable[[nn.Module], None] | None = None
@@ -208,7 +239,7 @@ class DeepSpeedEngine(TrainingEngine):
                 self.ds.step()
             return math.nan, False
         self.step(edit)
-        norm = self.ds.get_global_grad_norm()
+        norm = self.ds.get_global_grad_norm() if self.reports_norm else None
         return (math.nan if norm is None else float(norm)), bool(self.ds.was_step_applied())
 
     @contextmanager
@@ -360,13 +391,22 @@ def build_deepspeed(request: EngineRequest) -> DeepSpeedEngine:
         compile_model(model)
     config = deepspeed_config(request)
     client = request.make_optimizer(model)
+    if request.optimizer_name in MUON_OPTIMIZERS:
+        ds = request.parallel.deepspeed
+        problems = muon_problems(client, ds.zero_stage, request.grad_clip, ds.offload_optimizer)
+        if problems:
+            raise ConfigError(
+                f"parallel.engine=deepspeed, optim={request.optimizer_name}: " + "; ".join(problems)
+            )
+        client = deepspeed_muon(client)
     kwargs: dict[str, Any] = {"optimizer": client}
     if request.parallel.deepspeed.offload_optimizer != "none":  # DeepSpeed's CPU Adam, same groups
         config["optimizer"] = _ds_adamw(client)
         kwargs = {"model_parameters": [dict(g) for g in client.param_groups]}
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # its config dump, per rank
     ds_engine, *_ = deepspeed.initialize(model=model, config=config, **kwargs)
-    return DeepSpeedEngine(ds_engine, request.precision, request.device, request.grad_clip)
+    muon = request.optimizer_name in MUON_OPTIMIZERS
+    return DeepSpeedEngine(ds_engine, request.precision, request.device, request.grad_clip, muon)
 
 
 def _ds_adamw(client: torch.optim.Optimizer) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from torch import nn
 
 from data.loader import Batch
 from model.moe import apply_bias_update, expert_load, moe_stats, reset_moe_stats
-from optim.qk_clip import apply_qk_clip, pop_max_logits
+from optim.qk_clip import RowScaler, apply_qk_clip, pop_max_logits, scale_rows
 from parallel.collective import several_ranks
 from parallel.engine import TrainingEngine
 
@@ -97,7 +97,8 @@ def train_step(
     if mtp is not None:
         stats |= mtp.stats(_sum_over_ranks)  # mtp/loss_<k>, mtp/weight
     tau = settings.qk_clip_tau
-    clip = (lambda masters: stats.update(_qk_clip(model, masters, tau))) if tau > 0 else None
+    scale = getattr(engine, "scale_rows", scale_rows)  # engines whose weights live elsewhere
+    clip = (lambda masters: stats.update(_qk_clip(model, masters, tau, scale))) if tau > 0 else None
     norm_value, applied = engine.finish_step(max_norm, not reason, clip)
     if not reason and not applied:
         kind = "nonfinite_grad_norm"
@@ -134,14 +135,16 @@ def _sum_over_ranks(value: torch.Tensor) -> None:
         dist.all_reduce(value)
 
 
-def _qk_clip(model: nn.Module, updated: nn.Module, tau: float) -> dict[str, float]:
+def _qk_clip(
+    model: nn.Module, updated: nn.Module, tau: float, scale: RowScaler = scale_rows
+) -> dict[str, float]:
     """MuonClip: the step's per-head max logits (MAX over ranks) cap the updated weights."""
     logits = pop_max_logits(model)
     if logits is None:
         return {}
     if several_ranks():
         dist.all_reduce(logits, op=dist.ReduceOp.MAX)
-    return apply_qk_clip(updated, logits, tau)
+    return apply_qk_clip(updated, logits, tau, scale)
 
 
 def _update_expert_biases(model: nn.Module, apply: bool) -> dict[str, float]:

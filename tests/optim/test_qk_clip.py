@@ -143,9 +143,9 @@ def test_muonclip_on_the_triton_kernel_clips_the_heads_sdpa_clips(monkeypatch) -
     clipped: list = []
     apply = trainer.step.apply_qk_clip
 
-    def recording_apply(model, max_logits, tau):
+    def recording_apply(model, max_logits, tau, scale=None):
         clipped.append(max_logits > tau)  # (L, H): the heads this step clips
-        return apply(model, max_logits, tau)
+        return apply(model, max_logits, tau, scale)
 
     monkeypatch.setattr(trainer.step, "apply_qk_clip", recording_apply)
     sdpa_stats: list[dict] = []

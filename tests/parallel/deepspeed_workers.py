@@ -25,6 +25,8 @@ def deepspeed_engine(
     zero_stage: int,
     precision: str = "fp32",
     micro_batches: int = 1,
+    optimizer_name: str = "adamw",
+    grad_clip: float = 1.0,
     **ds: Any,
 ):
     _, size = world()
@@ -32,8 +34,10 @@ def deepspeed_engine(
         engine="deepspeed", deepspeed=DeepSpeedConfig(zero_stage=zero_stage, **ds)
     )
     micro = GLOBAL_BATCH // size // micro_batches
-    tcfg = TrainerConfig(precision=precision, batch_size=GLOBAL_BATCH, micro_batch_size=micro)
-    optim_cfg = OptimConfig(name="adamw", lr=3e-3, warmup_steps=0, schedule="constant")
+    tcfg = TrainerConfig(
+        precision=precision, batch_size=GLOBAL_BATCH, micro_batch_size=micro, grad_clip=grad_clip
+    )
+    optim_cfg = OptimConfig(name=optimizer_name, lr=3e-3, warmup_steps=0, schedule="constant")
     dims = ParallelDims.resolve(pcfg, size)
     return build_training_engine(model_cfg, tcfg, pcfg, optim_cfg, dims, torch.device("cpu"), 0)
 
@@ -47,14 +51,31 @@ def train_deepspeed(
     precision: str = "fp32",
     bad_loss_at: int = -1,
     options: dict[str, Any] | None = None,
+    optimizer_name: str = "adamw",
+    grad_clip: float = 1.0,
+    qk_clip_tau: float = 0.0,
 ) -> dict[str, Any]:
-    """Losses, norms, whether each step applied, and the final whole weights; `bad_loss_at`:
-    the loop judges that step's loss bad (a spike), so the engine must drop its gradients;
-    `options`: more parallel.deepspeed settings."""
-    engine = deepspeed_engine(model_cfg, zero_stage, precision, micro_batches, **(options or {}))
-    settings = StepSettings(micro_batches=micro_batches, grad_clip=1.0)
+    """Losses, norms, whether each step applied, the step statistics (QK-clip's) and the final
+    whole weights; `bad_loss_at`: the loop judges that step's loss bad (a spike), so the engine
+    must drop its gradients; `options`: more parallel.deepspeed settings."""
+    engine = deepspeed_engine(
+        model_cfg,
+        zero_stage,
+        precision,
+        micro_batches,
+        optimizer_name,
+        grad_clip,
+        **(options or {}),
+    )
+    if qk_clip_tau:
+        from optim.qk_clip import enable_qk_clip
+
+        enable_qk_clip(engine.model)
+    settings = StepSettings(
+        micro_batches=micro_batches, grad_clip=grad_clip, qk_clip_tau=qk_clip_tau
+    )
     tracker = LossTracker(0.0)
-    losses, norms, applied = [], [], []
+    losses, norms, applied, stats = [], [], [], []
     for step, tokens in enumerate(global_batches(steps, model_cfg.vocab_size)):
         if step == bad_loss_at:
             tracker.spike = lambda loss: True  # the loop's verdict; the engine must drop it
@@ -63,11 +84,13 @@ def train_deepspeed(
         losses.append(result.loss)
         norms.append(result.grad_norm)
         applied.append(not result.skipped)
+        stats.append(result.moe)
     final = whole_weights(engine)
     return {
         "losses": losses,
         "norms": [n if math.isfinite(n) else None for n in norms],
         "applied": applied,
+        "stats": stats,
         "final": final,
         "optimizer": type(engine.optimizer).__name__,
     }

@@ -128,3 +128,52 @@ def test_zero3_trains_every_architecture_like_one_process(architecture):
     single = train(0, cfg, {}, 3)
     got = run_ranks(2, train_deepspeed, cfg, 3, 3)[0]
     assert_same_run(got, single, weight_atol=5e-5)
+
+
+def update_difference(got: dict, ref: dict) -> float:
+    """|W_got - W_ref| / |W_ref - W_0| over every parameter: how far apart the two runs' total
+    updates are, relative to the update."""
+    apart = sum((got["final"][n] - ref["final"][n]).square().sum() for n in got["final"])
+    moved = sum((ref["final"][n] - ref["initial"][n]).square().sum() for n in got["final"])
+    return float((apart / moved).sqrt())
+
+
+MUON_ARGS = (STEPS, 1, "fp32")  # steps, micro-batches, precision
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_deepspeeds_muon_follows_the_trainers(stage):
+    """DeepSpeed's Muon over the trainer's groups and update scale against the trainer's Muon
+    in one process (ZeRO-0 with gradient clipping at 1.0, ZeRO 2/3 without: refused there).
+    Losses to 2e-5; the total update to 5%: the two bf16 Newton-Schulz iterations round
+    differently (3.4% apart on a 64 x 64 Gaussian, each 1.5% / 3.1% from the exact one; 1.9%
+    measured here), while a wrong scale, momentum or role moves it by tens of percent."""
+    clip = 1.0 if stage == 0 else 0.0
+    ref = train(0, small_model(), {}, *MUON_ARGS, clip, "", "", "muon")
+    got = run_ranks(2, train_deepspeed, small_model(), stage, *MUON_ARGS, -1, None, "muon", clip)
+    torch.testing.assert_close(got[0]["losses"], ref["losses"], rtol=2e-5, atol=1e-6)
+    assert update_difference(got[0], ref) < 0.05
+    assert got[0]["losses"] == got[1]["losses"]
+    if stage > 0:  # DeepSpeed's norm there covers Muon's updates: not reported as the gradient's
+        assert all(norm is None for norm in got[0]["norms"])
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_muonclip_under_deepspeed_clips_the_same_heads(stage):
+    """tau = 0.09 sits inside the heads' max logits (0.09-0.11): some heads are clipped at each
+    step. DeepSpeed clips the same number in every step, and the next forward sees the clipped
+    weights (its max logits follow the trainer's: the edit reaches DeepSpeed's fp32 masters and
+    the module's copy, ZeRO-3's partitions included). Max logits to 5e-3 (the Newton-Schulz
+    roundings, 2.1e-3 measured by step 4); leaving the module's copy unclipped moves step 3's
+    by 2.7%."""
+    tau = 0.09
+    ref = train(0, small_model(), {}, *MUON_ARGS, 0.0, "", "", "muonclip", tau)
+    got = run_ranks(
+        2, train_deepspeed, small_model(), stage, *MUON_ARGS, -1, None, "muonclip", 0.0, tau
+    )[0]
+    clipped = [s["qk/clipped_heads"] for s in ref["stats"]]
+    assert min(clipped) > 0 and max(clipped) < 8  # 2 layers x 4 heads: some, not all
+    assert [s["qk/clipped_heads"] for s in got["stats"]] == clipped
+    for mine, want in zip(got["stats"], ref["stats"]):
+        assert mine["qk/max_logit"] == pytest.approx(want["qk/max_logit"], rel=5e-3)
+    assert update_difference(got, ref) < 0.05

@@ -86,7 +86,7 @@ def test_one_process_trains_and_an_fsdp2_checkpoint_is_refused_by_name(dataset, 
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("optim=muon", "optim=muon: ZeRO hands a client optimizer flat partitions"),
+        ("optim=muon", "trainer.grad_clip=1.0 under ZeRO-2 with Muon: DeepSpeed 0.19 clips"),
         ("parallel.deepspeed.zero_stage=5", "parallel.deepspeed.zero_stage=5 must be 0, 1, 2 or 3"),
         ("parallel.deepspeed.offload_params=cpu", "offload_params=cpu needs zero_stage=3"),
     ],
@@ -141,3 +141,23 @@ def test_runs_move_between_engines_through_their_weights_and_both_export(dataset
     assert result.returncode == 2
     assert "holds another model (model.n_layers=2 in the checkpoint, 3 now)" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_muonclip_under_deepspeed_resumes_exactly(dataset, tmp_path):
+    """optim=muonclip through the CLI on ZeRO-2 (DeepSpeed's Muon, the trainer's schedule and
+    QK-clip): killed after step 2 and resumed, steps 3-4 repeat bitwise (the Muon momentum and
+    Adam moments are in DeepSpeed's checkpoint)."""
+    run_dir = tmp_path / "run"
+    muon = ["optim=muonclip", "optim.qk_clip_tau=0.5", "trainer.grad_clip=0"]
+    common = [f"data.path={dataset}", *SMALL_OVERRIDES, *FP32, "parallel.engine=deepspeed", *muon]
+    common += ["trainer.max_steps=4", "checkpoint.every=2", f"hydra.run.dir={run_dir}"]
+    result = run_trainer(*common, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    first = train_losses(run_dir)
+    shutil.rmtree(run_dir / "checkpoints" / "step_00000004")
+    (run_dir / "checkpoints" / "latest").write_text("step_00000002\n")
+    result = run_trainer(*common, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumed from" in (run_dir / "train.log").read_text()
+    resumed = train_losses(run_dir)
+    assert {step: resumed[step] for step in (3, 4)} == {step: first[step] for step in (3, 4)}
