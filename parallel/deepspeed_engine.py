@@ -405,8 +405,21 @@ def build_deepspeed(request: EngineRequest) -> DeepSpeedEngine:
         kwargs = {"model_parameters": [dict(g) for g in client.param_groups]}
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # its config dump, per rank
     ds_engine, *_ = deepspeed.initialize(model=model, config=config, **kwargs)
+    if request.parallel.deepspeed.zero_stage == 3:
+        register_external_parameters(model)
     muon = request.optimizer_name in MUON_OPTIMIZERS
     return DeepSpeedEngine(ds_engine, request.precision, request.device, request.grad_clip, muon)
+
+
+def register_external_parameters(model: nn.Module) -> None:
+    """ZeRO-3 gathers a module's own weights around its forward and backward; weights a module
+    reads from a submodule it does not call (`external_parameters()`, e.g. the MoE router's
+    fp32 gate) are registered with it, or they stay partitioned (empty) there."""
+    import deepspeed
+
+    for module in model.modules():
+        for param in getattr(module, "external_parameters", list)():
+            deepspeed.zero.register_external_parameter(module, param)
 
 
 def _ds_adamw(client: torch.optim.Optimizer) -> dict[str, Any]:

@@ -202,6 +202,13 @@ class MoE(Fp32Buffers):
             )
             self.last_losses = logged
 
+    def external_parameters(self) -> list[nn.Parameter]:
+        """Weights used inside this layer by a module that is not called (the router reads its
+        gate's weight in fp32) and returns no tensor (its Routing): engines that gather weights
+        around each module's forward and backward (DeepSpeed's ZeRO-3) fetch them with this
+        layer's."""
+        return [self.router.gate.weight]
+
     def param_roles(self) -> dict[str, str]:
         # a (1, C) gate: AdamW, never Muon (an orthogonalized single row is just its sign pattern)
         return {"shared_gate.weight": roles.MIXING} if self.shared_gate is not None else {}

@@ -112,22 +112,25 @@ ARCHITECTURES = {
     "mHC": ("tiny_mhc", {}),
     "hybrid GDN/KDA + gated attention": ("tiny_hybrid", {"n_layers": 4}),
     "MLA": ("tiny_mla", {}),
+    "MoE": ("tiny_moe", {"moe.expert_hidden": 32}),
 }
 
 
 @pytest.mark.parametrize("architecture", list(ARCHITECTURES))
-def test_zero3_trains_every_architecture_like_one_process(architecture):
+def test_zero3_trains_every_architecture_like_fsdp2(architecture):
     """ZeRO-3 partitions every weight and gathers each module's own in its forward; weights
     read outside their module (the tied head, MTP's shared embedding and head, AttnRes's
-    pseudo-queries, mHC's streams) must still arrive whole: 3 steps against one process.
-    Weights to 5e-5: Adam turns reduction-order noise in near-zero gradients into differences
-    of that size (the FSDP2 engine on 2 ranks differs from one process by 3.1e-5 on the tied +
-    MTP model; an update is lr = 3e-3)."""
+    pseudo-queries, mHC's streams, the MoE router's fp32 gate: registered as external) must
+    still arrive whole: 3 steps against the FSDP2 engine (one process; MoE: 2 ranks, as its
+    Switch balance loss is taken over each rank's batch). Weights to 5e-5: Adam turns noise in
+    near-zero gradients into differences of that size (the FSDP2 engine on 2 ranks differs
+    from one process by 3.1e-5 on the tied + MTP model; an update is lr = 3e-3)."""
     preset, overrides = ARCHITECTURES[architecture]
     cfg = small_model(preset, **overrides)
-    single = train(0, cfg, {}, 3)
+    ranks = 2 if architecture == "MoE" else 1
+    reference = run_ranks(2, train, cfg, {}, 3)[0] if ranks == 2 else train(0, cfg, {}, 3)
     got = run_ranks(2, train_deepspeed, cfg, 3, 3)[0]
-    assert_same_run(got, single, weight_atol=5e-5)
+    assert_same_run(got, reference, weight_atol=5e-5)
 
 
 def update_difference(got: dict, ref: dict) -> float:
