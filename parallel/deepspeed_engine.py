@@ -200,16 +200,27 @@ class DeepSpeedEngine(TrainingEngine):
     def step(self, edit: Callable[[nn.Module], None] | None = None) -> None:
         """DeepSpeed's step, then `edit` (QK-clip) on the model: its row scalings go through
         `scale_rows`, which edits DeepSpeed's fp32 masters and the module's copy alike."""
+        self._sync_muon_momentum()
         self.ds.step()
         if edit is not None and self.ds.was_step_applied():
             edit(self.model)
+
+    def _sync_muon_momentum(self) -> None:
+        """ZeRO-3 reads Muon's momentum once, at its start (`muon_beta`); the trainer's schedule
+        sets it per step in the groups (optim.muon_momentum_warmup): passed on here."""
+        if self.stage != 3 or getattr(self.ds.optimizer, "muon_beta", None) is None:
+            return
+        momenta = {g["momentum"] for g in self.optimizer.param_groups if g.get("use_muon")}
+        if momenta:
+            (self.ds.optimizer.muon_beta,) = momenta
 
     def scale_rows(self, param: nn.Parameter, rows: Tensor) -> None:
         """param[r, ...] *= rows[r] on the weight the optimizer updates: ZeRO-0's parameter
         itself; under ZeRO 1-3 the fp32 master (gathered whole through DeepSpeed's safe
         accessors, collective) and the module's copy, which otherwise would only follow at the
         next step (ZeRO-3: its partitions, rewritten from rank 0's whole tensor)."""
-        factor = rows.view(-1, *([1] * (param.dim() - 1)))
+        shape = getattr(param, "ds_shape", param.shape)  # ZeRO-3: the data is a (0,) placeholder
+        factor = rows.view(-1, *([1] * (len(shape) - 1)))
         if self.stage == 0:
             param.data.mul_(factor.to(param.dtype))
             return
@@ -247,10 +258,18 @@ class DeepSpeedEngine(TrainingEngine):
         """One step that DeepSpeed's ZeRO optimizer treats as an overflow: it clears the
         accumulated gradients and partitions, updates nothing and counts a skipped step."""
         optimizer = self.ds.optimizer
-        name = "_get_norm_groups" if self.stage == 3 else "scaled_global_norm"
-        if self.stage == 3:
-            fake = lambda *a, **k: [torch.tensor(math.inf)]  # noqa: E731
-        else:
+        if self.stage == 3:  # before anything (Muon's momentum) is touched: the overflow check
+            name = "_overflow_check_and_loss_scale_update"
+
+            def fake(update_scale: bool = True) -> bool:
+                optimizer.overflow = True
+                return (
+                    True
+                    if not update_scale
+                    else optimizer._loss_scale_update_and_overflow_cleanup()
+                )
+        else:  # ZeRO-1/2 keep Muon's momentum only once the step survives its norm
+            name = "scaled_global_norm"
             fake = lambda *a, **k: torch.tensor(math.inf)  # noqa: E731
         setattr(optimizer, name, fake)
         try:

@@ -4,7 +4,10 @@ whole at the end (ZeRO-3 partitions them)."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +33,8 @@ def deepspeed_engine(
     **ds: Any,
 ):
     _, size = world()
+    if zero_stage == 3 and "config" not in ds:
+        ds["config"] = partition_everything()
     pcfg = ParallelConfig(
         engine="deepspeed", deepspeed=DeepSpeedConfig(zero_stage=zero_stage, **ds)
     )
@@ -40,6 +45,22 @@ def deepspeed_engine(
     optim_cfg = OptimConfig(name=optimizer_name, lr=3e-3, warmup_steps=0, schedule="constant")
     dims = ParallelDims.resolve(pcfg, size)
     return build_training_engine(model_cfg, tcfg, pcfg, optim_cfg, dims, torch.device("cpu"), 0)
+
+
+def muon_momentum(engine) -> float:
+    """The sum of |Muon's momentum| this rank holds (its ZeRO partitions, or whole buffers)."""
+    inner = getattr(engine.ds.optimizer, "optimizer", engine.ds.optimizer)
+    buffers = [s["momentum_buffer"] for s in inner.state.values() if "momentum_buffer" in s]
+    return float(sum(b.abs().sum() for b in buffers))
+
+
+def partition_everything() -> str:
+    """A DeepSpeed JSON that makes ZeRO-3 partition every weight: by default it keeps weights
+    under 1e5 elements whole on every rank (stage3_param_persistence_threshold), which is all
+    of a test model's."""
+    path = Path(tempfile.gettempdir()) / f"ds_partition_everything_{os.getpid()}.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage3_param_persistence_threshold": 0}}))
+    return str(path)
 
 
 def train_deepspeed(
@@ -75,7 +96,7 @@ def train_deepspeed(
         micro_batches=micro_batches, grad_clip=grad_clip, qk_clip_tau=qk_clip_tau
     )
     tracker = LossTracker(0.0)
-    losses, norms, applied, stats = [], [], [], []
+    losses, norms, applied, stats, momenta = [], [], [], [], []
     for step, tokens in enumerate(global_batches(steps, model_cfg.vocab_size)):
         if step == bad_loss_at:
             tracker.spike = lambda loss: True  # the loop's verdict; the engine must drop it
@@ -85,12 +106,14 @@ def train_deepspeed(
         norms.append(result.grad_norm)
         applied.append(not result.skipped)
         stats.append(result.moe)
+        momenta.append(muon_momentum(engine))
     final = whole_weights(engine)
     return {
         "losses": losses,
         "norms": [n if math.isfinite(n) else None for n in norms],
         "applied": applied,
         "stats": stats,
+        "momentum": momenta,
         "final": final,
         "optimizer": type(engine.optimizer).__name__,
     }

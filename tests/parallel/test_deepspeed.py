@@ -180,3 +180,15 @@ def test_muonclip_under_deepspeed_clips_the_same_heads(stage):
     for mine, want in zip(got["stats"], ref["stats"]):
         assert mine["qk/max_logit"] == pytest.approx(want["qk/max_logit"], rel=5e-3)
     assert update_difference(got, ref) < 0.05
+
+
+def test_a_step_the_loop_judges_bad_leaves_muons_momentum_alone():
+    """Step 1's loss is declared a spike under DeepSpeed's Muon: every stage drops it before
+    its Muon pass folds the gradient into the momentum (ZeRO-3's norm check comes after that
+    pass, so the engine declares the overflow first): the momentum after step 1 is the one
+    after step 0, and the next step moves it again."""
+    for stage in (0, 2, 3):
+        run = run_ranks(2, train_deepspeed, small_model(), stage, *MUON_ARGS, 1, None, "muon", 0.0)
+        assert run[0]["applied"] == [True, False, True, True], stage
+        momentum = run[0]["momentum"]
+        assert momentum[1] == momentum[0] and momentum[2] != momentum[1], (stage, momentum)
