@@ -32,7 +32,7 @@ import os
 import shutil
 import socket
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -43,9 +43,10 @@ from torch import Tensor, nn
 from model.errors import ConfigError
 from model.transformer import Transformer, build_model
 from parallel.activation import apply_activation_checkpointing, compile_model
-from parallel.collective import max_over_ranks
-from parallel.deepspeed_checkpoint import CHECKPOINT_FOLDER, convert_to_universal, saved_ranks
+from parallel.collective import all_true
+from parallel.deepspeed_checkpoint import CHECKPOINT_FOLDER, saved_ranks
 from parallel.deepspeed_muon import MUON_OPTIMIZERS, deepspeed_muon, muon_problems
+from parallel.deepspeed_reshard import convert_on_main, load_universal
 from parallel.engine import ENGINES, EngineRequest, TrainingEngine, training_objective
 from parallel.grad_norm import clip_grad_norm
 from parallel.init import load_whole_weights
@@ -169,8 +170,10 @@ class DeepSpeedEngine(TrainingEngine):
         self.optimizer = ds_engine.optimizer  # param_groups: the client optimizer's groups
         self.stage = ds_engine.zero_optimization_stage()
         self.grad_clip = grad_clip
+        self.muon = muon
         # ZeRO 1-3's norm under Muon covers Muon's orthogonalized updates, not the gradients
         self.reports_norm = not (muon and self.stage > 0)
+        self._universal: Path | None = None  # a converted checkpoint read_checkpoint loads
         self._autocast = autocast_factory(precision, device)
         self._buffer_names = set(self.model.state_dict().keys()) - {
             name for name, _ in self.model.named_parameters()
@@ -308,21 +311,49 @@ class DeepSpeedEngine(TrainingEngine):
         self.ds.save_checkpoint(str(directory), tag=CHECKPOINT_FOLDER, save_latest=False)
 
     def checkpoint_conflict(self, directory: Path) -> str | None:
-        """Why this run cannot load the checkpoint in `directory` (None: it can). Any ZeRO
-        checkpoint loads on any number of ranks (another count goes through DeepSpeed's
-        universal checkpoint, see read_checkpoint)."""
-        if not (directory / CHECKPOINT_FOLDER).is_dir():
+        """Why this run cannot load the checkpoint in `directory` (None: it can; collective).
+        A checkpoint of another number of ranks is converted here to DeepSpeed's universal
+        checkpoint (rank 0 runs DeepSpeed's converter into this run's scratch directory while
+        the others wait on its status file), which read_checkpoint then loads; Muon's momentum
+        has no universal form, so such checkpoints are refused."""
+        folder = directory / CHECKPOINT_FOLDER
+        if not folder.is_dir():
             return f"{directory} has no {CHECKPOINT_FOLDER}/ folder"
+        self._universal = None
+        written, size = saved_ranks(folder), dist.get_world_size()
+        if not written or written == size:
+            return None
+        if self.muon:
+            return (
+                f"{directory} holds ZeRO partitions of {written} ranks with Muon's momentum and "
+                f"this run has {size}: DeepSpeed's universal checkpoint has no Muon state. Resume "
+                f"on {written} ranks, or start a new run from its weights: init_from={directory}"
+            )
+        universal = (self.scratch_dir or directory.parent) / ".deepspeed-universal" / directory.name
+        problem = convert_on_main(folder, universal / CHECKPOINT_FOLDER, written, size)
+        if problem:
+            return problem
+        self._universal = universal
         return None
 
     def read_checkpoint(self, directory: Path) -> None:
-        """DeepSpeed's load (collective): weights, optimizer partitions, its step counters. A
-        checkpoint from another number of ranks is first converted to DeepSpeed's universal
-        checkpoint (one file per parameter and state; rank 0 converts, every rank reads its
-        own partitions from it) beside the step directory, removed after loading."""
-        written = saved_ranks(directory / CHECKPOINT_FOLDER)
-        if written and written != dist.get_world_size():
-            self._read_resharded(directory, written)
+        """DeepSpeed's load (collective): weights, optimizer partitions, its step counters;
+        from the universal checkpoint checkpoint_conflict made when the rank counts differ
+        (removed after, whatever happens)."""
+        if getattr(self, "_universal", None) is not None:
+            universal, self._universal = self._universal, None
+            try:
+                ok = False
+                load_universal(self.ds, universal, CHECKPOINT_FOLDER)
+                ok = True
+            finally:
+                loaded_everywhere = all_true(ok)
+                if dist.get_rank() == 0:
+                    shutil.rmtree(universal, ignore_errors=True)
+                    with suppress(OSError):  # the scratch folder, once empty
+                        universal.parent.rmdir()
+            if not loaded_everywhere:
+                raise RuntimeError(f"another rank could not load the universal form of {directory}")
             return
         path, _ = self.ds.load_checkpoint(
             str(directory), tag=CHECKPOINT_FOLDER, load_lr_scheduler_states=False
@@ -330,65 +361,11 @@ class DeepSpeedEngine(TrainingEngine):
         if path is None:
             raise FileNotFoundError(f"DeepSpeed found no checkpoint in {directory}")
 
-    def _read_resharded(self, directory: Path, written: int) -> None:
-        universal = directory.parent / f".{directory.name}.universal"
-        problem = ""
-        if dist.get_rank() == 0:
-            log.info(
-                "%s was written by %d ranks; converting it to DeepSpeed's universal checkpoint "
-                "for %d",
-                directory,
-                written,
-                dist.get_world_size(),
-            )
-            try:
-                convert_to_universal(directory / CHECKPOINT_FOLDER, universal / CHECKPOINT_FOLDER)
-            except (OSError, RuntimeError) as err:
-                problem = str(err)
-        if max_over_ranks(1 if problem else 0):  # every rank learns rank 0's outcome
-            raise RuntimeError(problem or "rank 0 could not convert it to a universal checkpoint")
-        # ZeRO-3's universal load gives every group the first group's hyperparameters (weight
-        # decay included): the run's own are put back (DeepSpeed 0.19.8, stage3.py::
-        # load_hp_checkpoint_state_from_checkpoint_dir_stage3)
-        settings = [
-            {k: v for k, v in group.items() if k not in ("params", "step")}
-            for group in self.optimizer.param_groups
-        ]
-        self.ds._config.load_universal_checkpoint = True  # read once, at load time
-        try:
-            path, _ = self.ds.load_checkpoint(
-                str(universal), tag=CHECKPOINT_FOLDER, load_lr_scheduler_states=False
-            )
-        finally:
-            self.ds._config.load_universal_checkpoint = False
-        for group, own in zip(self.optimizer.param_groups, settings, strict=True):
-            group.update(own)
-        _unshare_step_counters(self.ds.optimizer)
-        dist.barrier()
-        if dist.get_rank() == 0:
-            shutil.rmtree(universal, ignore_errors=True)
-        if path is None:
-            raise FileNotFoundError(f"DeepSpeed found no universal checkpoint in {universal}")
-
     def state_dict(self) -> dict[str, Any]:
         raise NotImplementedError("DeepSpeed writes its own checkpoint format (write_checkpoint)")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         raise NotImplementedError("DeepSpeed reads its own checkpoint format (read_checkpoint)")
-
-
-def _unshare_step_counters(zero_optimizer: Any) -> None:
-    """ZeRO-3's universal load gives every partition's state the same `step` tensor, which
-    torch's Adam then advances once per partition and step (Adam's bias correction runs
-    ahead): each state gets its own copy."""
-    inner = getattr(zero_optimizer, "optimizer", None)
-    seen: set[int] = set()
-    for state in getattr(inner, "state", {}).values():
-        step = state.get("step")
-        if isinstance(step, Tensor):
-            if id(step) in seen:
-                state["step"] = step.clone()
-            seen.add(id(step))
 
 
 @ENGINES.register("deepspeed")

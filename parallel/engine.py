@@ -30,6 +30,7 @@ import math
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -80,6 +81,9 @@ class TrainingEngine:
 
     model: nn.Module
     optimizer: torch.optim.Optimizer
+    # the run's directory, for an engine's temporary files (DeepSpeed's checkpoint conversion);
+    # set by the trainer, None elsewhere (then beside the checkpoint read)
+    scratch_dir: Path | None = None
 
     @property
     def state_module(self) -> nn.Module:

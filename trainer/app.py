@@ -234,6 +234,7 @@ def _resume(
     tracker: LossTracker,
     metrics: MetricsFile,
 ) -> Restart:
+    restart.engine.scratch_dir = run_dir  # e.g. DeepSpeed's conversion of another rank count's
     restored, failed = resume(
         cfg.resume,
         checkpointer.root,

@@ -120,12 +120,19 @@ def train_deepspeed(
 
 
 def train_and_save(
-    rank: int, model_cfg: ModelConfig, zero_stage: int, steps: int, save_after: int, where: str
+    rank: int,
+    model_cfg: ModelConfig,
+    zero_stage: int,
+    steps: int,
+    save_after: int,
+    where: str,
+    optimizer_name: str = "adamw",
 ) -> dict[str, Any]:
     """The losses of `steps` steps and the final whole weights, DeepSpeed's checkpoint written
-    after `save_after` of them into `where` (a step directory)."""
-    engine = deepspeed_engine(model_cfg, zero_stage)
-    settings, tracker = StepSettings(micro_batches=1, grad_clip=1.0), LossTracker(0.0)
+    after `save_after` of them into `where` (a step directory); Muon without clipping."""
+    clip = 0.0 if optimizer_name == "muon" else 1.0
+    engine = deepspeed_engine(model_cfg, zero_stage, optimizer_name=optimizer_name, grad_clip=clip)
+    settings, tracker = StepSettings(micro_batches=1, grad_clip=clip), LossTracker(0.0)
     losses = []
     for step, tokens in enumerate(global_batches(steps, model_cfg.vocab_size)):
         losses.append(train_step(engine, local_batch(tokens), settings, tracker).loss)
@@ -152,3 +159,9 @@ def resume_and_train(
     losses = [train_step(engine, local_batch(t), settings, tracker).loss for t in batches]
     decay = [group["weight_decay"] for group in engine.optimizer.param_groups]
     return {"losses": losses, "final": whole_weights(engine), "decay": decay}
+
+
+def conflict_with(rank: int, model_cfg: ModelConfig, zero_stage: int, where: str) -> str | None:
+    """Why a Muon engine on this many ranks cannot load the checkpoint in `where`."""
+    engine = deepspeed_engine(model_cfg, zero_stage, optimizer_name="muon", grad_clip=0.0)
+    return engine.checkpoint_conflict(Path(where))

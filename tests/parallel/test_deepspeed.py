@@ -14,7 +14,12 @@ from tests.parallel.workers import small_model, train
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # these ranks train on the CPU, also on GPU hosts
 pytest.importorskip("deepspeed")
-from tests.parallel.deepspeed_workers import resume_and_train, train_and_save, train_deepspeed
+from tests.parallel.deepspeed_workers import (
+    conflict_with,
+    resume_and_train,
+    train_and_save,
+    train_deepspeed,
+)
 
 pytestmark = pytest.mark.distributed
 STEPS = 4
@@ -192,3 +197,15 @@ def test_a_step_the_loop_judges_bad_leaves_muons_momentum_alone():
         assert run[0]["applied"] == [True, False, True, True], stage
         momentum = run[0]["momentum"]
         assert momentum[1] == momentum[0] and momentum[2] != momentum[1], (stage, momentum)
+
+
+def test_a_muon_checkpoint_on_another_number_of_ranks_is_refused(tmp_path):
+    """DeepSpeed's universal checkpoint has no Muon momentum: a 2-rank Muon checkpoint on one
+    rank is a conflict (the trainer exits naming it), never a conversion that fails and marks
+    every checkpoint damaged; on its own rank count it loads."""
+    where = str(tmp_path / "step_00000001")
+    run_ranks(2, train_and_save, small_model(), 2, 1, 1, where, "muon")
+    (conflict,) = run_ranks(1, conflict_with, small_model(), 2, where)
+    assert "DeepSpeed's universal checkpoint has no Muon state" in conflict
+    assert f"init_from={where}" in conflict
+    assert run_ranks(2, conflict_with, small_model(), 2, where) == [None, None]
