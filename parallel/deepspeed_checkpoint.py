@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from model.errors import ConfigError
+
 CHECKPOINT_FOLDER = "deepspeed"  # inside the trainer's step directory
 MODEL_STATES = "mp_rank_00_model_states.pt"  # ZeRO-0 and 1-2: the module (and 0: optimizer)
 
@@ -58,6 +60,11 @@ def consolidated_weights(step_dir: Path) -> dict[str, Tensor]:
         return {
             name: t.float() if t.is_floating_point() else t for name, t in state["module"].items()
         }
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    try:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    except ImportError:
+        raise ConfigError(
+            f'{step_dir} is a DeepSpeed checkpoint; reading it needs DeepSpeed: pip install -e ".[deepspeed]"'
+        ) from None
 
     return dict(get_fp32_state_dict_from_zero_checkpoint(str(step_dir), tag=CHECKPOINT_FOLDER))

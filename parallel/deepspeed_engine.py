@@ -380,8 +380,9 @@ def build_deepspeed(request: EngineRequest) -> DeepSpeedEngine:
     refuse_unsupported(request, request.optimizer_name)
     _ensure_process_group(request.device)
     model = build_model(request.model_cfg, device=request.device, seed=request.seed)
-    if request.initial_weights is not None:  # before ZeRO copies them into its partitions
-        load_whole_weights(model, request.initial_weights())
+    initial = request.initial_weights() if request.initial_weights is not None else None
+    if initial is not None:  # before ZeRO copies them into its partitions
+        load_whole_weights(model, initial)
     apply_activation_checkpointing(model, request.parallel.activation_checkpoint)
     if request.compile:
         compile_model(model)
@@ -403,8 +404,18 @@ def build_deepspeed(request: EngineRequest) -> DeepSpeedEngine:
     ds_engine, *_ = deepspeed.initialize(model=model, config=config, **kwargs)
     if request.parallel.deepspeed.zero_stage == 3:
         register_external_parameters(model)
+    if initial is not None and request.precision == "bf16_master":
+        set_fp32_masters(model, initial)  # DeepSpeed built them from the bf16-rounded weights
     muon = request.optimizer_name in MUON_OPTIMIZERS
     return DeepSpeedEngine(ds_engine, request.precision, request.device, request.grad_clip, muon)
+
+
+def set_fp32_masters(model: nn.Module, state: dict[str, Tensor]) -> None:
+    """DeepSpeed's fp32 master weights set from the whole fp32 `state` (each rank its part)."""
+    from deepspeed.utils import safe_set_full_fp32_param
+
+    for name, param in model.named_parameters():
+        safe_set_full_fp32_param(param, state[name].float())
 
 
 def register_external_parameters(model: nn.Module) -> None:

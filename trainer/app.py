@@ -38,7 +38,7 @@ from trainer.build import (
     resolve_model_config,
 )
 from trainer.checkpoint import Checkpointer, resume, set_aside
-from trainer.checkpoint_weights import starting_weights
+from trainer.checkpoint_weights import init_weights_reader, resumes_its_own
 from trainer.config import RootConfig
 from trainer.distributed import is_collective_timeout
 from trainer.evaluate import describe_evaluation
@@ -73,8 +73,11 @@ def build_training(cfg: RootConfig, run_dir: Path, ranks: Ranks) -> Training:
     )
     loader.manifest.check_tokenizer(manifest.tokenizer)
     canonical = token_compression(model_cfg, loader, run_dir, ranks.is_main)
-    initial = starting_weights(cfg.init_from, cfg.resume, model_cfg, run_dir)
-    engine = build_state(cfg, model_cfg, dims, device, canonical, initial)
+    initial = init_weights_reader(cfg.init_from, model_cfg)  # also after failed resumes
+    resuming = resumes_its_own(cfg.resume, run_dir)
+    if initial is not None and resuming:
+        log.info("init_from=%s is not used: the run resumes its checkpoint", cfg.init_from)
+    engine = build_state(cfg, model_cfg, dims, device, canonical, None if resuming else initial)
     peak, peak_source = device_peak(device, compute_dtype(tcfg.precision), tcfg.peak_flops)
     flops = training_flops_per_token(engine.model, cfg.data.seq_len).total
     log.info("%s; device %s; %s", describe_environment(), device, dims.describe())

@@ -224,8 +224,8 @@ def _refuse_other_format(path: Path, form: str) -> None:
     engines = {DCP: "parallel.engine=fsdp2 (DCP)", "deepspeed": "parallel.engine=deepspeed"}
     raise CheckpointConflict(
         f"{path} was written by {engines.get(found, found)}, and this run uses "
-        f"{engines.get(form, form)}: resume with the engine that wrote it, or start this run "
-        f"from its consolidated fp32 weights (see the README's DeepSpeed section)"
+        f"{engines.get(form, form)}: resume with the engine that wrote it, or start a new run "
+        f"from its weights: init_from={path}"
     )
 
 

@@ -21,6 +21,7 @@ from model.config import ModelConfig, config_from_dict
 from model.errors import ConfigError
 from model.transformer import build_model
 from optim.config import OptimConfig
+from parallel.collective import all_true
 from parallel.deepspeed_checkpoint import CHECKPOINT_FOLDER, consolidated_weights
 from trainer.checkpoint import LOAD_ERRORS, CheckpointError, complete_checkpoints
 from trainer.checkpoint_load import DCP, format_of, read_checked, read_states
@@ -81,25 +82,41 @@ def model_differences(extra: dict[str, Any], model_cfg: ModelConfig) -> list[str
     return [d for d in mine.differences(extra) if d.startswith("model.")]
 
 
-def starting_weights(
-    init_from: str, resume: str, model_cfg: ModelConfig, run_dir: Path
+def resumes_its_own(resume: str, run_dir: Path) -> bool:
+    """Whether this run will load a checkpoint of its own (or the one `resume` names)."""
+    return resume != "none" and (
+        resume != "auto" or bool(complete_checkpoints(run_dir / "checkpoints"))
+    )
+
+
+def init_weights_reader(
+    init_from: str, model_cfg: ModelConfig
 ) -> Callable[[], dict[str, Tensor]] | None:
-    """init_from=<checkpoint>: a reader of its whole weights, after checking that they fit this
-    model (None without init_from, or when this run resumes a checkpoint of its own)."""
+    """init_from=<checkpoint>: a reader of the whole weights of the newest checkpoint there
+    that verifies and loads (None without init_from). Called on every rank when the engine is
+    built; the ranks agree on the outcome, and a problem is one ConfigError on all of them."""
     if not init_from:
         return None
-    if resume != "none" and (resume != "auto" or complete_checkpoints(run_dir / "checkpoints")):
-        log.info("init_from=%s is not used: the run resumes its checkpoint", init_from)
-        return None
     source = Path(init_from).expanduser()
-    if not source.exists():
-        raise ConfigError(f"init_from={init_from} does not exist")
-    ckpt = candidates(source)[0]
-    extra, _ = read_checked(ckpt, rank=0, form=format_of(ckpt) or DCP)
-    if differences := model_differences(extra, model_cfg):
-        raise ConfigError(
-            f"init_from={ckpt} holds another model ({'; '.join(differences)}): set the model "
-            f"options it was trained with"
+
+    def read() -> dict[str, Tensor]:
+        problem, state = "", {}
+        try:
+            if not source.exists():
+                raise ConfigError(f"init_from={init_from} does not exist")
+            ckpt, extra, state = newest_weights(source, "started from")
+            if differences := model_differences(extra, model_cfg):
+                raise ConfigError(
+                    f"init_from={ckpt} holds another model ({'; '.join(differences)}): set the "
+                    f"model options it was trained with"
+                )
+        except (ConfigError, CheckpointError) as err:
+            problem = str(err)
+        if not all_true(not problem):
+            raise ConfigError(problem or f"init_from={init_from} could not be read on another rank")
+        log.info(
+            "starting from the weights of %s (step %d, a fresh optimizer)", ckpt, extra["step"]
         )
-    log.info("starting from the weights of %s (step %d, a fresh optimizer)", ckpt, extra["step"])
-    return lambda: whole_weights(ckpt)[1]
+        return state
+
+    return read

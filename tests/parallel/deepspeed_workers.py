@@ -165,3 +165,38 @@ def conflict_with(rank: int, model_cfg: ModelConfig, zero_stage: int, where: str
     """Why a Muon engine on this many ranks cannot load the checkpoint in `where`."""
     engine = deepspeed_engine(model_cfg, zero_stage, optimizer_name="muon", grad_clip=0.0)
     return engine.checkpoint_conflict(Path(where))
+
+
+def masters_after_init(rank: int, model_cfg: ModelConfig, zero_stage: int) -> float:
+    """bf16_master started from whole fp32 weights (init_from): the largest difference between
+    DeepSpeed's fp32 masters and those weights."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    from model.transformer import build_model
+
+    _, size = world()
+    weights = build_model(model_cfg, device="cpu", seed=7).state_dict()
+    ds = {"config": partition_everything()} if zero_stage == 3 else {}
+    pcfg = ParallelConfig(
+        engine="deepspeed", deepspeed=DeepSpeedConfig(zero_stage=zero_stage, **ds)
+    )
+    tcfg = TrainerConfig(precision="bf16_master", batch_size=GLOBAL_BATCH)
+    engine = build_training_engine(
+        model_cfg, tcfg, pcfg, OptimConfig(), ParallelDims.resolve(pcfg, size),
+        torch.device("cpu"), 0, lambda: weights,
+    )  # fmt: skip
+    return max(
+        float((safe_get_full_fp32_param(p) - weights[name]).abs().max())
+        for name, p in engine.model.named_parameters()
+    )
+
+
+def muon_beta_after_schedule(rank: int, model_cfg: ModelConfig) -> float:
+    """ZeRO-3 Muon's momentum after the trainer's schedule set 0.5 in the groups and a step."""
+    engine = deepspeed_engine(model_cfg, 3, optimizer_name="muon", grad_clip=0.0)
+    for group in engine.optimizer.param_groups:
+        if group.get("algorithm") == "muon":
+            group["momentum"] = 0.5  # what optim.schedules sets during momentum warmup
+    tokens = global_batches(1, model_cfg.vocab_size)[0]
+    train_step(engine, local_batch(tokens), StepSettings(grad_clip=0.0), LossTracker(0.0))
+    return engine.ds.optimizer.muon_beta

@@ -16,6 +16,8 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")  # these ranks train on the CPU, 
 pytest.importorskip("deepspeed")
 from tests.parallel.deepspeed_workers import (
     conflict_with,
+    masters_after_init,
+    muon_beta_after_schedule,
     resume_and_train,
     train_and_save,
     train_deepspeed,
@@ -209,3 +211,16 @@ def test_a_muon_checkpoint_on_another_number_of_ranks_is_refused(tmp_path):
     assert "DeepSpeed's universal checkpoint has no Muon state" in conflict
     assert f"init_from={where}" in conflict
     assert run_ranks(2, conflict_with, small_model(), 2, where) == [None, None]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_bf16_master_started_from_fp32_weights_keeps_them_exactly(stage):
+    """init_from under trainer.precision=bf16_master: DeepSpeed builds its fp32 masters from
+    the bf16 module, so the engine sets them from the whole fp32 weights afterwards."""
+    assert run_ranks(2, masters_after_init, small_model(), stage) == [0.0, 0.0]
+
+
+def test_zero3_muon_follows_the_schedules_momentum():
+    """ZeRO-3 reads Muon's momentum once at its start; the engine passes on the value the
+    trainer's schedule sets in the groups each step (optim.muon_momentum_warmup)."""
+    assert run_ranks(2, muon_beta_after_schedule, small_model()) == [0.5, 0.5]
