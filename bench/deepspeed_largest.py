@@ -7,16 +7,16 @@ engine:
 
 1. model.inspect's estimate (model.accounting.training_memory: AdamW's 16 bytes per parameter,
    sharded over the 2 ranks) gives the first guess of the largest depth under the budget;
-2. two small depths are trained for one step and their summed peak resident memory (both ranks)
+2. two small depths are trained for two steps and their summed peak resident memory (both ranks)
    fitted as a + b x parameters: the engine's measured bytes per parameter;
-3. the depth the fit puts under the budget is confirmed with 2 steps (one depth less while it
+3. the depth the fit puts under the budget is confirmed with 2 steps (10% fewer layers while it
    fails), and its measured peak is what the table reports.
 
 The budget is --budget-fraction of the memory available when the script starts. NVMe offload
 needs libaio (DeepSpeed's async_io op), which this machine does not have; it is reported as
 unavailable when so.
 
-    python bench/deepspeed_largest.py [--budget-fraction 0.8]
+    python bench/deepspeed_largest.py [--budget-fraction 0.75]
 Writes bench/results/deepspeed_largest_cpu.json and prints a table.
 """
 
@@ -107,7 +107,7 @@ def largest(engine: str, budget: float, cores: int, small: tuple[int, int]) -> d
     estimate_layers = max(
         (n for n in range(1, 400) if _estimate(n) <= budget), default=1
     )  # model.inspect's AdamW state, 2 shards (summed), no activations
-    fit = {n: attempt(n, engine, 1, cores) for n in small}
+    fit = {n: attempt(n, engine, 2, cores) for n in small}
     if any(v is None for v in fit.values()):
         return {"error": "the small fit runs failed"}
     (n1, r1), (n2, r2) = sorted(fit.items())
@@ -132,7 +132,7 @@ def largest(engine: str, budget: float, cores: int, small: tuple[int, int]) -> d
                 "two_steps_s": round(confirmed["seconds"], 1),
                 "losses": [round(v, 4) for v in confirmed["losses"]],
             }
-        layers -= 1
+        layers = min(layers - 1, int(layers * 0.9))  # a failure: 10% smaller
     return {"error": "nothing fits"}
 
 
@@ -155,7 +155,7 @@ def nvme_available() -> bool:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--budget-fraction", type=float, default=0.8)
+    parser.add_argument("--budget-fraction", type=float, default=0.75)
     parser.add_argument("--engines", default=",".join(ENGINES))
     parser.add_argument(
         "--out", type=Path, default=ROOT / "bench" / "results" / "deepspeed_largest_cpu.json"

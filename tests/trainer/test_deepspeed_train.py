@@ -146,7 +146,7 @@ def test_runs_move_between_engines_through_their_weights_and_both_export(dataset
 def test_muonclip_under_deepspeed_resumes_exactly(dataset, tmp_path):
     """optim=muonclip through the CLI on ZeRO-2 (DeepSpeed's Muon, the trainer's schedule and
     QK-clip): killed after step 2 and resumed, steps 3-4 repeat bitwise (the Muon momentum and
-    Adam moments are in DeepSpeed's checkpoint)."""
+    Adam moments are in DeepSpeed's checkpoint); the run exports."""
     run_dir = tmp_path / "run"
     muon = ["optim=muonclip", "optim.qk_clip_tau=0.5", "trainer.grad_clip=0"]
     common = [f"data.path={dataset}", *SMALL_OVERRIDES, *FP32, "parallel.engine=deepspeed", *muon]
@@ -161,3 +161,10 @@ def test_muonclip_under_deepspeed_resumes_exactly(dataset, tmp_path):
     assert "resumed from" in (run_dir / "train.log").read_text()
     resumed = train_losses(run_dir)
     assert {step: resumed[step] for step in (3, 4)} == {step: first[step] for step in (3, 4)}
+    # its weights leave through trainer.export (consolidated from Muon's ZeRO partitions)
+    from safetensors.torch import load_file
+
+    from trainer.export import ExportConfig, export
+
+    out = export(ExportConfig(path=str(run_dir), out=str(tmp_path / "hf"), dtype="fp32"))
+    assert load_file(out / "model.safetensors")
