@@ -23,6 +23,7 @@ Writes bench/results/deepspeed_largest_cpu.json and prints a table.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import resource
@@ -69,8 +70,15 @@ def config(layers: int):
     return load_preset("tiny", WIDTH | {"n_layers": layers, "max_seq_len": SEQ})
 
 
-def parameters(layers: int) -> int:
+@functools.cache
+def _counted(layers: int) -> int:
     return param_counts(build_model(config(layers), device="meta")).total
+
+
+def parameters(layers: int) -> int:
+    """Parameters at this depth: the embedding and head plus identical blocks (from 1 and 2)."""
+    per_block = _counted(2) - _counted(1)
+    return _counted(1) + (layers - 1) * per_block
 
 
 def train_steps(rank: int, world: int, layers: int, engine_name: str, steps: int) -> dict:
