@@ -194,7 +194,7 @@ def test_a_step_the_loop_judges_bad_leaves_muons_momentum_alone():
     its Muon pass folds the gradient into the momentum (ZeRO-3's norm check comes after that
     pass, so the engine declares the overflow first): the momentum after step 1 is the one
     after step 0, and the next step moves it again."""
-    for stage in (0, 2, 3):
+    for stage in (2, 3):  # ZeRO-0 takes no step at all
         run = run_ranks(2, train_deepspeed, small_model(), stage, *MUON_ARGS, 1, None, "muon", 0.0)
         assert run[0]["applied"] == [True, False, True, True], stage
         momentum = run[0]["momentum"]
