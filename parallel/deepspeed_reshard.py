@@ -41,7 +41,9 @@ def convert_on_main(folder: Path, out: Path, written: int, size: int) -> str | N
         except (OSError, RuntimeError) as err:
             outcome = f"{folder.parent} could not be converted for {size} ranks: {err}"
         status.parent.mkdir(parents=True, exist_ok=True)
-        status.write_text(outcome)
+        partial = status.with_suffix(".partial")
+        partial.write_text(outcome)
+        partial.rename(status)  # whole when it appears: the others read it as soon as it exists
     else:
         while not status.is_file():
             time.sleep(POLL_S)
