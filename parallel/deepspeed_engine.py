@@ -47,7 +47,13 @@ from parallel.collective import all_true
 from parallel.deepspeed_checkpoint import CHECKPOINT_FOLDER, saved_ranks
 from parallel.deepspeed_muon import MUON_OPTIMIZERS, deepspeed_muon, muon_problems
 from parallel.deepspeed_reshard import convert_on_main, load_universal
-from parallel.engine import ENGINES, EngineRequest, TrainingEngine, training_objective
+from parallel.engine import (
+    ENGINES,
+    CheckpointRefusal,
+    EngineRequest,
+    TrainingEngine,
+    training_objective,
+)
 from parallel.grad_norm import clip_grad_norm
 from parallel.init import load_whole_weights
 from parallel.precision import autocast_factory
@@ -214,6 +220,8 @@ class DeepSpeedEngine(TrainingEngine):
         if self.stage != 3 or getattr(self.ds.optimizer, "muon_beta", None) is None:
             return
         momenta = {g["momentum"] for g in self.optimizer.param_groups if g.get("use_muon")}
+        if len(momenta) > 1:
+            raise ConfigError(f"ZeRO-3's Muon takes one momentum for all groups, got {momenta}")
         if momenta:
             (self.ds.optimizer.muon_beta,) = momenta
 
@@ -228,11 +236,11 @@ class DeepSpeedEngine(TrainingEngine):
             param.data.mul_(factor.to(param.dtype))
             return
         import deepspeed
-        from deepspeed.utils import safe_get_full_fp32_param, safe_set_full_fp32_param
+        from deepspeed.utils import safe_get_full_fp32_param
 
         master = safe_get_full_fp32_param(param)
         master.mul_(factor.to(master.device, master.dtype))
-        safe_set_full_fp32_param(param, master)
+        set_fp32_master(param, master)
         if self.stage == 3:
             with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
                 if dist.get_rank() == 0:
@@ -329,7 +337,8 @@ class DeepSpeedEngine(TrainingEngine):
                 f"this run has {size}: DeepSpeed's universal checkpoint has no Muon state. Resume "
                 f"on {written} ranks, or start a new run from its weights: init_from={directory}"
             )
-        universal = (self.scratch_dir or directory.parent) / ".deepspeed-universal" / directory.name
+        name = directory.resolve().name  # never "..": the folder below is emptied first
+        universal = (self.scratch_dir or directory.parent) / ".deepspeed-universal" / name
         problem = convert_on_main(folder, universal / CHECKPOINT_FOLDER, written, size)
         if problem:
             return problem
@@ -353,7 +362,10 @@ class DeepSpeedEngine(TrainingEngine):
                     with suppress(OSError):  # the scratch folder, once empty
                         universal.parent.rmdir()
             if not loaded_everywhere:
-                raise RuntimeError(f"another rank could not load the universal form of {directory}")
+                raise CheckpointRefusal(
+                    f"the universal form of {directory} (converted for {dist.get_world_size()} "
+                    f"ranks) did not load on every rank; resume on the rank count that wrote it"
+                )
             return
         path, _ = self.ds.load_checkpoint(
             str(directory), tag=CHECKPOINT_FOLDER, load_lr_scheduler_states=False
@@ -412,10 +424,26 @@ def build_deepspeed(request: EngineRequest) -> DeepSpeedEngine:
 
 def set_fp32_masters(model: nn.Module, state: dict[str, Tensor]) -> None:
     """DeepSpeed's fp32 master weights set from the whole fp32 `state` (each rank its part)."""
-    from deepspeed.utils import safe_set_full_fp32_param
-
     for name, param in model.named_parameters():
-        safe_set_full_fp32_param(param, state[name].float())
+        set_fp32_master(param, state[name])
+
+
+def set_fp32_master(param: nn.Parameter, full: Tensor) -> None:
+    """One weight's fp32 master from its whole value (no collective). ZeRO-3: this rank's
+    padded partition, cut here (DeepSpeed 0.19.8's full setter reads past the end on the last
+    rank when the size does not divide by the ranks)."""
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_local_fp32_param
+
+    if not hasattr(param, "ds_id"):
+        safe_set_full_fp32_param(param, full.float())
+        return
+    size = param.ds_tensor.numel()
+    start = size * param._z3_optimizer._get_param_partition_rank(param)
+    flat = full.detach().flatten().float()
+    part = torch.zeros(size, dtype=torch.float32, device=flat.device)
+    count = max(0, min(size, flat.numel() - start))
+    part[:count] = flat[start : start + count]
+    safe_set_local_fp32_param(param, part)
 
 
 def register_external_parameters(model: nn.Module) -> None:

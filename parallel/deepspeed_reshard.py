@@ -19,17 +19,21 @@ from typing import Any
 import torch.distributed as dist
 from torch import Tensor
 
-from parallel.collective import barrier, from_main
+from parallel.collective import from_main
 from parallel.deepspeed_checkpoint import convert_to_universal
 
 log = logging.getLogger("parallel.deepspeed")
 POLL_S = 1.0
+WAIT_S = 6 * 3600.0  # the longest conversion waited for (then the broadcast's timeout)
 
 
 def convert_on_main(folder: Path, out: Path, written: int, size: int) -> str | None:
     """Rank 0 converts `folder` (ZeRO partitions of `written` ranks) into `out`; every rank
-    returns None when it worked, else the reason (the same on every rank)."""
-    status = out.parent.parent / f".{out.parent.name}.{from_main(uuid.uuid4().hex)}.status"
+    returns None when it worked, else rank 0's reason. The other ranks wait on rank 0's "done"
+    file (the checkpoint's filesystem is shared, as for every checkpoint) and then take the
+    outcome from it by broadcast."""
+    done = out.parent.parent / f".{out.parent.name}.{from_main(uuid.uuid4().hex)}.done"
+    outcome = ""
     if dist.get_rank() == 0:
         log.info(
             "%s was written by %d ranks; converting it to DeepSpeed's universal checkpoint for "
@@ -37,21 +41,21 @@ def convert_on_main(folder: Path, out: Path, written: int, size: int) -> str | N
         )  # fmt: skip
         try:
             convert_to_universal(folder, out)
-            outcome = "ok"
         except (OSError, RuntimeError) as err:
             outcome = f"{folder.parent} could not be converted for {size} ranks: {err}"
-        status.parent.mkdir(parents=True, exist_ok=True)
-        partial = status.with_suffix(".partial")
-        partial.write_text(outcome)
-        partial.rename(status)  # whole when it appears: the others read it as soon as it exists
+        try:
+            done.parent.mkdir(parents=True, exist_ok=True)
+            done.touch()
+        except OSError as err:  # the others then wait out their deadline
+            outcome = outcome or f"{done.parent} is not writable: {err}"
     else:
-        while not status.is_file():
+        deadline = time.monotonic() + WAIT_S
+        while not done.exists() and time.monotonic() < deadline:
             time.sleep(POLL_S)
-    outcome = status.read_text()
-    barrier()  # everyone has read it
+    outcome = from_main(outcome)  # rank 0's word, whatever each rank saw
     if dist.get_rank() == 0:
-        status.unlink(missing_ok=True)
-    return None if outcome == "ok" else outcome
+        done.unlink(missing_ok=True)
+    return outcome or None
 
 
 def load_universal(engine: Any, universal: Path, tag: str) -> None:

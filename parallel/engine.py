@@ -76,6 +76,11 @@ class ModuleState:
         )
 
 
+class CheckpointRefusal(RuntimeError):
+    """An engine's own checkpoint reader cannot use a checkpoint here (not damage: the trainer
+    refuses it by name instead of falling back past it)."""
+
+
 class TrainingEngine:
     """The interface (see the module docstring); subclasses implement every method."""
 

@@ -74,7 +74,7 @@ def build_training(cfg: RootConfig, run_dir: Path, ranks: Ranks) -> Training:
     loader.manifest.check_tokenizer(manifest.tokenizer)
     canonical = token_compression(model_cfg, loader, run_dir, ranks.is_main)
     initial = init_weights_reader(cfg.init_from, model_cfg)  # also after failed resumes
-    resuming = resumes_its_own(cfg.resume, run_dir)
+    resuming = from_main(resumes_its_own(cfg.resume, run_dir))  # listings may differ per node
     if initial is not None and resuming:
         log.info("init_from=%s is not used: the run resumes its checkpoint", cfg.init_from)
     engine = build_state(cfg, model_cfg, dims, device, canonical, None if resuming else initial)
@@ -251,7 +251,7 @@ def _resume(
             kept = set_aside(failed, run_dir, ranks.is_main)
             log.warning(
                 "no checkpoint could be loaded: they were moved to %s (nothing deleted), and the "
-                "run starts from scratch, freshly initialized",
+                "run starts from scratch, freshly initialized (from init_from's weights if set)",
                 kept,
             )
             restart.start_over = True

@@ -18,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from parallel.collective import barrier, from_main, max_over_ranks
+from parallel.engine import CheckpointRefusal
 from trainer.checkpoint_errors import CheckpointConflict, CheckpointError, UnsafeCheckpointError
 from trainer.checkpoint_record import LATEST, CommitRecord, Listed, file_problem, list_checkpoints
 from trainer.distributed import is_collective_timeout
@@ -104,7 +105,10 @@ def load_checkpoint(
     if checkpoint_format(target) != DCP:
         if conflict := target.checkpoint_conflict(path):
             raise CheckpointConflict(conflict)
-        target.read_checkpoint(path)  # its own collective load
+        try:
+            target.read_checkpoint(path)  # its own collective load
+        except CheckpointRefusal as err:  # the engine cannot use it here: not damage
+            raise CheckpointConflict(str(err)) from err
         return extra
     state = target.state_dict()
     read_states(state, path, metadata)
@@ -138,9 +142,13 @@ def read_checked(
     return load_plain(extra_path), metadata
 
 
-def read_states(state: dict[str, Any], path: Path, metadata: Any = None) -> None:
-    """DCP's load of `state` (resharded to its layout) through the safe reader and planner."""
-    dcp.load(state, storage_reader=SafeReader(str(path), metadata), planner=SafePlanner())
+def read_states(
+    state: dict[str, Any], path: Path, metadata: Any = None, no_dist: bool = False
+) -> None:
+    """DCP's load of `state` (resharded to its layout) through the safe reader and planner;
+    `no_dist`: this process alone (whole tensors), no collective."""
+    reader, planner = SafeReader(str(path), metadata), SafePlanner()
+    dcp.load(state, storage_reader=reader, planner=planner, no_dist=no_dist)
 
 
 def resume(

@@ -21,7 +21,7 @@ from model.config import ModelConfig, config_from_dict
 from model.errors import ConfigError
 from model.transformer import build_model
 from optim.config import OptimConfig
-from parallel.collective import all_true
+from parallel.collective import all_true, from_main
 from parallel.deepspeed_checkpoint import CHECKPOINT_FOLDER, consolidated_weights
 from trainer.checkpoint import LOAD_ERRORS, CheckpointError, complete_checkpoints
 from trainer.checkpoint_load import DCP, format_of, read_checked, read_states
@@ -48,6 +48,8 @@ def newest_weights(path: Path, purpose: str) -> tuple[Path, dict[str, Any], dict
     for ckpt in candidates(path):
         try:
             return (ckpt, *whole_weights(ckpt))
+        except ConfigError:  # e.g. DeepSpeed missing: not this checkpoint's fault
+            raise
         except LOAD_ERRORS as err:  # damaged, unsafe or incomplete: the one before it
             log.warning(
                 "checkpoint %s cannot be %s (%s); trying the one before it", ckpt, purpose, err
@@ -71,7 +73,7 @@ def whole_weights(ckpt: Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
     state = {"model": model.state_dict()}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        read_states(state, ckpt, metadata)
+        read_states(state, ckpt, metadata, no_dist=True)  # one process, whatever the run
     return extra, state["model"]
 
 
@@ -100,7 +102,7 @@ def init_weights_reader(
     source = Path(init_from).expanduser()
 
     def read() -> dict[str, Tensor]:
-        problem, state = "", {}
+        problem, state, chosen = "", {}, ""
         try:
             if not source.exists():
                 raise ConfigError(f"init_from={init_from} does not exist")
@@ -110,10 +112,15 @@ def init_weights_reader(
                     f"init_from={ckpt} holds another model ({'; '.join(differences)}): set the "
                     f"model options it was trained with"
                 )
+            chosen = str(ckpt)
         except (ConfigError, CheckpointError) as err:
             problem = str(err)
-        if not all_true(not problem):
-            raise ConfigError(problem or f"init_from={init_from} could not be read on another rank")
+        same = from_main(chosen) == chosen  # every rank must start from the same checkpoint
+        if not all_true(not problem and same):
+            raise ConfigError(
+                problem
+                or f"init_from={init_from}: the ranks could not all read the same checkpoint there"
+            )
         log.info(
             "starting from the weights of %s (step %d, a fresh optimizer)", ckpt, extra["step"]
         )
