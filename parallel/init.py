@@ -34,28 +34,33 @@ def init_like_single_process(model: Transformer, device: torch.device, seed: int
 def load_whole_weights(model: nn.Module, state: dict[str, Tensor]) -> None:
     """Fill `model` (sharded in any layout, or not) from the whole `state` (its state_dict's
     names): each rank keeps its shard. Every parameter and persistent buffer must be there."""
+    persistent = model.state_dict().keys()
     targets = dict(model.named_parameters()) | {
-        name: b for name, b in model.named_buffers() if name in model.state_dict()
+        name: b for name, b in model.named_buffers() if name in persistent
     }
     missing = sorted(set(targets) - set(state))
     if missing:
         raise KeyError(
             f"the weights lack {', '.join(missing[:4])}" + (" ..." if len(missing) > 4 else "")
         )
+    _fill(targets, state)
+
+
+def _copy_shards(target: nn.Module, full: nn.Module) -> None:
+    sources = dict(full.named_parameters()) | dict(full.named_buffers())
+    _fill(dict(target.named_parameters()) | dict(target.named_buffers()), sources)
+
+
+def _fill(targets: dict[str, Tensor], sources: dict[str, Tensor]) -> None:
+    """Each target (a DTensor shard or a plain tensor) gets its piece of the whole source of
+    the same name, in the target's dtype."""
     for name, tensor in targets.items():
-        full = state[name].to(device=_local(tensor).device, dtype=tensor.dtype)
+        full = sources[name].to(device=_local(tensor).device, dtype=tensor.dtype)
         if full.shape != tensor.shape:
             raise ValueError(
                 f"{name}: the weights hold {tuple(full.shape)}, the model {tuple(tensor.shape)}"
             )
         _local(tensor).copy_(_shard_of(full, tensor))
-
-
-def _copy_shards(target: nn.Module, full: nn.Module) -> None:
-    sources = dict(full.named_parameters()) | dict(full.named_buffers())
-    targets = dict(target.named_parameters()) | dict(target.named_buffers())
-    for name, tensor in targets.items():
-        _local(tensor).copy_(_shard_of(sources[name], tensor))
 
 
 def _shard_of(full: Tensor, like: Tensor) -> Tensor:

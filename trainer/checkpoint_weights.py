@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from torch import Tensor
+from torch import Tensor, nn
 
 from model.config import ModelConfig, config_from_dict
 from model.errors import ConfigError
@@ -41,13 +41,13 @@ def candidates(path: Path) -> list[Path]:
     raise ConfigError(f"{path} is neither a checkpoint nor a run directory with one")
 
 
-def newest_weights(path: Path, purpose: str) -> tuple[Path, dict[str, Any], dict[str, Tensor]]:
-    """(checkpoint, its trainer state, its whole fp32 weights) of the newest checkpoint under
-    `path` that verifies and loads; damaged ones are reported and skipped."""
+def newest_model(path: Path, purpose: str) -> tuple[Path, dict[str, Any], nn.Module]:
+    """(checkpoint, its trainer state, the model with its whole fp32 weights) of the newest
+    checkpoint under `path` that verifies and loads; damaged ones are reported and skipped."""
     tried = []
     for ckpt in candidates(path):
         try:
-            return (ckpt, *whole_weights(ckpt))
+            return (ckpt, *whole_model(ckpt))
         except ConfigError:  # e.g. DeepSpeed missing: not this checkpoint's fault
             raise
         except LOAD_ERRORS as err:  # damaged, unsafe or incomplete: the one before it
@@ -58,23 +58,24 @@ def newest_weights(path: Path, purpose: str) -> tuple[Path, dict[str, Any], dict
     raise CheckpointError(f"no checkpoint under {path} loads (tried {', '.join(tried)})")
 
 
-def whole_weights(ckpt: Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
-    """(trainer state, whole state dict) of one checkpoint, after its checksums are verified."""
+def whole_model(ckpt: Path) -> tuple[dict[str, Any], nn.Module]:
+    """(trainer state, the model built once on the CPU from the checkpoint's config, holding
+    its weights) of one checkpoint, after its checksums are verified."""
     form = format_of(ckpt)
     if form is None:
         raise CheckpointError(
             f"{ckpt} is incomplete (neither DCP's .metadata nor an engine's folder)"
         )
     extra, metadata = read_checked(ckpt, rank=0, form=form)
-    model_cfg = config_from_dict(ModelConfig, extra["model_config"])
+    model = build_model(config_from_dict(ModelConfig, extra["model_config"]), device="cpu")
     if form != DCP:
-        return extra, consolidated_weights(ckpt)
-    model = build_model(model_cfg, device="cpu")
-    state = {"model": model.state_dict()}
+        model.load_state_dict(consolidated_weights(ckpt))
+        return extra, model
+    state = {"model": model.state_dict()}  # DCP reads into the model's own tensors
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         read_states(state, ckpt, metadata, no_dist=True)  # one process, whatever the run
-    return extra, state["model"]
+    return extra, model
 
 
 def model_differences(extra: dict[str, Any], model_cfg: ModelConfig) -> list[str]:
@@ -106,7 +107,8 @@ def init_weights_reader(
         try:
             if not source.exists():
                 raise ConfigError(f"init_from={init_from} does not exist")
-            ckpt, extra, state = newest_weights(source, "started from")
+            ckpt, extra, model = newest_model(source, "started from")
+            state = model.state_dict()
             if differences := model_differences(extra, model_cfg):
                 raise ConfigError(
                     f"init_from={ckpt} holds another model ({'; '.join(differences)}): set the "

@@ -22,12 +22,10 @@ from omegaconf import DictConfig, OmegaConf
 from data.errors import DataError
 from data.manifest import Manifest
 from data.tokenizer import TokenizerIdentity, load_verified_tokenizer
-from model.config import ModelConfig, config_from_dict
 from model.errors import ConfigError
 from model.hf import save_hf
-from model.transformer import build_model
 from trainer.checkpoint import CheckpointError
-from trainer.checkpoint_weights import newest_weights
+from trainer.checkpoint_weights import newest_model
 from trainer.config import CONF_DIR
 
 log = logging.getLogger("trainer.export")
@@ -51,10 +49,7 @@ class ExportConfig:
 def load_for_export(path: Path) -> tuple[Path, dict, torch.nn.Module]:
     """(checkpoint, its trainer state, the model with its weights) of the newest checkpoint
     under `path` that verifies and loads; damaged ones are reported and skipped."""
-    ckpt, extra, state = newest_weights(path, "exported")
-    model = build_model(config_from_dict(ModelConfig, extra["model_config"]), device="cpu")
-    model.load_state_dict(state)
-    return ckpt, extra, model
+    return newest_model(path, "exported")
 
 
 def copy_tokenizer(extra: dict, out: Path) -> None:
