@@ -8,6 +8,8 @@ this reads them with `weights_only=False`, so load only checkpoints you trust.
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import shutil
 import subprocess
@@ -18,9 +20,22 @@ import torch
 from torch import Tensor
 
 from model.errors import ConfigError
+from parallel.deepspeed_tables import table_weights
 
 CHECKPOINT_FOLDER = "deepspeed"  # inside the trainer's step directory
 MODEL_STATES = "mp_rank_00_model_states.pt"  # ZeRO-0 and 1-2: the module (and 0: optimizer)
+LAYOUT = "lmforge_layout.json"  # the run's layout beside DeepSpeed's files (ranks, ep)
+
+
+def write_layout(folder: Path, ranks: int, ep: int) -> None:
+    """What DeepSpeed's files do not say about the run that wrote them (rank 0, after them)."""
+    (folder / LAYOUT).write_text(json.dumps({"ranks": ranks, "ep": ep}))
+
+
+def read_layout(folder: Path) -> dict:
+    """write_layout's record ({} for checkpoints written before it existed: ep 1)."""
+    path = folder / LAYOUT
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def convert_to_universal(folder: Path, out: Path) -> None:
@@ -53,13 +68,18 @@ def saved_ranks(folder: Path) -> int:
 def consolidated_weights(step_dir: Path) -> dict[str, Tensor]:
     """The whole fp32 state dict (parameters and persistent buffers) of the DeepSpeed
     checkpoint in `step_dir`, gathered from every rank's ZeRO partitions in this process
-    (DeepSpeed's zero_to_fp32); ZeRO-0 keeps the whole module in one file."""
+    (DeepSpeed's zero_to_fp32; expert_parallel_weights under parallel.ep); ZeRO-0 keeps the
+    whole module in one file."""
     folder = step_dir / CHECKPOINT_FOLDER
+    layout = read_layout(folder)
+    tables = table_weights(folder)  # Engram's, kept out of ZeRO (parallel.deepspeed_tables)
+    if layout.get("ep", 1) > 1:
+        return expert_parallel_weights(folder, layout["ranks"], layout["ep"]) | tables
     if not saved_ranks(folder):
         state = torch.load(folder / MODEL_STATES, map_location="cpu", weights_only=False)
         return {
             name: t.float() if t.is_floating_point() else t for name, t in state["module"].items()
-        }
+        } | tables
     try:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     except ImportError:
@@ -67,4 +87,54 @@ def consolidated_weights(step_dir: Path) -> dict[str, Tensor]:
             f'{step_dir} is a DeepSpeed checkpoint; reading it needs DeepSpeed: pip install -e ".[deepspeed]"'
         ) from None
 
-    return dict(get_fp32_state_dict_from_zero_checkpoint(str(step_dir), tag=CHECKPOINT_FOLDER))
+    whole = get_fp32_state_dict_from_zero_checkpoint(str(step_dir), tag=CHECKPOINT_FOLDER)
+    return dict(whole) | tables
+
+
+def expert_parallel_weights(folder: Path, ranks: int, ep: int) -> dict[str, Tensor]:
+    """The whole fp32 weights of an expert-parallel ZeRO-1/2 checkpoint (parallel.deepspeed_experts),
+    which DeepSpeed's zero_to_fp32 would mix up: a dense optimizer group is partitioned over
+    every rank, in rank order; an expert group over the ranks that hold the same experts (those
+    of ep rank e: e, e + ep, ...), each list of partitions giving its ep rank's local experts,
+    which are concatenated along the expert dimension in ep-rank order."""
+    model = torch.load(folder / MODEL_STATES, map_location="cpu", weights_only=False)
+    parts = [_fp32_partitions(folder, rank) for rank in range(ranks)]
+    counts, paddings = parts[0]["partition_count"], parts[0].get("param_alignment_paddings")
+    state = {name: t.float() for name, t in model["module"].items()}  # buffers, frozen weights
+    for group, shapes in enumerate(model["param_shapes"]):
+        if counts[group] == ranks:
+            holders = [list(range(ranks))]
+        elif counts[group] * ep == ranks:
+            holders = [list(range(e, ranks, ep)) for e in range(ep)]
+        else:
+            raise ValueError(
+                f"{folder}: optimizer group {group} is partitioned over {counts[group]} ranks, "
+                f"neither all {ranks} nor the {ranks // ep} of an expert group (ep={ep})"
+            )
+        pieces = []
+        for owners in holders:
+            flat = torch.cat([parts[r]["single_partition_of_fp32_groups"][group] for r in owners])
+            pieces.append(_unflatten(flat, shapes, paddings[group] if paddings else None))
+        for name in shapes:
+            state[name] = torch.cat([piece[name] for piece in pieces])
+    for alias, source in model.get("shared_params", []):  # tied weights: one tensor, two names
+        state[alias] = state[source]
+    return state
+
+
+def _fp32_partitions(folder: Path, rank: int) -> dict:
+    path = folder / f"zero_pp_rank_{rank}_{MODEL_STATES.replace('model_states', 'optim_states')}"
+    return torch.load(path, map_location="cpu", mmap=True, weights_only=False)[
+        "optimizer_state_dict"
+    ]
+
+
+def _unflatten(flat: Tensor, shapes: dict, paddings: list[int] | None) -> dict[str, Tensor]:
+    """A ZeRO group's flat fp32 vector cut into its parameters (each followed by its alignment
+    padding, where DeepSpeed recorded one)."""
+    out, offset = {}, 0
+    for index, (name, shape) in enumerate(shapes.items()):
+        numel = math.prod(shape)
+        out[name] = flat.narrow(0, offset, numel).view(shape).clone()
+        offset += numel + (paddings[index] if paddings else 0)
+    return out

@@ -19,8 +19,9 @@ Checkpoints are DeepSpeed's own files in `<step dir>/deepspeed/`, written and co
 trainer's scheme (temporary directory, checksums, `latest`, fallback past damaged ones); on
 another number of ranks they load through DeepSpeed's universal checkpoint (converted beside the
 step directory, then removed). ZeRO stages 1-3 need a process group; one process gets a 1-rank
-gloo group. Muon and MuonClip run through DeepSpeed's own Muon (parallel.deepspeed_muon). Not yet
-here (refused at start with the reason): expert parallelism, Engram tables.
+gloo group. Muon and MuonClip run through DeepSpeed's own Muon (parallel.deepspeed_muon); expert
+parallelism through DeepSpeed's expert groups (parallel.deepspeed_experts, ZeRO 1-2); Engram's
+tables outside ZeRO, whole on every rank (parallel.deepspeed_tables).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import os
 import shutil
 import socket
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, suppress
+from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
 from pathlib import Path
 from typing import Any
 
@@ -41,12 +42,31 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from model.errors import ConfigError
+from model.moe import moe_layers
 from model.transformer import Transformer, build_model
 from parallel.activation import apply_activation_checkpointing, compile_model
 from parallel.collective import all_true
-from parallel.deepspeed_checkpoint import CHECKPOINT_FOLDER, saved_ranks
+from parallel.deepspeed_checkpoint import (
+    CHECKPOINT_FOLDER,
+    read_layout,
+    saved_ranks,
+    write_layout,
+)
+from parallel.deepspeed_experts import (
+    declared_expert_layers,
+    expert_parallel_problems,
+    local_expert_weights,
+    localize_experts,
+    split_expert_groups,
+)
 from parallel.deepspeed_muon import MUON_OPTIMIZERS, deepspeed_muon, muon_problems
 from parallel.deepspeed_reshard import convert_on_main, load_universal
+from parallel.deepspeed_tables import (
+    AllGroups,
+    HiddenTables,
+    include_in_norm,
+    tables_only_optimizer,
+)
 from parallel.engine import (
     ENGINES,
     CheckpointRefusal,
@@ -85,10 +105,20 @@ def refuse_unsupported(request: EngineRequest, optimizer_name: str) -> None:
     cfg, ds = request.model_cfg, request.parallel.deepspeed
     problems = []
     if request.dims.ep > 1:
-        problems.append("parallel.ep > 1: expert parallelism runs under parallel.engine=fsdp2")
-    if cfg.engram.enabled:
+        problems += expert_parallel_problems(ds.zero_stage, ds.offload_optimizer)
+    if request.dims.dp_replicate > 1:
         problems.append(
-            "model.engram: its tables' row-wise updates run under parallel.engine=fsdp2"
+            "parallel.dp_replicate > 1 (HSDP) is FSDP2's layout; ZeRO partitions over every rank"
+        )
+    if cfg.engram.enabled and cfg.engram.sharding != "replicated":
+        problems.append(
+            f"model.engram.sharding={cfg.engram.sharding} is FSDP2's: DeepSpeed keeps the tables "
+            "out of ZeRO, whole on every rank; set model.engram.sharding=replicated"
+        )
+    if cfg.engram.enabled and cfg.engram.offload and request.dims.world_size > 1:
+        problems.append(
+            "model.engram.offload=true keeps the tables in one process's host memory; it does "
+            "not work with several ranks yet: set model.engram.offload=false"
         )
     if ds.zero_stage == 0 and request.precision == "bf16_master":
         problems.append(
@@ -170,11 +200,23 @@ class DeepSpeedEngine(TrainingEngine):
         device: torch.device,
         grad_clip: float,
         muon: bool = False,
+        ep: int = 1,
+        tables: HiddenTables | None = None,
     ):
         self.ds = ds_engine
+        self.ep = ep  # expert-parallel degree (parallel.deepspeed_experts)
+        self.tables = tables  # Engram's, outside ZeRO (parallel.deepspeed_tables)
         self.model: Transformer = ds_engine.module
-        self.optimizer = ds_engine.optimizer  # param_groups: the client optimizer's groups
+        # param_groups: the client optimizer's groups (and the tables' row-wise Adam groups)
+        self.optimizer = (
+            ds_engine.optimizer
+            if tables is None
+            else AllGroups(ds_engine.optimizer, tables.optimizer)
+        )
         self.stage = ds_engine.zero_optimization_stage()
+        self._tables_square = torch.zeros(())  # the tables' part of the step's norm, squared
+        if tables is not None and self.stage > 0:
+            include_in_norm(ds_engine.optimizer, lambda: self._tables_square)
         self.grad_clip = grad_clip
         self.muon = muon
         # ZeRO 1-3's norm under Muon covers Muon's orthogonalized updates, not the gradients
@@ -204,14 +246,25 @@ class DeepSpeedEngine(TrainingEngine):
     def clip_gradients(self, max_norm: float) -> Tensor:
         """ZeRO-0 only (whole averaged gradients on every rank); ZeRO 1-3 clip in their step."""
         params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.tables is not None:  # DeepSpeed averaged the others in its backward
+            self.tables.average_gradients()
+            params += list(self.tables.named_weights().values())
         return clip_grad_norm(params, max_norm)
 
     def step(self, edit: Callable[[nn.Module], None] | None = None) -> None:
-        """DeepSpeed's step, then `edit` (QK-clip) on the model: its row scalings go through
-        `scale_rows`, which edits DeepSpeed's fp32 masters and the module's copy alike."""
+        """DeepSpeed's step, the tables' (clipped by DeepSpeed's factor under ZeRO 1-3), then
+        `edit` (QK-clip) on the model: its row scalings go through `scale_rows`, which edits
+        DeepSpeed's fp32 masters and the module's copy alike."""
         self._sync_muon_momentum()
         self.ds.step()
-        if edit is not None and self.ds.was_step_applied():
+        applied = self.ds.was_step_applied()
+        if self.tables is not None:
+            if applied:
+                if self.stage > 0:
+                    self.tables.clip(float(self.ds.get_global_grad_norm()), self.grad_clip)
+                self.tables.step()
+            self.tables.zero_grad()
+        if edit is not None and applied:
             edit(self.model)
 
     def _sync_muon_momentum(self) -> None:
@@ -256,6 +309,10 @@ class DeepSpeedEngine(TrainingEngine):
         configured = self.grad_clip if self.grad_clip > 0 else math.inf
         if max_norm != configured:
             raise ValueError(f"DeepSpeed clips at {configured} (its config), asked {max_norm}")
+        if self.tables is not None:  # their norm joins DeepSpeed's (include_in_norm)
+            self.tables.average_gradients()
+            self._tables_square = self.tables.square_norm()
+            apply = apply and math.isfinite(float(self._tables_square))
         if not apply:
             with self._forced_skip():  # drop the step's gradients the way DeepSpeed does
                 self.ds.step()
@@ -282,14 +339,22 @@ class DeepSpeedEngine(TrainingEngine):
         else:  # ZeRO-1/2 keep Muon's momentum only once the step survives its norm
             name = "scaled_global_norm"
             fake = lambda *a, **k: torch.tensor(math.inf)  # noqa: E731
+        before = optimizer.__dict__.get(name)  # the tables' norm wrapper, if any
         setattr(optimizer, name, fake)
         try:
             yield
         finally:
-            delattr(optimizer, name)
+            if before is None:
+                delattr(optimizer, name)
+            else:
+                setattr(optimizer, name, before)
+            if self.tables is not None:
+                self.tables.zero_grad()
 
     def zero_grad(self) -> None:
         self.ds.zero_grad()
+        if self.tables is not None:
+            self.tables.zero_grad()
 
     @contextmanager
     def full_weights(self) -> Iterator[nn.Module]:
@@ -305,6 +370,8 @@ class DeepSpeedEngine(TrainingEngine):
         with deepspeed.zero.GatheredParameters(list(params.values())):
             state = {name: p.detach().clone() for name, p in params.items()}
         state |= {name: b for name, b in self.model.named_buffers() if name in self._buffer_names}
+        if self.tables is not None:
+            state |= self.tables.named_weights()
         device = next(iter(state.values())).device
         whole = build_model(self.model.cfg, device=device)
         whole.load_state_dict(state)
@@ -317,6 +384,10 @@ class DeepSpeedEngine(TrainingEngine):
     def write_checkpoint(self, directory: Path) -> None:
         """DeepSpeed's save (collective): model, optimizer partitions, its step counters."""
         self.ds.save_checkpoint(str(directory), tag=CHECKPOINT_FOLDER, save_latest=False)
+        if dist.get_rank() == 0:
+            write_layout(directory / CHECKPOINT_FOLDER, ranks=dist.get_world_size(), ep=self.ep)
+            if self.tables is not None:
+                self.tables.write(directory / CHECKPOINT_FOLDER)
 
     def checkpoint_conflict(self, directory: Path) -> str | None:
         """Why this run cannot load the checkpoint in `directory` (None: it can; collective).
@@ -329,8 +400,22 @@ class DeepSpeedEngine(TrainingEngine):
             return f"{directory} has no {CHECKPOINT_FOLDER}/ folder"
         self._universal = None
         written, size = saved_ranks(folder), dist.get_world_size()
+        saved_ep = read_layout(folder).get("ep", 1)
+        if saved_ep != self.ep:
+            return (
+                f"{directory} holds experts split over parallel.ep={saved_ep} and this run has "
+                f"parallel.ep={self.ep}: resume with parallel.ep={saved_ep}, or start a new run "
+                f"from its weights: init_from={directory}"
+            )
         if not written or written == size:
             return None
+        if self.ep > 1:
+            return (
+                f"{directory} holds expert-parallel ZeRO partitions of {written} ranks and this "
+                f"run has {size}: DeepSpeed's universal checkpoint knows only its own MoE "
+                f"layers. Resume on {written} ranks, or start a new run from its weights: "
+                f"init_from={directory}"
+            )
         if self.muon:
             return (
                 f"{directory} holds ZeRO partitions of {written} ranks with Muon's momentum and "
@@ -348,7 +433,9 @@ class DeepSpeedEngine(TrainingEngine):
     def read_checkpoint(self, directory: Path) -> None:
         """DeepSpeed's load (collective): weights, optimizer partitions, its step counters;
         from the universal checkpoint checkpoint_conflict made when the rank counts differ
-        (removed after, whatever happens)."""
+        (removed after, whatever happens); Engram's tables from their own file."""
+        if self.tables is not None:
+            self.tables.read(directory / CHECKPOINT_FOLDER)
         if getattr(self, "_universal", None) is not None:
             universal, self._universal = self._universal, None
             try:
@@ -372,6 +459,11 @@ class DeepSpeedEngine(TrainingEngine):
         )
         if path is None:
             raise FileNotFoundError(f"DeepSpeed found no checkpoint in {directory}")
+        if self.ep > 1:
+            # DeepSpeed's module file (rank 0's) holds rank 0's experts, which its load put on
+            # every rank; each rank's own are in its fp32 ZeRO partitions, loaded just now:
+            # copied into the module (collective over each group's ranks)
+            self.ds.optimizer.update_lp_params()
 
     def state_dict(self) -> dict[str, Any]:
         raise NotImplementedError("DeepSpeed writes its own checkpoint format (write_checkpoint)")
@@ -395,11 +487,20 @@ def build_deepspeed(request: EngineRequest) -> DeepSpeedEngine:
     initial = request.initial_weights() if request.initial_weights is not None else None
     if initial is not None:  # before ZeRO copies them into its partitions
         load_whole_weights(model, initial)
+    ep = request.dims.ep
+    if ep > 1:  # this rank's experts, tagged for DeepSpeed, with the all-to-all dispatch
+        deepspeed.init_distributed(dist_backend=dist.get_backend())  # its groups, made here
+        localize_experts(model, ep)
     apply_activation_checkpointing(model, request.parallel.activation_checkpoint)
     if request.compile:
         compile_model(model)
     config = deepspeed_config(request)
+    tables = None
+    if request.model_cfg.engram.enabled:  # out of ZeRO, with an optimizer of their own
+        tables = HiddenTables(model, tables_only_optimizer(model, request.make_optimizer))
     client = request.make_optimizer(model)
+    if ep > 1:
+        split_expert_groups(client)
     if request.optimizer_name in MUON_OPTIMIZERS:
         ds = request.parallel.deepspeed
         problems = muon_problems(client, ds.zero_stage, request.grad_clip, ds.offload_optimizer)
@@ -413,13 +514,18 @@ def build_deepspeed(request: EngineRequest) -> DeepSpeedEngine:
         config["optimizer"] = _ds_adamw(client)
         kwargs = {"model_parameters": [dict(g) for g in client.param_groups]}
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # its config dump, per rank
-    ds_engine, *_ = deepspeed.initialize(model=model, config=config, **kwargs)
+    experts = [layer.n_experts for layer in moe_layers(model)]
+    with declared_expert_layers(experts) if ep > 1 else nullcontext():
+        ds_engine, *_ = deepspeed.initialize(model=model, config=config, **kwargs)
     if request.parallel.deepspeed.zero_stage == 3:
         register_external_parameters(model)
     if initial is not None and request.precision == "bf16_master":
-        set_fp32_masters(model, initial)  # DeepSpeed built them from the bf16-rounded weights
+        # DeepSpeed built them from the bf16-rounded weights
+        set_fp32_masters(model, local_expert_weights(model, initial))
     muon = request.optimizer_name in MUON_OPTIMIZERS
-    return DeepSpeedEngine(ds_engine, request.precision, request.device, request.grad_clip, muon)
+    return DeepSpeedEngine(
+        ds_engine, request.precision, request.device, request.grad_clip, muon, ep, tables
+    )
 
 
 def set_fp32_masters(model: nn.Module, state: dict[str, Tensor]) -> None:

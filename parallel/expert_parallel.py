@@ -29,9 +29,12 @@ from model.transformer import Transformer
 
 
 class AllToAllDispatch:
-    def __init__(self, mesh: DeviceMesh):
-        self.group = mesh.get_group()
-        self.ranks = mesh.size()
+    """The all-to-all over `group`, the `ep` ranks that share their tokens (rank i of the group
+    holds experts i L ... i L + L - 1): the FSDP2 engine's ep mesh, or DeepSpeed's group."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+        self.ranks = dist.get_world_size(group)
 
     @torch.compiler.disable  # data-dependent splits: run eagerly inside a compiled block
     def __call__(self, x_sorted: Tensor, counts: Tensor, experts: nn.Module) -> Tensor:
@@ -71,7 +74,7 @@ def apply_expert_parallel(model: Transformer, mesh: DeviceMesh) -> None:
                 f"model.moe.n_routed_experts={total} is not divisible by parallel.ep={mesh.size()}"
             )
         shard_experts(experts, mesh)
-        moe.dispatch = AllToAllDispatch(mesh)
+        moe.dispatch = AllToAllDispatch(mesh.get_group())
 
 
 def shard_experts(experts: nn.Module, mesh: DeviceMesh) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from model.config import ModelConfig
 from optim.config import OptimConfig
@@ -30,13 +31,14 @@ def deepspeed_engine(
     micro_batches: int = 1,
     optimizer_name: str = "adamw",
     grad_clip: float = 1.0,
+    ep: int = 1,
     **ds: Any,
 ):
     _, size = world()
     if zero_stage == 3 and "config" not in ds:
         ds["config"] = partition_everything()
     pcfg = ParallelConfig(
-        engine="deepspeed", deepspeed=DeepSpeedConfig(zero_stage=zero_stage, **ds)
+        engine="deepspeed", ep=ep, deepspeed=DeepSpeedConfig(zero_stage=zero_stage, **ds)
     )
     micro = GLOBAL_BATCH // size // micro_batches
     tcfg = TrainerConfig(
@@ -75,6 +77,7 @@ def train_deepspeed(
     optimizer_name: str = "adamw",
     grad_clip: float = 1.0,
     qk_clip_tau: float = 0.0,
+    ep: int = 1,
 ) -> dict[str, Any]:
     """Losses, norms, whether each step applied, the step statistics (QK-clip's) and the final
     whole weights; `bad_loss_at`: the loop judges that step's loss bad (a spike), so the engine
@@ -86,6 +89,7 @@ def train_deepspeed(
         micro_batches,
         optimizer_name,
         grad_clip,
+        ep,
         **(options or {}),
     )
     if qk_clip_tau:
@@ -127,31 +131,54 @@ def train_and_save(
     save_after: int,
     where: str,
     optimizer_name: str = "adamw",
+    ep: int = 1,
 ) -> dict[str, Any]:
-    """The losses of `steps` steps and the final whole weights, DeepSpeed's checkpoint written
-    after `save_after` of them into `where` (a step directory); Muon without clipping."""
+    """The losses of `steps` steps, the whole weights saved and final, DeepSpeed's checkpoint
+    written after `save_after` of them into `where` (a step directory); Muon without clipping."""
     clip = 0.0 if optimizer_name == "muon" else 1.0
-    engine = deepspeed_engine(model_cfg, zero_stage, optimizer_name=optimizer_name, grad_clip=clip)
+    engine = deepspeed_engine(
+        model_cfg, zero_stage, optimizer_name=optimizer_name, grad_clip=clip, ep=ep
+    )
     settings, tracker = StepSettings(micro_batches=1, grad_clip=clip), LossTracker(0.0)
-    losses = []
+    losses, saved = [], {}
     for step, tokens in enumerate(global_batches(steps, model_cfg.vocab_size)):
         losses.append(train_step(engine, local_batch(tokens), settings, tracker).loss)
         if step + 1 == save_after:
             engine.write_checkpoint(Path(where))
-    return {"losses": losses, "final": whole_weights(engine)}
+            saved = whole_weights(engine)
+    return {"losses": losses, "final": whole_weights(engine), "saved": saved}
 
 
 def whole_weights(engine) -> dict[str, torch.Tensor]:
+    """Every weight whole: ZeRO-3's gathered, expert weights (this rank's experts under
+    parallel.ep) concatenated over the expert-parallel group, Engram's tables."""
     with engine.full_weights() as model:
-        return {name: p.detach().float().clone() for name, p in model.named_parameters()}
+        whole = {name: p.detach().float().clone() for name, p in model.named_parameters()}
+    if engine.tables is not None:  # Engram's, outside ZeRO and the module tree
+        whole |= {n: w.detach().clone() for n, w in engine.tables.named_weights().items()}
+    for name, param in engine.model.named_parameters():
+        if getattr(param, "allreduce", True) is False:
+            from deepspeed.utils import groups
+
+            group = groups._get_expert_parallel_group(param.group_name)
+            parts = [torch.empty_like(whole[name]) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(parts, whole[name], group=group)
+            whole[name] = torch.cat(parts)
+    return whole
 
 
 def resume_and_train(
-    rank: int, model_cfg: ModelConfig, zero_stage: int, steps: int, start: int, where: str
+    rank: int,
+    model_cfg: ModelConfig,
+    zero_stage: int,
+    steps: int,
+    start: int,
+    where: str,
+    ep: int = 1,
 ) -> dict[str, Any]:
     """The losses of steps start+1 .. steps after loading the checkpoint in `where`, the final
     whole weights and each optimizer group's weight decay."""
-    engine = deepspeed_engine(model_cfg, zero_stage)
+    engine = deepspeed_engine(model_cfg, zero_stage, ep=ep)
     assert engine.checkpoint_conflict(Path(where)) is None
     engine.read_checkpoint(Path(where))
     settings, tracker = StepSettings(micro_batches=1, grad_clip=1.0), LossTracker(0.0)
@@ -161,9 +188,19 @@ def resume_and_train(
     return {"losses": losses, "final": whole_weights(engine), "decay": decay}
 
 
-def conflict_with(rank: int, model_cfg: ModelConfig, zero_stage: int, where: str) -> str | None:
-    """Why a Muon engine on this many ranks cannot load the checkpoint in `where`."""
-    engine = deepspeed_engine(model_cfg, zero_stage, optimizer_name="muon", grad_clip=0.0)
+def conflict_with(
+    rank: int,
+    model_cfg: ModelConfig,
+    zero_stage: int,
+    where: str,
+    optimizer_name: str = "muon",
+    ep: int = 1,
+) -> str | None:
+    """Why an engine on this many ranks cannot load the checkpoint in `where`."""
+    clip = 0.0 if optimizer_name == "muon" else 1.0
+    engine = deepspeed_engine(
+        model_cfg, zero_stage, optimizer_name=optimizer_name, grad_clip=clip, ep=ep
+    )
     return engine.checkpoint_conflict(Path(where))
 
 

@@ -6,6 +6,7 @@ value is refused naming both. No DeepSpeed needed."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -13,15 +14,17 @@ import torch
 from model.errors import ConfigError
 from model.presets import load_preset
 from parallel.config import DeepSpeedConfig, ParallelConfig
-from parallel.deepspeed_engine import deepspeed_config
+from parallel.deepspeed_engine import deepspeed_config, refuse_unsupported
 from parallel.engine import EngineRequest
 from parallel.mesh import ParallelDims
 
 
-def request(precision: str = "fp32", grad_clip: float = 1.0, **ds) -> EngineRequest:
-    parallel = ParallelConfig(engine="deepspeed", deepspeed=DeepSpeedConfig(**ds))
+def request(
+    precision: str = "fp32", grad_clip: float = 1.0, layout: dict | None = None, **ds
+) -> EngineRequest:
+    parallel = ParallelConfig(engine="deepspeed", deepspeed=DeepSpeedConfig(**ds), **(layout or {}))
     return EngineRequest(
-        model_cfg=load_preset("tiny"), parallel=parallel, precision=precision, compile=False,
+        model_cfg=load_preset("tiny_moe"), parallel=parallel, precision=precision, compile=False,
         dims=ParallelDims.resolve(parallel, 2), device=torch.device("cpu"), seed=0,
         make_optimizer=lambda m: None, grad_clip=grad_clip, micro_batch_size=2, micro_batches=4,
     )  # fmt: skip
@@ -77,3 +80,25 @@ def test_a_users_json_passes_through_and_conflicts_are_refused(tmp_path):
 def test_bad_settings_name_their_keys(settings, message):
     with pytest.raises(ConfigError, match=message):
         DeepSpeedConfig(**settings)
+
+
+@pytest.mark.parametrize(
+    ("layout", "settings", "message"),
+    [
+        (
+            {"ep": 2},
+            {"zero_stage": 3},
+            "zero_stage=3: DeepSpeed runs expert parallelism with ZeRO 1-2",
+        ),
+        (
+            {"ep": 2},
+            {"zero_stage": 0},
+            "zero_stage=0: DeepSpeed runs expert parallelism with ZeRO 1-2",
+        ),
+        ({"ep": 2}, {"zero_stage": 2, "offload_optimizer": "cpu"}, "set offload_optimizer=none"),
+        ({"dp_replicate": 2}, {}, "parallel.dp_replicate > 1 (HSDP) is FSDP2's layout"),
+    ],
+)
+def test_layouts_the_engine_does_not_take_are_refused_with_the_way_on(layout, settings, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        refuse_unsupported(request(layout=layout, **settings), "adamw")

@@ -3,7 +3,8 @@ ZeRO-3 trains, evaluates, samples (whole weights gathered for it) and checkpoint
 trainer's scheme; a killed run resumes with the same losses bitwise, and on one rank (resharded
 through DeepSpeed's universal checkpoint); one process works (a 1-rank group); a checkpoint of
 the other engine is refused in one line, and settings
-the engine does not take yet fail at start with their reasons."""
+the engine does not take yet fail at start with their reasons; experts (ep=2) and Engram tables
+under ZeRO-2 train, resume and move to FSDP2."""
 
 from __future__ import annotations
 
@@ -32,9 +33,12 @@ def test_zero3_on_two_ranks_trains_checkpoints_and_resumes_exactly(dataset, tmp_
     first = train_losses(run_dir)
     step2 = run_dir / "checkpoints" / "step_00000002"
     assert sorted(p.name for p in (step2 / "deepspeed").iterdir()) == [
-        f"zero_pp_rank_{r}_mp_rank_00_{kind}_states.pt"
-        for r in (0, 1)
-        for kind in ("model", "optim")
+        "lmforge_layout.json",
+        *(
+            f"zero_pp_rank_{r}_mp_rank_00_{kind}_states.pt"
+            for r in (0, 1)
+            for kind in ("model", "optim")
+        ),
     ]
     # as if killed after step 3: the newest checkpoint is step 2
     shutil.rmtree(run_dir / "checkpoints" / "step_00000004")
@@ -168,3 +172,36 @@ def test_muonclip_under_deepspeed_resumes_exactly(dataset, tmp_path):
 
     out = export(ExportConfig(path=str(run_dir), out=str(tmp_path / "hf"), dtype="fp32"))
     assert load_file(out / "model.safetensors")
+
+
+def test_experts_and_engram_under_zero2_train_resume_and_move_to_fsdp2(dataset, tmp_path):
+    """A MoE model with Engram tables, parallel.ep=2 under ZeRO-2 on 2 torchrun ranks: trains,
+    evaluates and samples (the all-to-all over DeepSpeed's expert group, the tables outside
+    ZeRO); killed after step 2, steps 3-4 repeat bitwise; an FSDP2 run in one process starts
+    from its whole weights (init_from: experts and tables included)."""
+    run_dir = tmp_path / "run"
+    moe = ["model=tiny_moe", "model.moe.expert_hidden=32", "model.engram.layers=[1]"]
+    moe += ["model.engram.table_sizes=[97,89]", "model.engram.sharding=replicated"]
+    moe += ["model.engram.heads=2", "model.engram.dim=32"]
+    common = [f"data.path={dataset}", *SMALL_OVERRIDES, *moe, *FP32, "trainer.max_steps=4"]
+    ds = [*ZERO3, "parallel.deepspeed.zero_stage=2", "parallel.ep=2", "checkpoint.every=2"]
+    ds.append(f"hydra.run.dir={run_dir}")
+    result = torchrun(2, *common, *ds, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    log = (run_dir / "train.log").read_text()
+    assert "sample at step 4" in log and "validation loss" in log and "ep 2" in log
+    first = train_losses(run_dir)
+    shutil.rmtree(run_dir / "checkpoints" / "step_00000004")
+    (run_dir / "checkpoints" / "latest").write_text("step_00000002\n")
+    result = torchrun(2, *common, *ds, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    resumed = train_losses(run_dir)
+    assert {step: resumed[step] for step in (3, 4)} == {step: first[step] for step in (3, 4)}
+
+    fsdp2 = tmp_path / "fsdp2"
+    result = run_trainer(
+        *common[:-1], "trainer.max_steps=1", f"init_from={run_dir}", f"hydra.run.dir={fsdp2}",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "starting from the weights of" in (fsdp2 / "train.log").read_text()
