@@ -8,10 +8,11 @@ adapter files registered in `HF_FAMILIES` (model/hf/family.py):
   qwen3_next   Qwen3NextForCausalLM  GDN + gated attention hybrids with MoE (model/hf/qwen3_next.py)
   qwen3_5      Qwen3_5ForCausalLM    the same, dense (Qwen3.5's text model)
   kimi_linear  KimiLinearForCausalLM KDA + MLA NoPE hybrids, dense or MoE (model/hf/kimi_linear.py)
+  qwen3_moe    Qwen3MoeForCausalLM   Qwen3 attention + softmax top-k MoE (model/hf/qwen3_moe.py)
+  mixtral      MixtralForCausalLM    GQA + softmax top-k MoE, renormalized (model/hf/mixtral.py)
 To add a family, write model/hf/<family>.py with an `HFFamily` subclass (or a `LayeredFamily`,
 model/hf/layered.py, for per-layer conversion) registered under its name, and import it below.
-Dense and MoE softmax-attention models without a hybrid layer (Qwen3-MoE, DeepSeek-V3) have no
-family yet and are refused with a ConfigError naming the option. MTP modules travel in
+MLA with MoE (DeepSeek-V3) has no family yet and is refused with a ConfigError naming the option. MTP modules travel in
 DeepSeek-V3's layout with any family (model/hf/mtp_layers.py).
 """
 
@@ -26,7 +27,14 @@ import torch
 from torch import Tensor
 
 from model.config import ConfigError, ModelConfig
-from model.hf import kimi_linear, llama, mtp_layers, qwen3_next  # noqa: F401  (the families)
+from model.hf import (  # noqa: F401  (the families)
+    kimi_linear,
+    llama,
+    mixtral,
+    mtp_layers,
+    qwen3_moe,
+    qwen3_next,
+)
 from model.hf.family import HF_FAMILIES, HFFamily, family_for_config, family_for_hf
 from model.hf.files import MAX_SHARD_BYTES, read_hf_state_dict, write_hf_dir
 from model.transformer import Transformer, build_model

@@ -75,8 +75,9 @@ def gqa_hf_config(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def _all_attention(cfg: ModelConfig) -> bool:
-    """Every layer is softmax attention (hybrid stacks belong to the hybrid families)."""
-    return all(kind in LLAMA_MIXERS for kind in cfg.mixer_kinds())
+    """A dense model whose every layer is softmax attention (hybrid stacks belong to the hybrid
+    families, MoE ones to Qwen3-MoE / Mixtral)."""
+    return not cfg.moe.enabled and all(kind in LLAMA_MIXERS for kind in cfg.mixer_kinds())
 
 
 class LlamaLike(HFFamily):
@@ -113,8 +114,9 @@ class LlamaLike(HFFamily):
     def unsupported(self, cfg: ModelConfig) -> str | None:
         if cfg.moe.enabled:
             return (
-                f"model.moe.n_routed_experts={cfg.moe.n_routed_experts}: MoE conversion is not "
-                "supported (only dense Llama/Qwen3 models export)"
+                f"model.moe.n_routed_experts={cfg.moe.n_routed_experts} with "
+                f"attention.kind={cfg.attention.kind!r}: MoE models export as Qwen3-MoE / Mixtral "
+                "(GQA layers) or the hybrid families; MLA with MoE (DeepSeek-V3) is not supported yet"
             )
         option = _common_unsupported(cfg) or self._family_unsupported(cfg)
         return None if option is None else f"model.{option} has no Llama/Qwen3 equivalent"

@@ -21,7 +21,6 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import torch
-from torch import Tensor
 
 from model.config import (
     AttentionConfig,
@@ -49,7 +48,7 @@ from model.hf.layered import (
     split_groups,
 )
 from model.hf.llama import gqa_hf_config
-from model.hf.rope import rope_from_hf, rope_scaling
+from model.hf.rope import rope_from_hf, rope_rows, rope_scaling
 from model.rope import half_to_interleaved, interleaved_to_half
 
 HYBRID_MIXERS = {"gdn": "linear_attention", "gqa": "full_attention"}
@@ -89,14 +88,6 @@ def _moe_unsupported(cfg: ModelConfig) -> str | None:
         (moe.capacity_factor > 0, lambda: f"moe.capacity_factor={moe.capacity_factor}"),
     ]
     return first_failing(checks)
-
-
-def _rope_layout(t: Tensor, cfg: ModelConfig, permutation) -> Tensor:
-    """Reorder each head's dims (rows) from our RoPE pairing to HF's half split, or back."""
-    if cfg.rope.pairing != "interleaved":
-        return t
-    index = permutation(cfg.rotary_dim, cfg.head_dim)
-    return t.reshape(-1, cfg.head_dim, *t.shape[1:])[:, index].reshape(t.shape)
 
 
 class QwenHybrid(LayeredFamily):
@@ -204,18 +195,18 @@ class QwenHybrid(LayeredFamily):
         if kind == "gdn":
             return self.gdn_to_hf(params, cfg) | rename(params, GDN_SHARED)
         H = cfg.attention.n_heads
-        q = _rope_layout(pop(params, "q_proj.weight"), cfg, interleaved_to_half)
-        k = _rope_layout(pop(params, "k_proj.weight"), cfg, interleaved_to_half)
+        q = rope_rows(pop(params, "q_proj.weight"), cfg, interleaved_to_half)
+        k = rope_rows(pop(params, "k_proj.weight"), cfg, interleaved_to_half)
         out = {
             "q_proj.weight": interleave_groups([q, pop(params, "gate_proj.weight")], H),
             "k_proj.weight": k,
         }
         for name in ("q_norm.weight", "k_norm.weight"):
-            out[name] = self.gain_to_hf(_rope_layout(pop(params, name), cfg, interleaved_to_half))
+            out[name] = self.gain_to_hf(rope_rows(pop(params, name), cfg, interleaved_to_half))
         if "q_proj.bias" in params:
-            q_bias = _rope_layout(pop(params, "q_proj.bias"), cfg, interleaved_to_half)
+            q_bias = rope_rows(pop(params, "q_proj.bias"), cfg, interleaved_to_half)
             out["q_proj.bias"] = interleave_groups([q_bias, pop(params, "gate_proj.bias")], H)
-            out["k_proj.bias"] = _rope_layout(pop(params, "k_proj.bias"), cfg, interleaved_to_half)
+            out["k_proj.bias"] = rope_rows(pop(params, "k_proj.bias"), cfg, interleaved_to_half)
         plain = {n: t for n, t in PLAIN.items() if n != "k_proj.weight"}
         return out | rename(params, plain) | optional_rename(params, PLAIN_BIASES)
 
@@ -226,20 +217,20 @@ class QwenHybrid(LayeredFamily):
         H, D = cfg.attention.n_heads, cfg.head_dim
         q, gate = split_groups(pop(params, "q_proj.weight", where), H, [D, D])
         out = {
-            "q_proj.weight": _rope_layout(q, cfg, half_to_interleaved),
+            "q_proj.weight": rope_rows(q, cfg, half_to_interleaved),
             "gate_proj.weight": gate,
-            "k_proj.weight": _rope_layout(
+            "k_proj.weight": rope_rows(
                 pop(params, "k_proj.weight", where), cfg, half_to_interleaved
             ),
         }
         for name in ("q_norm.weight", "k_norm.weight"):
-            gain = _rope_layout(pop(params, name, where), cfg, half_to_interleaved)
+            gain = rope_rows(pop(params, name, where), cfg, half_to_interleaved)
             out[name] = self.gain_from_hf(gain)
         if "q_proj.bias" in params:
             q_bias, gate_bias = split_groups(params.pop("q_proj.bias"), H, [D, D])
-            out["q_proj.bias"] = _rope_layout(q_bias, cfg, half_to_interleaved)
+            out["q_proj.bias"] = rope_rows(q_bias, cfg, half_to_interleaved)
             out["gate_proj.bias"] = gate_bias
-            out["k_proj.bias"] = _rope_layout(
+            out["k_proj.bias"] = rope_rows(
                 pop(params, "k_proj.bias", where), cfg, half_to_interleaved
             )
         plain = {n: t for n, t in PLAIN.items() if n != "k_proj.weight"}

@@ -3,7 +3,10 @@ by the families that use RoPE."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
+
+from torch import Tensor
 
 from model.config import ConfigError, ModelConfig, RopeConfig
 
@@ -95,3 +98,13 @@ def rope_from_hf(
         theta=float(theta), pairing=pairing, scaling=scaling, fraction=float(fraction), **fields
     )
     return rope, max_seq_len
+
+
+def rope_rows(t: Tensor, cfg: ModelConfig, permutation: Callable[[int, int], Tensor]) -> Tensor:
+    """Each head's dims (rows of a q/k projection, or a QK-norm gain) reordered from our RoPE
+    pairing to HF's half split (`interleaved_to_half`) or back (`half_to_interleaved`); a
+    no-op for models trained in the half layout."""
+    if cfg.rope.pairing != "interleaved":
+        return t
+    index = permutation(cfg.rotary_dim, cfg.head_dim)
+    return t.reshape(-1, cfg.head_dim, *t.shape[1:])[:, index].reshape(t.shape)
