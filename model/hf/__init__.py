@@ -10,9 +10,10 @@ adapter files registered in `HF_FAMILIES` (model/hf/family.py):
   kimi_linear  KimiLinearForCausalLM KDA + MLA NoPE hybrids, dense or MoE (model/hf/kimi_linear.py)
   qwen3_moe    Qwen3MoeForCausalLM   Qwen3 attention + softmax top-k MoE (model/hf/qwen3_moe.py)
   mixtral      MixtralForCausalLM    GQA + softmax top-k MoE, renormalized (model/hf/mixtral.py)
+  deepseek_v3  DeepseekV3ForCausalLM MLA + DeepSeekMoE (sigmoid, groups, bias), MTP (model/hf/deepseek_v3.py)
 To add a family, write model/hf/<family>.py with an `HFFamily` subclass (or a `LayeredFamily`,
 model/hf/layered.py, for per-layer conversion) registered under its name, and import it below.
-MLA with MoE (DeepSeek-V3) has no family yet and is refused with a ConfigError naming the option. MTP modules travel in
+A model no family can express is refused with a ConfigError naming the option. MTP modules travel in
 DeepSeek-V3's layout with any family (model/hf/mtp_layers.py).
 """
 
@@ -28,6 +29,7 @@ from torch import Tensor
 
 from model.config import ConfigError, ModelConfig
 from model.hf import (  # noqa: F401  (the families)
+    deepseek_v3,
     kimi_linear,
     llama,
     mixtral,
@@ -128,7 +130,9 @@ def load_hf(
     hf = json.loads(config_file.read_text())
     family = family_for_hf(hf)
     cfg = mtp_layers.with_depth(family.from_hf_config(hf, rope_pairing), hf)
-    state = from_hf_state_dict(read_hf_state_dict(path), cfg, family)
+    hf_state = read_hf_state_dict(path)
+    cfg = mtp_layers.without_missing(cfg, hf_state)
+    state = from_hf_state_dict(hf_state, cfg, family)
     model = build_model(cfg, device="meta")
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     if missing or unexpected:

@@ -31,7 +31,7 @@ def _common_unsupported(cfg: ModelConfig) -> str | None:
     """The first option Llama/Qwen3 cannot express, as `key=value (why)`, or None."""
     att, rope = cfg.attention, cfg.rope
     if att.kind not in LLAMA_MIXERS:
-        return f"attention.kind={att.kind!r} (MLA export comes with DeepSeek-V3 MoE support)"
+        return f"attention.kind={att.kind!r} (MLA exports as DeepSeek-V3, MLA NoPE as Kimi Linear)"
     other = next((kind for kind in cfg.mixer_kinds() if kind not in LLAMA_MIXERS), None)
     if other is not None:
         return f"layer_types/layer_pattern with {other!r} layers (Llama/Qwen3 layers are all GQA)"
@@ -116,7 +116,7 @@ class LlamaLike(HFFamily):
             return (
                 f"model.moe.n_routed_experts={cfg.moe.n_routed_experts} with "
                 f"attention.kind={cfg.attention.kind!r}: MoE models export as Qwen3-MoE / Mixtral "
-                "(GQA layers) or the hybrid families; MLA with MoE (DeepSeek-V3) is not supported yet"
+                "(GQA layers), DeepSeek-V3 (MLA) or the hybrid families"
             )
         option = _common_unsupported(cfg) or self._family_unsupported(cfg)
         return None if option is None else f"model.{option} has no Llama/Qwen3 equivalent"

@@ -15,6 +15,7 @@ main model's logits are unchanged); `load_hf` reads them back.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 from torch import Tensor
@@ -29,6 +30,7 @@ OWN = {
     "norm.weight": "shared_head.norm.weight",
 }
 SHARED = ("embed_tokens.weight", "shared_head.head.weight")  # copies of the main model's
+log = logging.getLogger("model.hf")
 
 
 def depth_from_hf(hf: dict[str, Any]) -> int:
@@ -39,6 +41,21 @@ def with_depth(cfg: ModelConfig, hf: dict[str, Any]) -> ModelConfig:
     """An imported config with the checkpoint's MTP depth."""
     depth = depth_from_hf(hf)
     return dataclasses.replace(cfg, mtp=MTPConfig(depth=depth)) if depth else cfg
+
+
+def without_missing(cfg: ModelConfig, hf_state: dict[str, Tensor]) -> ModelConfig:
+    """`cfg` without MTP when the config counts MTP layers but the checkpoint holds none
+    (transformers' own save_pretrained writes DeepseekV3Config's default of 1 and no MTP weights:
+    its CausalLM class has no MTP module)."""
+    first = f"model.layers.{cfg.n_layers}."
+    if cfg.mtp.depth and not any(name.startswith(first) for name in hf_state):
+        log.warning(
+            "the config counts %d MTP layer(s) but the checkpoint has no weights for them: "
+            "imported without MTP",
+            cfg.mtp.depth,
+        )
+        return dataclasses.replace(cfg, mtp=MTPConfig())
+    return cfg
 
 
 def _stacked(cfg: ModelConfig) -> ModelConfig:

@@ -12,6 +12,7 @@ from model import (
     ConfigError,
     FFNConfig,
     InitConfig,
+    MLAConfig,
     ModelConfig,
     RopeConfig,
     Transformer,
@@ -145,7 +146,10 @@ def test_export_refuses_to_overwrite_and_leaves_no_partial_directory(tmp_path):
 @pytest.mark.parametrize(
     ("overrides", "option"),
     [
-        (dict(attention=AttentionConfig(kind="mla", n_heads=4)), "attention.kind='mla'"),
+        (  # MLA NoPE outside a Kimi Linear hybrid (MLA with RoPE exports as DeepSeek-V3)
+            dict(attention=AttentionConfig(kind="mla", n_heads=4, mla=MLAConfig(nope=True))),
+            "attention.kind='mla'",
+        ),
         (dict(position="alibi"), "position='alibi'"),
         (dict(residual="deepnorm"), "residual='deepnorm'"),
         (dict(norm="layer"), "norm='layer'"),

@@ -23,6 +23,7 @@ EXPORTABLE = {  # preset -> family, the ones the families here must keep express
     "mixtral_8x7b": "mixtral",
     "qwen3_next_80b_a3b": "qwen3_next",
     "kimi_linear_48b_a3b": "kimi_linear",
+    "deepseek_v3": "deepseek_v3",
     "tiny_kda": "kimi_linear",
 }
 

@@ -167,10 +167,12 @@ def test_training_flops_match_torch_flop_counter(n_shared):
 # ---- interfaces ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("preset", ["tiny_moe", "deepseek_v3"])
-def test_hf_export_refuses_moe_models(preset):
-    with pytest.raises(ConfigError, match="MoE conversion is not supported"):
-        hf_config(load_preset(preset))
+def test_hf_export_names_what_a_moe_model_lacks_and_takes_deepseek_v3():
+    """tiny_moe (a shared expert beside softmax routing) has no family: the option is named;
+    deepseek_v3 exports as DeepseekV3ForCausalLM (tests/model/test_hf_deepseek_v3.py)."""
+    with pytest.raises(ConfigError, match="moe.n_shared_experts=1 has no MixtralForCausalLM"):
+        hf_config(load_preset("tiny_moe"))
+    assert hf_config(load_preset("deepseek_v3"))["architectures"] == ["DeepseekV3ForCausalLM"]
 
 
 def test_inspect_shows_active_and_total_for_moe_presets(capsys):
