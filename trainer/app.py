@@ -43,6 +43,7 @@ from trainer.config import RootConfig
 from trainer.distributed import is_collective_timeout
 from trainer.evaluate import describe_evaluation
 from trainer.fingerprint import Fingerprint
+from trainer.hf_init import hf_model_config, hf_weights_reader, is_hf
 from trainer.loop import Training
 from trainer.metrics import MetricsFile
 from trainer.mfu import device_peak
@@ -59,21 +60,28 @@ def build_training(cfg: RootConfig, run_dir: Path, ranks: Ranks) -> Training:
     # every check that needs no data first: a bad setting fails before any file is touched
     dims = ParallelDims.resolve(cfg.parallel, ranks.world_size)
     check_engine(cfg.parallel.engine)
-    check_expert_parallel(cfg.model, dims, cfg.parallel.activation_checkpoint)
-    check_cross_fields(cfg.model, cfg.data, tcfg, ranks.world_size)
+    hf = is_hf(cfg.init_from)  # the model comes from a Hugging Face checkpoint (trainer/hf_init.py)
+    if not hf:
+        check_expert_parallel(cfg.model, dims, cfg.parallel.activation_checkpoint)
+        check_cross_fields(cfg.model, cfg.data, tcfg, ranks.world_size)
     run_dir.mkdir(parents=True, exist_ok=True)
     if tcfg.threads:
         torch.set_num_threads(tcfg.threads)
     device = pick_device(tcfg.device, ranks.local_rank)
     manifest = dataset_manifest(cfg.data, ranks.is_main)
-    model_cfg = resolve_model_config(cfg.model, manifest)
+    if hf:
+        model_cfg = hf_model_config(cfg.init_from, manifest, explicit_overrides())
+        check_expert_parallel(model_cfg, dims, cfg.parallel.activation_checkpoint)
+    else:
+        model_cfg = resolve_model_config(cfg.model, manifest)
     micro_batches = check_cross_fields(model_cfg, cfg.data, tcfg, ranks.world_size)
     loader = build_loader(
         cfg.data, manifest, tcfg.batch_size, ranks.rank, ranks.world_size, cfg.seed
     )
     loader.manifest.check_tokenizer(manifest.tokenizer)
     canonical = token_compression(model_cfg, loader, run_dir, ranks.is_main)
-    initial = init_weights_reader(cfg.init_from, model_cfg)  # also after failed resumes
+    reader = hf_weights_reader if hf else init_weights_reader
+    initial = reader(cfg.init_from, model_cfg)  # also after failed resumes
     resuming = from_main(resumes_its_own(cfg.resume, run_dir))  # listings may differ per node
     if initial is not None and resuming:
         log.info("init_from=%s is not used: the run resumes its checkpoint", cfg.init_from)
@@ -136,6 +144,13 @@ def build_training(cfg: RootConfig, run_dir: Path, ranks: Ranks) -> Training:
         restored_step=restart.restored_step,
         eval_coverage=coverage,
     )
+
+
+def explicit_overrides() -> list[str]:
+    """The command line's overrides (Hydra's task overrides; none outside a Hydra run)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
 
 
 def check_engine(name: str) -> None:

@@ -1,0 +1,134 @@
+"""`init_from=hf:<dir>`: continued pretraining from a Hugging Face checkpoint directory (offline).
+
+The model is the checkpoint's: its config comes from `config.json` through the family adapters
+(model/hf), and the `model=` preset does not apply. Explicit `model.*` overrides are taken when
+they keep every weight's shape (sequence length, kernels, loss chunking, balancing rates, ...);
+one that changes a shape is refused, naming it. The data must have been tokenized with the
+checkpoint's own tokenizer (`python -m data.prepare tokenizer=hf:<dir>`), whose ids the weights
+were trained on: another tokenizer is refused, naming the fix. The weights load into the
+engine's model (sharded or not) like `init_from=<checkpoint>`'s: every rank reads them, tensor
+by tensor converted to ours, and the ranks agree on the outcome.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import yaml
+from torch import Tensor
+
+from data.errors import DataError
+from data.manifest import Manifest
+from data.tokenizer import load_tokenizer
+from model.config import ModelConfig, config_from_dict
+from model.errors import ConfigError
+from model.hf import config_from_hf, from_hf_state_dict, read_hf_state_dict
+from model.hf.family import family_for_hf
+from model.hf.mtp_layers import without_missing
+from model.presets import set_dotted
+from model.transformer import build_model
+from parallel.collective import all_true
+
+log = logging.getLogger("trainer")
+PREFIX = "hf:"
+
+
+def is_hf(init_from: str) -> bool:
+    return init_from.startswith(PREFIX)
+
+
+def hf_directory(init_from: str) -> Path:
+    directory = Path(init_from[len(PREFIX) :]).expanduser()
+    if not (directory / "config.json").is_file():
+        raise ConfigError(
+            f"init_from={init_from}: {directory} has no config.json (a Hugging Face model "
+            "directory: config.json + safetensors)"
+        )
+    return directory
+
+
+def hf_model_config(init_from: str, manifest: Manifest, overrides: list[str]) -> ModelConfig:
+    """The checkpoint's model config with the run's shape-keeping `model.*` overrides, checked
+    against the data's tokenizer."""
+    directory = hf_directory(init_from)
+    hf = json.loads((directory / "config.json").read_text())
+    base = config_from_hf(hf)
+    cfg = _with_overrides(base, overrides, init_from)
+    _check_tokenizer(directory, manifest, init_from)
+    if manifest.vocab_size > cfg.vocab_size:
+        raise ConfigError(
+            f"init_from={init_from}: the data's tokenizer has {manifest.vocab_size} ids, the "
+            f"checkpoint's embedding {cfg.vocab_size}"
+        )
+    return cfg
+
+
+def _with_overrides(base: ModelConfig, overrides: list[str], init_from: str) -> ModelConfig:
+    model_keys = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") in ("model",)]
+    if model_keys:
+        raise ConfigError(
+            f"init_from={init_from} takes the model from the checkpoint: drop {model_keys[0]}"
+        )
+    chosen = [o for o in overrides if o.lstrip("+").startswith("model.")]
+    if not chosen:
+        return base
+    tree = dataclasses.asdict(base)
+    for override in chosen:
+        key, value = override.lstrip("+").split("=", 1)
+        set_dotted(tree, key[len("model.") :], yaml.safe_load(value))
+    cfg = config_from_dict(ModelConfig, tree)
+    theirs, ours = _shapes(base), _shapes(cfg)
+    if theirs != ours:
+        changed = sorted(n for n in theirs.keys() | ours.keys() if theirs.get(n) != ours.get(n))
+        raise ConfigError(
+            f"init_from={init_from}: {', '.join(chosen)} change(s) the checkpoint's weights "
+            f"({changed[0]}: {theirs.get(changed[0])} -> {ours.get(changed[0])}); only "
+            "settings that keep every weight's shape can be overridden"
+        )
+    return cfg
+
+
+def _shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    model = build_model(cfg, device="meta")
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+
+
+def _check_tokenizer(directory: Path, manifest: Manifest, init_from: str) -> None:
+    try:
+        theirs = load_tokenizer(f"{PREFIX}{directory}").identity
+    except DataError as err:
+        raise ConfigError(f"init_from={init_from}: its tokenizer cannot be used: {err}") from None
+    if theirs.hash != manifest.tokenizer.hash:
+        raise ConfigError(
+            f"init_from={init_from}: the data ({manifest.root}) was tokenized with "
+            f"{manifest.tokenizer.short()}, not the checkpoint's tokenizer {theirs.short()}: "
+            f"prepare it with python -m data.prepare tokenizer={PREFIX}{directory} ..."
+        )
+
+
+def hf_weights_reader(init_from: str, model_cfg: ModelConfig) -> Callable[[], dict[str, Tensor]]:
+    """A reader of the checkpoint's weights in our names (called on every rank by the engine's
+    builder); the ranks agree on the outcome, a problem is one ConfigError on all of them."""
+    directory = hf_directory(init_from)
+
+    def read() -> dict[str, Tensor]:
+        problem, state = "", {}
+        try:
+            hf = json.loads((directory / "config.json").read_text())
+            hf_state = read_hf_state_dict(directory)
+            cfg = without_missing(model_cfg, hf_state)
+            if cfg != model_cfg:
+                raise ConfigError(f"init_from={init_from}: the checkpoint lacks its MTP weights")
+            state = from_hf_state_dict(hf_state, cfg, family_for_hf(hf))
+        except (ConfigError, OSError, ValueError) as err:
+            problem = f"init_from={init_from}: {err}"
+        if not all_true(not problem):
+            raise ConfigError(problem or f"init_from={init_from} did not load on every rank")
+        log.info("starting from the weights of %s (a Hugging Face checkpoint)", directory)
+        return state
+
+    return read
