@@ -100,7 +100,9 @@ def expert_parallel_weights(folder: Path, ranks: int, ep: int) -> dict[str, Tens
     model = torch.load(folder / MODEL_STATES, map_location="cpu", weights_only=False)
     parts = [_fp32_partitions(folder, rank) for rank in range(ranks)]
     counts, paddings = parts[0]["partition_count"], parts[0].get("param_alignment_paddings")
-    state = {name: t.float() for name, t in model["module"].items()}  # buffers, frozen weights
+    state = {  # buffers (integer ones keep their dtype: Engram's hash multipliers)
+        name: t.float() if t.is_floating_point() else t for name, t in model["module"].items()
+    }
     for group, shapes in enumerate(model["param_shapes"]):
         if counts[group] == ranks:
             holders = [list(range(ranks))]
@@ -117,14 +119,17 @@ def expert_parallel_weights(folder: Path, ranks: int, ep: int) -> dict[str, Tens
             pieces.append(_unflatten(flat, shapes, paddings[group] if paddings else None))
         for name in shapes:
             state[name] = torch.cat([piece[name] for piece in pieces])
-    for alias, source in model.get("shared_params", []):  # tied weights: one tensor, two names
+    for alias, source in (model.get("shared_params") or {}).items():  # one tensor, two names
         state[alias] = state[source]
     return state
 
 
 def _fp32_partitions(folder: Path, rank: int) -> dict:
-    path = folder / f"zero_pp_rank_{rank}_{MODEL_STATES.replace('model_states', 'optim_states')}"
-    return torch.load(path, map_location="cpu", mmap=True, weights_only=False)[
+    """Rank `rank`'s ZeRO-1/2 optimizer file (named `bf16_zero_pp_rank_...` under bf16)."""
+    paths = list(folder.glob(f"*zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"))
+    if len(paths) != 1:
+        raise FileNotFoundError(f"{folder}: {len(paths)} optimizer files of rank {rank}, not 1")
+    return torch.load(paths[0], map_location="cpu", mmap=True, weights_only=False)[
         "optimizer_state_dict"
     ]
 

@@ -144,6 +144,10 @@ def deepspeed_config(request: EngineRequest) -> dict[str, Any]:
             )
     if request.optimizer_name in MUON_OPTIMIZERS and ds.zero_stage == 3:
         zero["reduce_scatter"] = False  # DeepSpeed's ZeRO-3 Muon gathers whole gradients
+    if ds.zero_stage > 0:  # the loop reports and judges the norm; the tables' clip needs it
+        zero["compute_grad_norm"] = True
+    if request.dims.ep > 1:  # each rank's experts live only in its fp32 partitions
+        zero["load_from_fp32_weights"] = True
     ours: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": request.micro_batch_size,
         "gradient_accumulation_steps": request.micro_batches,
@@ -517,6 +521,7 @@ def build_deepspeed(request: EngineRequest) -> DeepSpeedEngine:
     experts = [layer.n_experts for layer in moe_layers(model)]
     with declared_expert_layers(experts) if ep > 1 else nullcontext():
         ds_engine, *_ = deepspeed.initialize(model=model, config=config, **kwargs)
+    check_zero_optimizer(ds_engine)
     if request.parallel.deepspeed.zero_stage == 3:
         register_external_parameters(model)
     if initial is not None and request.precision == "bf16_master":
@@ -526,6 +531,21 @@ def build_deepspeed(request: EngineRequest) -> DeepSpeedEngine:
     return DeepSpeedEngine(
         ds_engine, request.precision, request.device, request.grad_clip, muon, ep, tables
     )
+
+
+ZERO_OPTIMIZERS = ("DeepSpeedZeroOptimizer", "DeepSpeedZeroOptimizer_Stage3")
+
+
+def check_zero_optimizer(ds_engine: Any) -> None:
+    """ZeRO 1-3 must run through DeepSpeed's ZeRO optimizers, whose step the engine drops bad
+    steps from and whose norm it extends; a user's JSON can make DeepSpeed pick another."""
+    stage, name = ds_engine.zero_optimization_stage(), type(ds_engine.optimizer).__name__
+    if stage > 0 and name not in ZERO_OPTIMIZERS:
+        raise ConfigError(
+            f"parallel.deepspeed.config made DeepSpeed use its {name} at ZeRO-{stage} (e.g. "
+            "data_types.grad_accum_dtype=fp32 with bf16 at ZeRO-1); this engine runs DeepSpeed's "
+            "ZeRO optimizers: remove that setting or use another stage"
+        )
 
 
 def set_fp32_masters(model: nn.Module, state: dict[str, Tensor]) -> None:

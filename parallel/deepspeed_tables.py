@@ -81,7 +81,7 @@ class HiddenTables:
         sparse = [w for w in weights if w.grad is None or w.grad.is_sparse]
         average_sparse_gradients(sparse)  # (a rank whose tokens read no row sends none)
         for weight in weights:
-            if weight not in sparse:  # model.engram.sparse_grad=false: dense gradients
+            if weight.grad is not None and not weight.grad.is_sparse:  # sparse_grad=false
                 dist.all_reduce(weight.grad)
                 weight.grad /= dist.get_world_size()
 

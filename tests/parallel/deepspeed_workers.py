@@ -132,21 +132,27 @@ def train_and_save(
     where: str,
     optimizer_name: str = "adamw",
     ep: int = 1,
+    precision: str = "fp32",
 ) -> dict[str, Any]:
-    """The losses of `steps` steps, the whole weights saved and final, DeepSpeed's checkpoint
-    written after `save_after` of them into `where` (a step directory); Muon without clipping."""
+    """The losses of `steps` steps, the whole weights saved (and the persistent buffers) and
+    final, DeepSpeed's checkpoint written after `save_after` of them into `where` (a step
+    directory); Muon without clipping."""
     clip = 0.0 if optimizer_name == "muon" else 1.0
     engine = deepspeed_engine(
-        model_cfg, zero_stage, optimizer_name=optimizer_name, grad_clip=clip, ep=ep
+        model_cfg, zero_stage, precision, optimizer_name=optimizer_name, grad_clip=clip, ep=ep
     )
     settings, tracker = StepSettings(micro_batches=1, grad_clip=clip), LossTracker(0.0)
-    losses, saved = [], {}
+    losses, saved, buffers = [], {}, {}
     for step, tokens in enumerate(global_batches(steps, model_cfg.vocab_size)):
         losses.append(train_step(engine, local_batch(tokens), settings, tracker).loss)
         if step + 1 == save_after:
             engine.write_checkpoint(Path(where))
             saved = whole_weights(engine)
-    return {"losses": losses, "final": whole_weights(engine), "saved": saved}
+            params = dict(engine.model.named_parameters())
+            buffers = {
+                n: t.clone() for n, t in engine.model.state_dict().items() if n not in params
+            }
+    return {"losses": losses, "final": whole_weights(engine), "saved": saved, "buffers": buffers}
 
 
 def whole_weights(engine) -> dict[str, torch.Tensor]:
@@ -175,10 +181,11 @@ def resume_and_train(
     start: int,
     where: str,
     ep: int = 1,
+    precision: str = "fp32",
 ) -> dict[str, Any]:
     """The losses of steps start+1 .. steps after loading the checkpoint in `where`, the final
     whole weights and each optimizer group's weight decay."""
-    engine = deepspeed_engine(model_cfg, zero_stage, ep=ep)
+    engine = deepspeed_engine(model_cfg, zero_stage, precision, ep=ep)
     assert engine.checkpoint_conflict(Path(where)) is None
     engine.read_checkpoint(Path(where))
     settings, tracker = StepSettings(micro_batches=1, grad_clip=1.0), LossTracker(0.0)

@@ -204,9 +204,10 @@ def test_a_step_the_loop_judges_bad_leaves_muons_momentum_alone():
 def test_a_muon_checkpoint_on_another_number_of_ranks_is_refused(tmp_path):
     """DeepSpeed's universal checkpoint has no Muon momentum: a 2-rank Muon checkpoint on one
     rank is a conflict (the trainer exits naming it), never a conversion that fails and marks
-    every checkpoint damaged; on its own rank count it loads."""
+    every checkpoint damaged; on its own rank count it loads. (The refusal is the loading run's
+    optimizer's: the checkpoint is written by AdamW, which spares a compile of Muon's update.)"""
     where = str(tmp_path / "step_00000001")
-    run_ranks(2, train_and_save, small_model(), 2, 1, 1, where, "muon")
+    run_ranks(2, train_and_save, small_model(), 2, 1, 1, where)
     (conflict,) = run_ranks(1, conflict_with, small_model(), 2, where)
     assert "DeepSpeed's universal checkpoint has no Muon state" in conflict
     assert f"init_from={where}" in conflict

@@ -36,7 +36,13 @@ def test_the_trainers_settings_fill_the_config():
     assert config["gradient_accumulation_steps"] == 4
     assert config["gradient_clipping"] == 1.0
     assert config["bf16"] == {"enabled": True}
-    assert config["zero_optimization"] == {"stage": 3, "offload_optimizer": {"device": "cpu"}}
+    assert config["zero_optimization"] == {
+        "stage": 3,
+        "offload_optimizer": {"device": "cpu"},
+        "compute_grad_norm": True,  # the loop reports and judges it
+    }
+    experts = deepspeed_config(request(zero_stage=2, layout={"ep": 2}))["zero_optimization"]
+    assert experts["load_from_fp32_weights"] is True  # each rank's experts: its fp32 partitions
     assert "torch_autocast" not in config
     autocast = deepspeed_config(request("bf16"))
     assert autocast["torch_autocast"]["dtype"] == "bfloat16"
