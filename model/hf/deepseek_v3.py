@@ -34,18 +34,16 @@ from model.hf.layered import (
     LayeredFamily,
     Params,
     block_checks,
-    experts_from_hf,
-    experts_to_hf,
+    deepseek_moe_from_hf,
+    deepseek_moe_to_hf,
     first_failing,
     optional_rename,
-    pop,
     rename,
 )
 from model.hf.rope import hf_max_positions, rope_from_hf, rope_scaling
 
 LATENT_EPS = 1e-6  # DeepseekV3RMSNorm's default, which its MLA latent norms use
 EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
-SHARED = {f"shared.{n}": f"shared_experts.{n}" for n in DENSE_FFN}
 
 
 def _unsupported(cfg: ModelConfig) -> str | None:
@@ -172,22 +170,12 @@ class DeepseekV3(LayeredFamily):
     def ffn_to_hf(self, kind: str, params: Params, cfg: ModelConfig) -> Params:
         if kind == "dense":
             return rename(params, {n: n for n in DENSE_FFN})
-        out = {
-            "gate.weight": pop(params, "router.gate.weight"),
-            "gate.e_score_correction_bias": pop(params, "router.expert_bias"),
-        }
-        return out | experts_to_hf(params, EXPERT_NAMES) | rename(params, SHARED)
+        return deepseek_moe_to_hf(params, EXPERT_NAMES)
 
     def ffn_from_hf(self, kind: str, params: Params, cfg: ModelConfig, where: str) -> Params:
         if kind == "dense":
             return rename(params, {n: n for n in DENSE_FFN}, where)
-        E = cfg.moe.n_routed_experts
-        out = {
-            "router.gate.weight": pop(params, "gate.weight", where),
-            "router.expert_bias": pop(params, "gate.e_score_correction_bias", where).float(),
-        }
-        out |= experts_from_hf(params, EXPERT_NAMES, E, where)
-        return out | rename(params, {v: k for k, v in SHARED.items()}, where)
+        return deepseek_moe_from_hf(params, EXPERT_NAMES, cfg.moe.n_routed_experts, where)
 
 
 def _moe_from_hf(hf: dict[str, Any]) -> MoEConfig:

@@ -34,8 +34,8 @@ from model.hf.layered import (
     LayeredFamily,
     Params,
     block_checks,
-    experts_from_hf,
-    experts_to_hf,
+    deepseek_moe_from_hf,
+    deepseek_moe_to_hf,
     first_failing,
     layout_fields,
     optional_rename,
@@ -64,7 +64,6 @@ MLA_OPTIONAL = {  # full-rank or low-rank queries; biases with attention.bias
     "kv_a_proj.bias": "kv_a_proj_with_mqa.bias",
     "o_proj.bias": "o_proj.bias",
 }
-SHARED = {f"shared.{n}": f"shared_experts.{n}" for n in DENSE_FFN}
 
 
 def _kimi_unsupported(cfg: ModelConfig) -> str | None:
@@ -256,22 +255,12 @@ class KimiLinear(LayeredFamily):
     def ffn_to_hf(self, kind: str, params: Params, cfg: ModelConfig) -> Params:
         if kind == "dense":
             return rename(params, {n: n for n in DENSE_FFN})
-        out = {
-            "gate.weight": pop(params, "router.gate.weight"),
-            "gate.e_score_correction_bias": pop(params, "router.expert_bias"),
-        }
-        return out | experts_to_hf(params, EXPERT_NAMES) | rename(params, SHARED)
+        return deepseek_moe_to_hf(params, EXPERT_NAMES)
 
     def ffn_from_hf(self, kind: str, params: Params, cfg: ModelConfig, where: str) -> Params:
         if kind == "dense":
             return rename(params, {n: n for n in DENSE_FFN}, where)
-        E = cfg.moe.n_routed_experts
-        out = {
-            "router.gate.weight": pop(params, "gate.weight", where),
-            "router.expert_bias": pop(params, "gate.e_score_correction_bias", where).float(),
-        }
-        out |= experts_from_hf(params, EXPERT_NAMES, E, where)
-        return out | rename(params, {v: k for k, v in SHARED.items()}, where)
+        return deepseek_moe_from_hf(params, EXPERT_NAMES, cfg.moe.n_routed_experts, where)
 
 
 def _moe_from_hf(hf: dict[str, Any]) -> MoEConfig:

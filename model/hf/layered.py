@@ -22,6 +22,9 @@ from model.hf.family import HFFamily
 Params = dict[str, Tensor]
 
 
+DENSE_FFN = ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
+
+
 def take(state: Params, prefix: str) -> Params:
     """Remove and return the tensors under `prefix`, named relative to it."""
     names = [n for n in state if n.startswith(prefix)]
@@ -88,6 +91,30 @@ def experts_from_hf(params: Params, names: tuple[str, str, str], E: int, where: 
     return {"experts.w_gate": gate, "experts.w_up": up, "experts.w_down": down}
 
 
+SHARED_EXPERTS = {f"shared.{n}": f"shared_experts.{n}" for n in DENSE_FFN}
+
+
+def deepseek_moe_to_hf(params: Params, expert_names: tuple[str, str, str]) -> Params:
+    """A DeepSeekMoE FFN (DeepSeek-V3, Kimi Linear): the router with its score-correction bias
+    (ours: the aux-loss-free `expert_bias`), per-expert matrices, the shared experts."""
+    out = {
+        "gate.weight": pop(params, "router.gate.weight"),
+        "gate.e_score_correction_bias": pop(params, "router.expert_bias"),
+    }
+    return out | experts_to_hf(params, expert_names) | rename(params, SHARED_EXPERTS)
+
+
+def deepseek_moe_from_hf(
+    params: Params, expert_names: tuple[str, str, str], E: int, where: str
+) -> Params:
+    out = {
+        "router.gate.weight": pop(params, "gate.weight", where),
+        "router.expert_bias": pop(params, "gate.e_score_correction_bias", where).float(),
+    }
+    out |= experts_from_hf(params, expert_names, E, where)
+    return out | rename(params, {v: k for k, v in SHARED_EXPERTS.items()}, where)
+
+
 Check = tuple[bool, Callable[[], str]]
 
 
@@ -111,9 +138,6 @@ def block_checks(cfg: ModelConfig, family: str, mixers: tuple[str, ...]) -> list
 
 def first_failing(checks: list[Check]) -> str | None:
     return next((describe() for bad, describe in checks if bad), None)
-
-
-DENSE_FFN = ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
 
 
 class LayeredFamily(HFFamily):

@@ -26,6 +26,7 @@ from model import (
 from model.config import MTPConfig
 from model.hf import config_from_hf, hf_config, load_hf, save_hf
 from model.transformer import build_model
+from tests.model.hf_helpers import perturbed, token_batch, transformers_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -60,38 +61,14 @@ CASES = {
 }  # fmt: skip
 
 
-def _perturbed(cfg: ModelConfig, seed: int = 0):
-    """Norm gains off 1 and a trained score-correction bias."""
-    model = build_model(cfg, seed=seed).eval()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.add_(torch.randn(p.shape, generator=g) * 0.1)
-        for name, b in model.named_buffers():
-            if name.endswith("expert_bias"):
-                b.copy_(torch.randn(b.shape, generator=g) * 0.1)
-    return model
-
-
-def _theirs(path):
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        path, attn_implementation="eager", dtype=torch.float32
-    ).eval()
-
-
-def _tokens(seed: int = 1):
-    return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(seed))
-
-
 @pytest.mark.parametrize("name", list(CASES))
 def test_exported_models_give_transformers_our_logits(name, tmp_path):
-    model = _perturbed(CASES[name])
+    model = perturbed(CASES[name])
     save_hf(model, tmp_path / "hf")
-    theirs = _theirs(tmp_path / "hf")
+    theirs = transformers_model(tmp_path / "hf")
     assert type(theirs).__name__ == "DeepseekV3ForCausalLM"
     with torch.no_grad():
-        ours, ref = model(_tokens()), theirs(_tokens()).logits
+        ours, ref = model(token_batch(VOCAB, SEQ)), theirs(token_batch(VOCAB, SEQ)).logits
     assert ref.abs().max() > 1.0  # not a comparison of near-zero logits
     torch.testing.assert_close(ours, ref, atol=ATOL, rtol=0)
 
@@ -99,7 +76,7 @@ def test_exported_models_give_transformers_our_logits(name, tmp_path):
 @pytest.mark.parametrize("name", list(CASES))
 def test_round_trip_is_bitwise_and_keeps_the_config(name, tmp_path):
     cfg = CASES[name]
-    model = _perturbed(cfg, seed=2)
+    model = perturbed(cfg, seed=2)
     save_hf(model, tmp_path / "hf")
     back = load_hf(tmp_path / "hf")  # the pairing comes from rope_interleave
     ours, theirs = model.state_dict(), back.state_dict()
@@ -142,12 +119,15 @@ def test_imported_transformers_models_give_their_logits(interleave, tmp_path):
         "interleaved" if interleave else "half"
     )
     with torch.no_grad():
-        ref, got = theirs(_tokens()).logits, ours(_tokens())
+        ref, got = theirs(token_batch(VOCAB, SEQ)).logits, ours(token_batch(VOCAB, SEQ))
     torch.testing.assert_close(got, ref, atol=ATOL, rtol=0)
     save_hf(ours, tmp_path / "again")
     with torch.no_grad():
         torch.testing.assert_close(
-            _theirs(tmp_path / "again")(_tokens()).logits, ref, atol=ATOL, rtol=0
+            transformers_model(tmp_path / "again")(token_batch(VOCAB, SEQ)).logits,
+            ref,
+            atol=ATOL,
+            rtol=0,
         )
 
 

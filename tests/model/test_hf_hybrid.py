@@ -34,6 +34,7 @@ from model.accounting import param_counts
 from model.hf import config_from_hf, hf_config, load_hf, save_hf
 from model.presets import load_preset
 from model.transformer import build_model
+from tests.model.hf_helpers import perturbed, token_batch, transformers_model
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.skipif(
@@ -125,39 +126,15 @@ CASES = {
 }
 
 
-def _perturbed(cfg: ModelConfig, seed: int = 0):
-    """A model whose norm gains and balancing biases are not at their initial values."""
-    model = build_model(cfg, seed=seed).eval()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.add_(torch.randn(p.shape, generator=g) * 0.1)
-        for name, b in model.named_buffers():
-            if name.endswith("expert_bias") and cfg.moe.score_func == "sigmoid":
-                b.copy_(torch.randn(b.shape, generator=g) * 0.1)
-    return model
-
-
-def _theirs(path):
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        path, attn_implementation="eager", dtype=torch.float32
-    ).eval()
-
-
-def _tokens(seed: int = 1):
-    return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(seed))
-
-
 @pytest.mark.parametrize("name", list(CASES))
 def test_exported_models_give_transformers_our_logits(name, tmp_path):
     architecture, cfg = CASES[name]
-    model = _perturbed(cfg)
+    model = perturbed(cfg)
     save_hf(model, tmp_path / "hf")
-    theirs = _theirs(tmp_path / "hf")
+    theirs = transformers_model(tmp_path / "hf")
     assert type(theirs).__name__ == architecture
     with torch.no_grad():
-        ours, ref = model(_tokens()), theirs(_tokens()).logits
+        ours, ref = model(token_batch(VOCAB, SEQ)), theirs(token_batch(VOCAB, SEQ)).logits
     assert ref.abs().max() > 1.0  # not a comparison of near-zero logits
     torch.testing.assert_close(ours, ref, atol=ATOL, rtol=0)
 
@@ -165,7 +142,7 @@ def test_exported_models_give_transformers_our_logits(name, tmp_path):
 @pytest.mark.parametrize("name", list(CASES))
 def test_round_trip_is_bitwise_and_keeps_the_config(name, tmp_path):
     _, cfg = CASES[name]
-    model = _perturbed(cfg, seed=2)
+    model = perturbed(cfg, seed=2)
     save_hf(model, tmp_path / "hf")
     back = load_hf(tmp_path / "hf", rope_pairing=cfg.rope.pairing)
     ours, theirs = model.state_dict(), back.state_dict()
@@ -175,7 +152,9 @@ def test_round_trip_is_bitwise_and_keeps_the_config(name, tmp_path):
     assert back.cfg.layer_specs() == cfg.layer_specs()
     assert hf_config(back.cfg) == hf_config(cfg)
     with torch.no_grad():  # the chunk size is not part of the checkpoint: equal, not bitwise
-        torch.testing.assert_close(back(_tokens()), model(_tokens()), atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            back(token_batch(VOCAB, SEQ)), model(token_batch(VOCAB, SEQ)), atol=1e-5, rtol=0
+        )
 
 
 def _hf_random(cls, config, seed: int = 3):
@@ -266,7 +245,7 @@ def test_imported_transformers_models_give_their_logits(name, tmp_path):
     theirs.save_pretrained(tmp_path / "hf")
     ours = load_hf(tmp_path / "hf").eval()
     with torch.no_grad():
-        ref, got = theirs(_tokens()).logits, ours(_tokens())
+        ref, got = theirs(token_batch(VOCAB, SEQ)).logits, ours(token_batch(VOCAB, SEQ))
     torch.testing.assert_close(got, ref, atol=ATOL, rtol=0)
     if name == "kimi_linear":
         assert ours.cfg.mixer_kinds() == ["kda", "kda", "mla", "kda", "mla"]
@@ -274,7 +253,10 @@ def test_imported_transformers_models_give_their_logits(name, tmp_path):
     save_hf(ours, tmp_path / "again")
     with torch.no_grad():
         torch.testing.assert_close(
-            _theirs(tmp_path / "again")(_tokens()).logits, ref, atol=ATOL, rtol=0
+            transformers_model(tmp_path / "again")(token_batch(VOCAB, SEQ)).logits,
+            ref,
+            atol=ATOL,
+            rtol=0,
         )
 
 
@@ -299,7 +281,9 @@ def test_a_multimodal_qwen3_5_directory_imports_its_text_model(tmp_path):
     (tmp_path / "mm" / "config.json").write_text(json.dumps(mm))
     ours = load_hf(tmp_path / "mm").eval()
     with torch.no_grad():
-        torch.testing.assert_close(ours(_tokens()), theirs(_tokens()).logits, atol=ATOL, rtol=0)
+        torch.testing.assert_close(
+            ours(token_batch(VOCAB, SEQ)), theirs(token_batch(VOCAB, SEQ)).logits, atol=ATOL, rtol=0
+        )
 
 
 @pytest.mark.parametrize(
@@ -313,7 +297,7 @@ def test_the_tiny_hybrid_presets_export_with_their_logits(preset, overrides, tmp
         0, model.cfg.vocab_size, (1, 40), generator=torch.Generator().manual_seed(5)
     )
     with torch.no_grad():
-        ours, ref = model(tokens), _theirs(tmp_path / "hf")(tokens).logits
+        ours, ref = model(tokens), transformers_model(tmp_path / "hf")(tokens).logits
     torch.testing.assert_close(ours, ref, atol=ATOL, rtol=0)
 
 
@@ -483,7 +467,10 @@ def test_qwen3_next_checkpoints_with_mtp_weights_import(tmp_path):
     save_file(load_file(file) | {"mtp.fc.weight": torch.zeros(4, 4)}, file)
     with torch.no_grad():
         torch.testing.assert_close(
-            load_hf(tmp_path / "hf")(_tokens()), theirs(_tokens()).logits, atol=ATOL, rtol=0
+            load_hf(tmp_path / "hf")(token_batch(VOCAB, SEQ)),
+            theirs(token_batch(VOCAB, SEQ)).logits,
+            atol=ATOL,
+            rtol=0,
         )
 
 
@@ -499,14 +486,14 @@ def test_bf16_zero_centred_gains_convert_in_fp32(tmp_path):
     theirs.to(torch.bfloat16).save_pretrained(tmp_path / "hf")
     ours = load_hf(tmp_path / "hf", dtype=torch.float32).eval()
     with torch.no_grad():
-        ref = theirs.float()(_tokens()).logits
-        torch.testing.assert_close(ours(_tokens()), ref, atol=ATOL, rtol=0)
+        ref = theirs.float()(token_batch(VOCAB, SEQ)).logits
+        torch.testing.assert_close(ours(token_batch(VOCAB, SEQ)), ref, atol=ATOL, rtol=0)
 
 
 def test_kimi_keeps_its_router_and_decay_tensors_fp32_in_a_bf16_export(tmp_path):
     from safetensors import safe_open
 
-    save_hf(_perturbed(ModelConfig(**KIMI, moe=KIMI_MOE)), tmp_path / "hf", dtype=torch.bfloat16)
+    save_hf(perturbed(ModelConfig(**KIMI, moe=KIMI_MOE)), tmp_path / "hf", dtype=torch.bfloat16)
     with safe_open(tmp_path / "hf" / "model.safetensors", "pt") as f:
         dtypes = {name: f.get_tensor(name).dtype for name in f.keys()}  # noqa: SIM118
     fp32 = {n for n, d in dtypes.items() if d == torch.float32}
@@ -528,12 +515,15 @@ def test_a_tied_kimi_config_still_uses_its_own_lm_head(tmp_path):
     theirs.save_pretrained(tmp_path / "hf")
     with torch.no_grad():
         torch.testing.assert_close(
-            load_hf(tmp_path / "hf")(_tokens()), theirs(_tokens()).logits, atol=ATOL, rtol=0
+            load_hf(tmp_path / "hf")(token_batch(VOCAB, SEQ)),
+            theirs(token_batch(VOCAB, SEQ)).logits,
+            atol=ATOL,
+            rtol=0,
         )
 
 
 def test_qwen3_next_export_refuses_a_nonzero_selection_bias(tmp_path):
-    model = _perturbed(ModelConfig(**QWEN, moe=QWEN_MOE))
+    model = perturbed(ModelConfig(**QWEN, moe=QWEN_MOE))
     model.layers["1"].ffn.router.expert_bias.fill_(0.1)  # trained with aux-loss-free balancing
     with pytest.raises(ConfigError, match="expert_bias .* is not zero"):
         save_hf(model, tmp_path / "hf")

@@ -17,7 +17,8 @@ from safetensors.torch import load_file, save_file
 from model import ModelConfig, build_model
 from model.config import ConfigError, EngramConfig, MTPConfig
 from model.hf import load_hf, save_hf
-from tests.model.test_hf_hybrid import CASES, _perturbed, _theirs, _tokens
+from tests.model.hf_helpers import perturbed, token_batch, transformers_model
+from tests.model.test_hf_hybrid import CASES, SEQ, VOCAB
 
 transformers = pytest.importorskip("transformers")
 FLA = importlib.util.find_spec("fla") is not None
@@ -38,7 +39,7 @@ def test_mtp_layers_export_in_deepseek_v3_layout_and_come_back_bitwise(name, tmp
     if FLA and name != "llama":
         pytest.skip("transformers dispatches hybrid layers to fla's Triton kernels")
     cfg = with_mtp(FAMILIES[name])
-    model = _perturbed(cfg)
+    model = perturbed(cfg)
     save_hf(model, tmp_path / "hf")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["num_nextn_predict_layers"] == 2
@@ -50,7 +51,10 @@ def test_mtp_layers_export_in_deepseek_v3_layout_and_come_back_bitwise(name, tmp
         assert f"model.layers.{L + k}.input_layernorm.weight" in names  # the block, as a layer
     with torch.no_grad():  # transformers: the main model, the MTP layers ignored
         torch.testing.assert_close(
-            model(_tokens()), _theirs(tmp_path / "hf")(_tokens()).logits, atol=2e-5, rtol=0
+            model(token_batch(VOCAB, SEQ)),
+            transformers_model(tmp_path / "hf")(token_batch(VOCAB, SEQ)).logits,
+            atol=2e-5,
+            rtol=0,
         )
     back = load_hf(tmp_path / "hf", rope_pairing=cfg.rope.pairing)
     assert back.cfg.mtp.depth == 2
@@ -61,7 +65,7 @@ def test_mtp_layers_export_in_deepseek_v3_layout_and_come_back_bitwise(name, tmp
 
 
 def test_deepseek_v3s_repeated_embedding_and_head_are_accepted(tmp_path):
-    model = _perturbed(with_mtp(LLAMA, depth=1))
+    model = perturbed(with_mtp(LLAMA, depth=1))
     save_hf(model, tmp_path / "hf")
     path = tmp_path / "hf" / "model.safetensors"
     state = load_file(path)
