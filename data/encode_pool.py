@@ -47,7 +47,7 @@ def _encode_in_worker(spec: str, dtype: str, texts: list[str]) -> Encoded:
 
 
 def encode_batch(tokenizer: Tokenizer, texts: list[str], dtype: np.dtype) -> Encoded:
-    encode, eot = tokenizer.encoding.encode_ordinary, tokenizer.eot_id
+    encode, eot = tokenizer.encode_ordinary, tokenizer.eot_id
     lengths = np.empty(len(texts), dtype=np.int64)
     pieces = []
     for i, text in enumerate(texts):

@@ -6,7 +6,7 @@ GPT-2's byte-to-unicode table, and the id of a merged token is its merge priorit
 reads the ranks from the vocabulary, the split pattern from the pre-tokenizer, the special tokens
 from `added_tokens`, and the token that ends a document from the checkpoint's EOS. It refuses,
 naming the reason, what tiktoken cannot reproduce: other models (WordPiece, Unigram), a
-normalizer, a prefix space, merges whose priority is not their result's id, missing single bytes.
+normalizer other than a Unicode form (NFC, as Qwen's, is applied before encoding), a prefix space, merges whose priority is not their result's id, missing single bytes.
 The tests encode text both ways and compare the ids.
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from data.errors import DataError
-from data.tokenizer import Tokenizer
+from data.tokenizer import NORMALIZERS, Tokenizer
 
 # GPT-2's split (the ByteLevel pre-tokenizer's own regex, use_regex=true)
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -48,14 +48,17 @@ def load_hf_tokenizer(directory: Path) -> Tokenizer:
             f"{where}: a {model.get('type')} tokenizer cannot be represented (tiktoken encodings "
             "are byte-level BPE)"
         )
-    if spec.get("normalizer"):
+    normalizer = (spec.get("normalizer") or {}).get("type", "")
+    if normalizer not in NORMALIZERS:
         raise DataError(
-            f"{where}: its {spec['normalizer'].get('type')} normalizer has no tiktoken equivalent"
+            f"{where}: its {normalizer} normalizer has no equivalent here (Unicode forms only: "
+            f"{', '.join(n for n in NORMALIZERS if n)})"
         )
     pattern = _split_pattern(spec.get("pre_tokenizer"), where)
     special = {t["content"]: int(t["id"]) for t in spec.get("added_tokens", [])}
     ranks = _ranks(model, special, where)
-    return Tokenizer(f"hf:{directory.name}", pattern, ranks, special, _eos(directory, special))
+    eos = _eos(directory, special)
+    return Tokenizer(f"hf:{directory.name}", pattern, ranks, special, eos, normalizer)
 
 
 def _split_pattern(pre: dict[str, Any] | None, where: str) -> str:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import unicodedata
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ GPT4_SPLIT_PATTERN = (
     r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*"""
     r"""|\s*[\r\n]|\s+(?!\S)|\s+"""
 )
+NORMALIZERS = ("", "NFC", "NFD", "NFKC", "NFKD")  # Unicode forms (unicodedata); "" = none
 RANKS_FILE = "tokenizer.tiktoken"
 META_FILE = "tokenizer.json"
 
@@ -70,6 +72,7 @@ class Tokenizer:
         ranks: dict[bytes, int],
         special_tokens: dict[str, int],
         eot: str = EOT,
+        normalizer: str = "",
     ):
         if eot not in special_tokens:
             raise DataError(
@@ -77,6 +80,11 @@ class Tokenizer:
                 f"{sorted(special_tokens)[:8]}); documents are separated by it, so add it"
             )
         self.eot = eot  # the special token between documents (Hugging Face ones: their EOS)
+        if normalizer not in NORMALIZERS:
+            raise DataError(
+                f"tokenizer {name!r}: normalizer {normalizer!r} is not one of {NORMALIZERS}"
+            )
+        self.normalizer = normalizer  # a Unicode form applied before encoding (Qwen's NFC)
         self.name, self.pattern = name, pattern
         self.ranks, self.special_tokens = ranks, dict(special_tokens)
         self.encoding = tiktoken.Encoding(
@@ -104,12 +112,21 @@ class Tokenizer:
             h.update(f"{tok} {rank}\n".encode())
         if self.eot != EOT:  # (tokenizers separating documents by EOT keep their old hashes)
             h.update(f"eot {self.eot}\n".encode())
+        if self.normalizer:
+            h.update(f"normalizer {self.normalizer}\n".encode())
         h.update(b"ranks\n" + _ranks_bytes(self.ranks))
         return h.hexdigest()
 
+    def encode_ordinary(self, text: str) -> list[int]:
+        """The tokens of `text` (normalized first where the tokenizer has a normalizer);
+        special-token strings are plain text here."""
+        if self.normalizer:
+            text = unicodedata.normalize(self.normalizer, text)
+        return self.encoding.encode_ordinary(text)
+
     def encode_document(self, text: str) -> list[int]:
-        """Ordinary tokens of `text` (special-token strings are plain text here) plus EOT."""
-        ids = self.encoding.encode_ordinary(text)
+        """Ordinary tokens of `text` plus EOT."""
+        ids = self.encode_ordinary(text)
         ids.append(self.eot_id)
         return ids
 
@@ -125,6 +142,7 @@ class Tokenizer:
             "pattern": self.pattern,
             "special_tokens": self.special_tokens,
             "eot": self.eot,
+            "normalizer": self.normalizer,
             "identity": self.identity.to_dict(),
         }
         atomic_write_json(directory / META_FILE, meta)
@@ -210,7 +228,8 @@ def _load_saved(ranks_path: Path, meta_path: Path) -> Tokenizer:
         meta = json.loads(meta_path.read_text())
         name, pattern = meta["name"], meta["pattern"]
         special = {str(k): int(v) for k, v in meta["special_tokens"].items()}
-        return Tokenizer(name, pattern, ranks, special, meta.get("eot", EOT))
+        eot, normalizer = meta.get("eot", EOT), meta.get("normalizer", "")
+        return Tokenizer(name, pattern, ranks, special, eot, normalizer)
     # a bare ranks file: GPT-4 splitting and EOT right after the ranks
     return Tokenizer(ranks_path.stem, GPT4_SPLIT_PATTERN, ranks, {EOT: len(ranks)})
 

@@ -89,7 +89,7 @@ def sample_text(
     """Temperature-0.8, top-50 continuation of `prompt`, from a private generator (the training
     RNG streams are left untouched, so sampling never changes the run). With several ranks every
     rank must call it (the forwards are collective); all ranks draw the same tokens."""
-    ids = tokenizer.encoding.encode_ordinary(prompt) or [tokenizer.eot_id]
+    ids = tokenizer.encode_ordinary(prompt) or [tokenizer.eot_id]
     prompt_ids = torch.tensor([ids], device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
     with engine.full_weights() as model:  # sampling calls methods, not forward: whole weights

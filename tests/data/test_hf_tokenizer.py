@@ -65,11 +65,28 @@ def test_the_converted_encoding_gives_the_librarys_ids(tmp_path, split):
     assert ours.vocab_size == theirs.get_vocab_size()
     for text in SAMPLES + CORPUS[:3]:
         expected = theirs.encode(text, add_special_tokens=False).ids
-        assert ours.encoding.encode_ordinary(text) == expected, text
+        assert ours.encode_ordinary(text) == expected, text
         assert ours.decode(expected) == text
     assert ours.encode_document("hi")[-1] == ours.eot_id
     again = load_tokenizer(ours.save(tmp_path / "saved"))  # as a dataset keeps it
     assert again.identity == ours.identity and again.eot == ours.eot
+
+
+def test_a_unicode_normalizer_is_applied_before_encoding(tmp_path):
+    """Qwen's tokenizers normalize to NFC first: decomposed accents encode as composed ones,
+    as the library does; the normalizer is part of the identity."""
+    theirs = train_hf_tokenizer(tmp_path / "hf", split=True)
+    plain = load_tokenizer(f"hf:{tmp_path / 'hf'}")
+    edit(tmp_path / "hf" / "tokenizer.json", lambda s: s.update(normalizer={"type": "NFC"}))
+    theirs = tokenizers.Tokenizer.from_file(str(tmp_path / "hf" / "tokenizer.json"))
+    ours = load_tokenizer(f"hf:{tmp_path / 'hf'}")
+    decomposed = "cafe\u0301 nai\u0308ve A\u030angstro\u0308m"
+    for text in [decomposed, *SAMPLES]:
+        assert ours.encode_ordinary(text) == theirs.encode(text, add_special_tokens=False).ids
+    assert ours.encode_ordinary(decomposed) != plain.encode_ordinary(decomposed)
+    assert ours.identity.hash != plain.identity.hash
+    again = load_tokenizer(ours.save(tmp_path / "saved"))
+    assert again.normalizer == "NFC" and again.identity == ours.identity
 
 
 def test_the_eos_can_come_from_the_model_config(tmp_path):
@@ -97,7 +114,7 @@ def swap_two_merges(spec):
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        (lambda s: s.update(normalizer={"type": "NFC"}), "NFC normalizer has no tiktoken"),
+        (lambda s: s.update(normalizer={"type": "Lowercase"}), "Lowercase normalizer has no"),
         (lambda s: s["model"].update(type="WordPiece"), "a WordPiece tokenizer cannot be"),
         (lambda s: s["pre_tokenizer"]["pretokenizers"][1].update(add_prefix_space=True), "add_prefix_space"),
         (swap_two_merges, "merge order is not its id order"),
