@@ -56,7 +56,8 @@ def hf_model_config(init_from: str, manifest: Manifest, overrides: list[str]) ->
     against the data's tokenizer."""
     directory = hf_directory(init_from)
     hf = json.loads((directory / "config.json").read_text())
-    base = config_from_hf(hf)
+    # (safetensors maps the files: listing the names reads no weight)
+    base = without_missing(config_from_hf(hf), read_hf_state_dict(directory))
     cfg = _with_overrides(base, overrides, init_from)
     _check_tokenizer(directory, manifest, init_from)
     if manifest.vocab_size > cfg.vocab_size:
@@ -120,10 +121,7 @@ def hf_weights_reader(init_from: str, model_cfg: ModelConfig) -> Callable[[], di
         try:
             hf = json.loads((directory / "config.json").read_text())
             hf_state = read_hf_state_dict(directory)
-            cfg = without_missing(model_cfg, hf_state)
-            if cfg != model_cfg:
-                raise ConfigError(f"init_from={init_from}: the checkpoint lacks its MTP weights")
-            state = from_hf_state_dict(hf_state, cfg, family_for_hf(hf))
+            state = from_hf_state_dict(hf_state, model_cfg, family_for_hf(hf))
         except (ConfigError, OSError, ValueError) as err:
             problem = f"init_from={init_from}: {err}"
         if not all_true(not problem):

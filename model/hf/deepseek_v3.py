@@ -34,6 +34,7 @@ from model.hf.layered import (
     LayeredFamily,
     Params,
     block_checks,
+    deepseek_moe_checks,
     deepseek_moe_from_hf,
     deepseek_moe_to_hf,
     first_failing,
@@ -47,7 +48,7 @@ EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
 
 
 def _unsupported(cfg: ModelConfig) -> str | None:
-    att, moe, rope = cfg.attention, cfg.moe, cfg.rope
+    att, rope = cfg.attention, cfg.rope
     latent_eps = att.mla.norm_eps or cfg.norm_eps
     checks = block_checks(cfg, "DeepSeek-V3", ("mla",))
     checks += [
@@ -62,18 +63,7 @@ def _unsupported(cfg: ModelConfig) -> str | None:
             lambda: f"attention.mla.norm_eps={latent_eps:g} (its latent norms use {LATENT_EPS:g})",
         ),
     ]
-    if moe.enabled:
-        checks += [
-            (moe.score_func != "sigmoid", lambda: f"moe.score_func={moe.score_func!r} (sigmoid)"),
-            (moe.n_shared_experts < 1, lambda: "moe.n_shared_experts=0 (it has shared experts)"),
-            (
-                moe.shared_hidden not in (0, cfg.expert_hidden),
-                lambda: f"moe.shared_hidden={moe.shared_hidden} (= the routed experts' width)",
-            ),
-            (moe.shared_expert_gate, lambda: "moe.shared_expert_gate=true"),
-            (moe.capacity_factor > 0, lambda: f"moe.capacity_factor={moe.capacity_factor}"),
-        ]
-    return first_failing(checks)
+    return first_failing(checks + deepseek_moe_checks(cfg))
 
 
 @HF_FAMILIES.register("deepseek_v3")

@@ -136,6 +136,24 @@ def block_checks(cfg: ModelConfig, family: str, mixers: tuple[str, ...]) -> list
     ]
 
 
+def deepseek_moe_checks(cfg: ModelConfig) -> list[Check]:
+    """What a DeepSeekMoE FFN (DeepSeek-V3, Kimi Linear) needs of a MoE config: sigmoid scores,
+    ungated shared experts as wide as the routed ones, no capacity limit (none for dense)."""
+    moe = cfg.moe
+    if not moe.enabled:
+        return []
+    return [
+        (moe.score_func != "sigmoid", lambda: f"moe.score_func={moe.score_func!r} (sigmoid)"),
+        (moe.n_shared_experts < 1, lambda: "moe.n_shared_experts=0 (it has shared experts)"),
+        (
+            moe.shared_hidden not in (0, cfg.expert_hidden),
+            lambda: f"moe.shared_hidden={moe.shared_hidden} (= the routed experts' width)",
+        ),
+        (moe.shared_expert_gate, lambda: "moe.shared_expert_gate=true"),
+        (moe.capacity_factor > 0, lambda: f"moe.capacity_factor={moe.capacity_factor}"),
+    ]
+
+
 def first_failing(checks: list[Check]) -> str | None:
     return next((describe() for bad, describe in checks if bad), None)
 
