@@ -20,7 +20,7 @@ from parallel.activation import apply_activation_checkpointing, compile_model
 from parallel.config import ParallelConfig
 from parallel.engine import ENGINES, EngineRequest, FSDP2Engine
 from parallel.fsdp import apply_fsdp, mixed_precision
-from parallel.init import init_like_single_process, load_whole_weights
+from parallel.init import init_like_single_process, load_weights
 from parallel.mesh import Meshes, build_meshes
 from parallel.precision import MasterWeights
 
@@ -69,7 +69,7 @@ def build_model_for(request: EngineRequest) -> tuple[Transformer, MasterWeights 
     model.to_empty(device=device)
     init_like_single_process(model, device, request.seed)
     if request.initial_weights is not None:
-        load_whole_weights(model, request.initial_weights())
+        load_weights(model, request.initial_weights())
     master = None
     if meshes is None and request.precision == "bf16_master":
         with torch.device("meta"):

@@ -75,7 +75,7 @@ from parallel.engine import (
     training_objective,
 )
 from parallel.grad_norm import clip_grad_norm
-from parallel.init import load_whole_weights
+from parallel.init import load_weights, whole_weights
 from parallel.precision import autocast_factory
 
 log = logging.getLogger("parallel.deepspeed")
@@ -488,9 +488,10 @@ def build_deepspeed(request: EngineRequest) -> DeepSpeedEngine:
     refuse_unsupported(request, request.optimizer_name)
     _ensure_process_group(request.device)
     model = build_model(request.model_cfg, device=request.device, seed=request.seed)
-    initial = request.initial_weights() if request.initial_weights is not None else None
-    if initial is not None:  # before ZeRO copies them into its partitions
-        load_whole_weights(model, initial)
+    initial = None  # every rank holds the whole model until ZeRO partitions it
+    if request.initial_weights is not None:  # before ZeRO copies them into its partitions
+        initial = whole_weights(request.initial_weights())
+        load_weights(model, [initial])
     ep = request.dims.ep
     if ep > 1:  # this rank's experts, tagged for DeepSpeed, with the all-to-all dispatch
         deepspeed.init_distributed(dist_backend=dist.get_backend())  # its groups, made here

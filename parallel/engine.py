@@ -27,7 +27,7 @@ process or FSDP2/HSDP (+ expert parallelism), built by one composition path (`bu
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -249,8 +249,9 @@ class EngineRequest:
     micro_batches: int = 1  # forwards accumulated into one step on each rank
     optimizer_name: str = "adamw"  # optim.name (engines that cannot run every optimizer)
     # the whole weights (names of Transformer.state_dict()) to start from instead of the seeded
-    # initialization; called once, on every rank (init_from)
-    initial_weights: Callable[[], dict[str, Tensor]] | None = None
+    # initialization, in parts (parallel.init.load_weights); called once, on every rank
+    # (init_from)
+    initial_weights: Callable[[], Iterable[dict[str, Tensor]]] | None = None
 
 
 EngineBuilder = Callable[[EngineRequest], TrainingEngine]

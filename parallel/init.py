@@ -9,10 +9,12 @@ and each rank keeps its shard. Peak extra memory: the largest part, one block.
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable, Mapping
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from model.transformer import Transformer, part_seed, seeded
 
@@ -30,20 +32,38 @@ def init_like_single_process(model: Transformer, device: torch.device, seed: int
         del replica  # before the next part is built: at most one full part at a time
 
 
+WeightParts = Iterable[Mapping[str, Tensor]]  # whole tensors in the model's names, part by part
+
+
 @torch.no_grad()
-def load_whole_weights(model: nn.Module, state: dict[str, Tensor]) -> None:
-    """Fill `model` (sharded in any layout, or not) from the whole `state` (its state_dict's
-    names): each rank keeps its shard. Every parameter and persistent buffer must be there."""
+def load_weights(model: nn.Module, parts: WeightParts) -> None:
+    """Fill `model` (sharded in any layout, or not) from its whole weights, given in parts (one
+    state dict, or a stream of pieces of one: the names of its state_dict): each rank copies its
+    shard of each tensor and drops the part before the next one is read, and cuts its rows
+    before converting them, so a memory-mapped source is read only where this rank's shard
+    lies. Every parameter and persistent buffer must come."""
     persistent = model.state_dict().keys()
     targets = dict(model.named_parameters()) | {
         name: b for name, b in model.named_buffers() if name in persistent
     }
-    missing = sorted(set(targets) - set(state))
+    loaded: set[str] = set()
+    for part in parts:
+        present = {name: t for name, t in targets.items() if name in part}
+        _fill(present, part)
+        loaded |= present.keys()
+    missing = sorted(set(targets) - loaded)
     if missing:
         raise KeyError(
             f"the weights lack {', '.join(missing[:4])}" + (" ..." if len(missing) > 4 else "")
         )
-    _fill(targets, state)
+
+
+def whole_weights(parts: WeightParts) -> dict[str, Tensor]:
+    """The parts of some weights as one state dict."""
+    merged: dict[str, Tensor] = {}
+    for part in parts:
+        merged.update(part)
+    return merged
 
 
 def _copy_shards(target: nn.Module, full: nn.Module) -> None:
@@ -51,11 +71,11 @@ def _copy_shards(target: nn.Module, full: nn.Module) -> None:
     _fill(dict(target.named_parameters()) | dict(target.named_buffers()), sources)
 
 
-def _fill(targets: dict[str, Tensor], sources: dict[str, Tensor]) -> None:
+def _fill(targets: dict[str, Tensor], sources: Mapping[str, Tensor]) -> None:
     """Each target (a DTensor shard or a plain tensor) gets its piece of the whole source of
-    the same name, in the target's dtype."""
+    the same name, converted to the target's dtype and device after the cut."""
     for name, tensor in targets.items():
-        full = sources[name].to(device=_local(tensor).device, dtype=tensor.dtype)
+        full = sources[name].detach()
         if full.shape != tensor.shape:
             raise ValueError(
                 f"{name}: the weights hold {tuple(full.shape)}, the model {tuple(tensor.shape)}"
@@ -64,10 +84,17 @@ def _fill(targets: dict[str, Tensor], sources: dict[str, Tensor]) -> None:
 
 
 def _shard_of(full: Tensor, like: Tensor) -> Tensor:
-    """This rank's piece of `full` in the layout of `like` (a DTensor or a plain tensor): cut
-    locally from the full tensor every rank holds (src_data_rank=None: no communication)."""
+    """This rank's piece of `full` in the layout of `like` (a DTensor or a plain tensor), cut
+    locally from the whole tensor every rank holds (no communication): a view of its rows where
+    the layout is plain shards and replicas, else through `distribute_tensor`."""
     if not isinstance(like, DTensor):
         return full
+    if all(type(p) in (Shard, Replicate) for p in like.placements):
+        shape, offset = compute_local_shape_and_global_offset(
+            full.shape, like.device_mesh, like.placements
+        )
+        return full[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
+    full = full.to(like.device_mesh.device_type)
     return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None).to_local()
 
 

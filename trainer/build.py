@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -113,7 +113,7 @@ def build_training_engine(
     dims: ParallelDims,
     device: torch.device,
     seed: int,
-    initial_weights: Callable[[], dict[str, torch.Tensor]] | None = None,
+    initial_weights: Callable[[], Iterable[dict[str, torch.Tensor]]] | None = None,
 ) -> TrainingEngine:
     """The engine named by parallel.engine, with the model (sharded when there are several
     ranks) starting from the weights one process would have (seeded by `seed`), or from

@@ -94,15 +94,16 @@ def resumes_its_own(resume: str, run_dir: Path) -> bool:
 
 def init_weights_reader(
     init_from: str, model_cfg: ModelConfig
-) -> Callable[[], dict[str, Tensor]] | None:
-    """init_from=<checkpoint>: a reader of the whole weights of the newest checkpoint there
-    that verifies and loads (None without init_from). Called on every rank when the engine is
-    built; the ranks agree on the outcome, and a problem is one ConfigError on all of them."""
+) -> Callable[[], list[dict[str, Tensor]]] | None:
+    """init_from=<checkpoint>: a reader of the whole weights (as parallel.init.load_weights'
+    one part) of the newest checkpoint there that verifies and loads (None without init_from).
+    Called on every rank when the engine is built; the ranks agree on the outcome, and a
+    problem is one ConfigError on all of them."""
     if not init_from:
         return None
     source = Path(init_from).expanduser()
 
-    def read() -> dict[str, Tensor]:
+    def read() -> list[dict[str, Tensor]]:
         problem, state, chosen = "", {}, ""
         try:
             if not source.exists():
@@ -126,6 +127,6 @@ def init_weights_reader(
         log.info(
             "starting from the weights of %s (step %d, a fresh optimizer)", ckpt, extra["step"]
         )
-        return state
+        return [state]  # one part: the whole state dict
 
     return read

@@ -6,8 +6,9 @@ they keep every weight's shape (sequence length, kernels, loss chunking, balanci
 one that changes a shape is refused, naming it. The data must have been tokenized with the
 checkpoint's own tokenizer (`python -m data.prepare tokenizer=hf:<dir>`), whose ids the weights
 were trained on: another tokenizer is refused, naming the fix. The weights load into the
-engine's model (sharded or not) like `init_from=<checkpoint>`'s: every rank reads them, tensor
-by tensor converted to ours, and the ranks agree on the outcome.
+engine's model (sharded or not) part by part (the embedding and head, then one layer at a
+time, memory-mapped): every rank converts each part to ours and keeps its shard of it, reading
+only its own rows of the tensors that convert unchanged; the ranks agree on the outcome.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import yaml
@@ -26,7 +27,7 @@ from data.manifest import Manifest
 from data.tokenizer import load_tokenizer
 from model.config import ModelConfig, config_from_dict
 from model.errors import ConfigError
-from model.hf import config_from_hf, from_hf_state_dict, read_hf_state_dict
+from model.hf import HFWeights, config_from_hf, from_hf_parts
 from model.hf.family import family_for_hf
 from model.hf.mtp_layers import without_missing
 from model.presets import set_dotted
@@ -56,8 +57,7 @@ def hf_model_config(init_from: str, manifest: Manifest, overrides: list[str]) ->
     against the data's tokenizer."""
     directory = hf_directory(init_from)
     hf = json.loads((directory / "config.json").read_text())
-    # (safetensors maps the files: listing the names reads no weight)
-    base = without_missing(config_from_hf(hf), read_hf_state_dict(directory))
+    base = without_missing(config_from_hf(hf), HFWeights(directory).names())
     cfg = _with_overrides(base, overrides, init_from)
     _check_tokenizer(directory, manifest, init_from)
     if manifest.vocab_size > cfg.vocab_size:
@@ -111,22 +111,25 @@ def _check_tokenizer(directory: Path, manifest: Manifest, init_from: str) -> Non
         )
 
 
-def hf_weights_reader(init_from: str, model_cfg: ModelConfig) -> Callable[[], dict[str, Tensor]]:
-    """A reader of the checkpoint's weights in our names (called on every rank by the engine's
-    builder); the ranks agree on the outcome, a problem is one ConfigError on all of them."""
+def hf_weights_reader(
+    init_from: str, model_cfg: ModelConfig
+) -> Callable[[], Iterator[dict[str, Tensor]]]:
+    """A reader of the checkpoint's weights in our names, part by part (called on every rank
+    by the engine's builder, parallel.init.load_weights): each rank holds one part at a time
+    and cuts its shard from it. The ranks agree on the outcome after the last part; a problem
+    is one ConfigError on all of them."""
     directory = hf_directory(init_from)
 
-    def read() -> dict[str, Tensor]:
-        problem, state = "", {}
+    def read() -> Iterator[dict[str, Tensor]]:
+        problem = ""
+        log.info("starting from the weights of %s (a Hugging Face checkpoint)", directory)
         try:
             hf = json.loads((directory / "config.json").read_text())
-            hf_state = read_hf_state_dict(directory)
-            state = from_hf_state_dict(hf_state, model_cfg, family_for_hf(hf))
+            weights = HFWeights(directory)
+            yield from from_hf_parts(weights, model_cfg, family_for_hf(hf))
         except (ConfigError, OSError, ValueError) as err:
             problem = f"init_from={init_from}: {err}"
         if not all_true(not problem):
             raise ConfigError(problem or f"init_from={init_from} did not load on every rank")
-        log.info("starting from the weights of %s (a Hugging Face checkpoint)", directory)
-        return state
 
     return read

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,21 +38,36 @@ from model.hf import (  # noqa: F401  (the families)
     qwen3_moe,
     qwen3_next,
 )
-from model.hf.family import HF_FAMILIES, HFFamily, family_for_config, family_for_hf
-from model.hf.files import MAX_SHARD_BYTES, read_hf_state_dict, write_hf_dir
+from model.hf.family import (
+    GLOBALS,
+    HF_FAMILIES,
+    HFFamily,
+    family_for_config,
+    family_for_hf,
+    hf_part,
+    our_part,
+)
+from model.hf.files import MAX_SHARD_BYTES, HFWeights, read_hf_state_dict, write_hf_dir
 from model.transformer import Transformer, build_model
 
+Params = dict[str, Tensor]
 __all__ = [
+    "GLOBALS",
     "HF_FAMILIES",
     "MAX_SHARD_BYTES",
     "HFFamily",
+    "HFWeights",
     "config_from_hf",
+    "from_hf_parts",
     "from_hf_state_dict",
     "hf_architecture",
     "hf_config",
     "load_hf",
+    "our_part",
     "read_hf_state_dict",
     "save_hf",
+    "save_hf_parts",
+    "to_hf_parts",
     "to_hf_state_dict",
 ]
 
@@ -80,17 +96,66 @@ def to_hf_state_dict(model: Transformer) -> dict[str, Tensor]:
 
 
 def from_hf_state_dict(
-    hf_state: dict[str, Tensor], cfg: ModelConfig, family: HFFamily | None = None
+    hf_state: dict[str, Tensor],
+    cfg: ModelConfig,
+    family: HFFamily | None = None,
+    part: int | None = None,
 ) -> dict[str, Tensor]:
+    """HF's tensors (the whole state dict, or the tensors of one part: model/hf/family.py) in
+    our names; a ConfigError names tensors that have no counterpart."""
     family = family or family_for_config(cfg)
     # old checkpoints saved RoPE frequencies; we recompute them
     kept = {n: t for n, t in hf_state.items() if not n.endswith("rotary_emb.inv_freq")}
-    out, unknown = mtp_layers.from_hf(family, kept, cfg)
+    out, unknown = mtp_layers.from_hf(family, kept, cfg, part)
     if unknown:
         raise ConfigError(f"unexpected tensors in the checkpoint: {', '.join(unknown[:5])}")
     if cfg.tie_embeddings:
         out.pop("head.weight", None)
     return out
+
+
+def from_hf_parts(weights: HFWeights, cfg: ModelConfig, family: HFFamily) -> Iterator[Params]:
+    """Our weights from a Hugging Face directory, converted part by part (the embedding, final
+    norm and head; then each layer): a part's tensors are memory-mapped while the consumer
+    uses it and released after, so a process holds one layer at a time, and of tensors that
+    convert unchanged (the embedding, the head, most projections) only the rows it reads."""
+    by_part: dict[int, list[str]] = {}
+    for name in weights.names():
+        by_part.setdefault(hf_part(name), []).append(name)
+    for part in sorted(by_part):
+        with weights.opened(by_part[part]) as tensors:
+            yield from_hf_state_dict(tensors, cfg, family, part)
+
+
+def to_hf_parts(parts: Iterable[tuple[int, Params]], cfg: ModelConfig) -> Iterator[Params]:
+    """HF's tensors of our weights given part by part ((part, its tensors): model/hf/family.py),
+    converted one part at a time."""
+    family = family_for_config(cfg)
+    for part, state in parts:
+        yield mtp_layers.to_hf(family, state, cfg, part)
+
+
+def save_hf_parts(
+    cfg: ModelConfig,
+    parts: Iterable[tuple[int, Params]],
+    out_dir: str | os.PathLike,
+    *,
+    dtype: torch.dtype,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+    overwrite: bool = False,
+) -> Path:
+    """`save_hf` of weights streamed part by part (a sharded checkpoint read a layer at a time):
+    one part and one output file in memory at once."""
+    family = family_for_config(cfg)  # refuses what HF cannot express before touching the disk
+    return write_hf_dir(
+        to_hf_parts(parts, cfg),
+        lambda dt: hf_config(cfg, dt),
+        out_dir,
+        dtype=dtype,
+        max_shard_bytes=max_shard_bytes,
+        overwrite=overwrite,
+        keep_fp32=family.keep_fp32,
+    )
 
 
 def save_hf(

@@ -22,6 +22,28 @@ from model.registry import Registry
 HF_FAMILIES: Registry = Registry("Hugging Face family")
 NameTable = tuple[tuple[str, str], ...]  # (regex over one side's names, template of the other's)
 
+# A part of a model's weights, the unit of streamed conversion (export from a sharded checkpoint,
+# a sharded import): the decoder layer of that index (MTP layer k: index n_layers + k, as in
+# DeepSeek-V3's files), or GLOBALS, everything outside the layers (embedding, final norm, head).
+# None means the whole model.
+GLOBALS = -1
+_HF_LAYER = re.compile(r"model\.(?:language_model\.)?layers\.(\d+)\.")
+_OUR_LAYER = re.compile(r"(mtp\.)?layers\.(\d+)\.")
+
+
+def hf_part(hf_name: str) -> int:
+    """The part an HF tensor belongs to."""
+    match = _HF_LAYER.match(hf_name)
+    return int(match.group(1)) if match else GLOBALS
+
+
+def our_part(name: str, n_layers: int) -> int:
+    """The part one of our tensors belongs to (MTP module k: n_layers + k)."""
+    match = _OUR_LAYER.match(name)
+    if match is None:
+        return GLOBALS
+    return int(match.group(2)) + (n_layers if match.group(1) else 0)
+
 
 def rename(name: str, table: NameTable) -> str | None:
     """The other side's name of `name` by the first matching pattern (groups fill the template)."""
@@ -81,15 +103,19 @@ class HFFamily:
     def from_hf_tensor(self, name: str, tensor: Tensor, cfg: ModelConfig) -> Tensor:
         return tensor
 
-    def to_hf_state(self, state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
-        """Our state dict -> HF's. Default: tensor by tensor through the name table and
-        `to_hf_tensor`; families with fused or split tensors regroup them around this."""
+    def to_hf_state(
+        self, state: dict[str, Tensor], cfg: ModelConfig, part: int | None = None
+    ) -> dict[str, Tensor]:
+        """Our state dict (the whole, or only the tensors of `part`) -> HF's. Default: tensor by
+        tensor through the name table and `to_hf_tensor`; families with fused or split tensors
+        regroup them around this."""
         return {self.to_hf_name(n): self.to_hf_tensor(n, t, cfg) for n, t in state.items()}
 
     def from_hf_state(
-        self, hf_state: dict[str, Tensor], cfg: ModelConfig
+        self, hf_state: dict[str, Tensor], cfg: ModelConfig, part: int | None = None
     ) -> tuple[dict[str, Tensor], list[str]]:
-        """HF's state dict -> (ours, the HF names with no counterpart)."""
+        """HF's state dict (the whole, or only the tensors of `part`) -> (ours, the HF names
+        with no counterpart)."""
         out, unknown = {}, []
         for hf_name, tensor in hf_state.items():
             name = self.from_hf_name(hf_name)

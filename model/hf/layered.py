@@ -16,8 +16,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from model.config import ConfigError, ModelConfig
-from model.hf.family import HFFamily
+from model.config import ConfigError, LayerSpec, ModelConfig
+from model.hf.family import GLOBALS, HFFamily
 
 Params = dict[str, Tensor]
 
@@ -192,8 +192,18 @@ class LayeredFamily(HFFamily):
 
     # ---- the whole model ------------------------------------------------------------------------
 
-    def to_hf_state(self, state: Params, cfg: ModelConfig) -> Params:
+    def to_hf_state(self, state: Params, cfg: ModelConfig, part: int | None = None) -> Params:
         s = dict(state)
+        out = self._globals_to_hf(s, cfg) if part in (None, GLOBALS) else {}
+        for spec in _specs(cfg, part):
+            out |= self._layer_to_hf(spec, s, cfg)
+        if s:
+            raise ConfigError(
+                f"parameters with no Hugging Face counterpart: {', '.join(list(s)[:5])}"
+            )
+        return out
+
+    def _globals_to_hf(self, s: Params, cfg: ModelConfig) -> Params:
         out = {
             "model.embed_tokens.weight": pop(s, "embed.weight"),
             "model.norm.weight": self.gain_to_hf(pop(s, "norm.weight")),
@@ -203,30 +213,38 @@ class LayeredFamily(HFFamily):
         elif not self.ties_on_load:  # a copy: safetensors refuses two names for one storage
             out["lm_head.weight"] = out["model.embed_tokens.weight"].clone()
         s.pop("head.weight", None)  # tied: the embedding itself
-        for spec in cfg.layer_specs():
-            ours, theirs = f"layers.{spec.index}.", f"model.layers.{spec.index}."
-            out[theirs + "input_layernorm.weight"] = self.gain_to_hf(
-                pop(s, ours + "attn_norm.weight")
-            )
-            out[theirs + "post_attention_layernorm.weight"] = self.gain_to_hf(
-                pop(s, ours + "ffn_norm.weight")
-            )
-            mixer = take(s, ours + "attn.")
-            module = theirs + self.mixer_modules[spec.mixer] + "."
-            converted = self.mixer_to_hf(spec.mixer, mixer, cfg)
-            out |= put(module, self._all_used(converted, mixer, ours + "attn."))
-            ffn = take(s, ours + "ffn.")
-            converted = self.ffn_to_hf(spec.ffn, ffn, cfg)
-            mlp = theirs + self.ffn_modules[spec.ffn][0] + "."
-            out |= put(mlp, self._all_used(converted, ffn, ours + "ffn."))
-        if s:
-            raise ConfigError(
-                f"parameters with no Hugging Face counterpart: {', '.join(list(s)[:5])}"
-            )
         return out
 
-    def from_hf_state(self, hf_state: Params, cfg: ModelConfig) -> tuple[Params, list[str]]:
+    def _layer_to_hf(self, spec: LayerSpec, s: Params, cfg: ModelConfig) -> Params:
+        ours, theirs = f"layers.{spec.index}.", f"model.layers.{spec.index}."
+        out = {
+            theirs + "input_layernorm.weight": self.gain_to_hf(pop(s, ours + "attn_norm.weight")),
+            theirs + "post_attention_layernorm.weight": self.gain_to_hf(
+                pop(s, ours + "ffn_norm.weight")
+            ),
+        }
+        mixer = take(s, ours + "attn.")
+        module = theirs + self.mixer_modules[spec.mixer] + "."
+        converted = self.mixer_to_hf(spec.mixer, mixer, cfg)
+        out |= put(module, self._all_used(converted, mixer, ours + "attn."))
+        ffn = take(s, ours + "ffn.")
+        converted = self.ffn_to_hf(spec.ffn, ffn, cfg)
+        mlp = theirs + self.ffn_modules[spec.ffn][0] + "."
+        return out | put(mlp, self._all_used(converted, ffn, ours + "ffn."))
+
+    def from_hf_state(
+        self, hf_state: Params, cfg: ModelConfig, part: int | None = None
+    ) -> tuple[Params, list[str]]:
         s = dict(hf_state)
+        out = self._globals_from_hf(s, cfg) if part in (None, GLOBALS) else {}
+        for spec in _specs(cfg, part):
+            converted, unknown = self._layer_from_hf(spec, s, cfg)
+            out |= converted
+            if unknown:
+                return out, unknown
+        return out, list(s)
+
+    def _globals_from_hf(self, s: Params, cfg: ModelConfig) -> Params:
         out = {
             "embed.weight": pop(s, "model.embed_tokens.weight"),
             "norm.weight": self.gain_from_hf(pop(s, "model.norm.weight")),
@@ -235,29 +253,28 @@ class LayeredFamily(HFFamily):
             s.pop("lm_head.weight", None)  # the embedding itself
         else:
             out["head.weight"] = pop(s, "lm_head.weight")
-        for spec in cfg.layer_specs():
-            ours, theirs = f"layers.{spec.index}.", f"model.layers.{spec.index}."
-            out[ours + "attn_norm.weight"] = self.gain_from_hf(
-                pop(s, theirs + "input_layernorm.weight")
-            )
-            out[ours + "ffn_norm.weight"] = self.gain_from_hf(
+        return out
+
+    def _layer_from_hf(
+        self, spec: LayerSpec, s: Params, cfg: ModelConfig
+    ) -> tuple[Params, list[str]]:
+        """(our tensors of layer `spec`, the HF names under its modules left unconverted)."""
+        ours, theirs = f"layers.{spec.index}.", f"model.layers.{spec.index}."
+        out = {
+            ours + "attn_norm.weight": self.gain_from_hf(pop(s, theirs + "input_layernorm.weight")),
+            ours + "ffn_norm.weight": self.gain_from_hf(
                 pop(s, theirs + "post_attention_layernorm.weight")
-            )
-            module = theirs + self.mixer_modules[spec.mixer] + "."
-            mixer = take(s, module)
-            out |= put(ours + "attn.", self.mixer_from_hf(spec.mixer, mixer, cfg, module))
-            unknown = [module + n for n in mixer]
-            candidates = [theirs + m + "." for m in self.ffn_modules[spec.ffn]]
-            module = next(
-                (p for p in candidates if any(n.startswith(p) for n in s)),
-                candidates[0],
-            )
-            mlp = take(s, module)
-            out |= put(ours + "ffn.", self.ffn_from_hf(spec.ffn, mlp, cfg, module))
-            unknown += [module + n for n in mlp]
-            if unknown:
-                return out, unknown
-        return out, list(s)
+            ),
+        }
+        module = theirs + self.mixer_modules[spec.mixer] + "."
+        mixer = take(s, module)
+        out |= put(ours + "attn.", self.mixer_from_hf(spec.mixer, mixer, cfg, module))
+        unknown = [module + n for n in mixer]
+        candidates = [theirs + m + "." for m in self.ffn_modules[spec.ffn]]
+        module = next((p for p in candidates if any(n.startswith(p) for n in s)), candidates[0])
+        mlp = take(s, module)
+        out |= put(ours + "ffn.", self.ffn_from_hf(spec.ffn, mlp, cfg, module))
+        return out, unknown + [module + n for n in mlp]
 
     @staticmethod
     def _all_used(converted: Params, left: Params, prefix: str) -> Params:
@@ -265,6 +282,14 @@ class LayeredFamily(HFFamily):
             names = ", ".join(prefix + n for n in left)
             raise ConfigError(f"parameters with no Hugging Face counterpart: {names}")
         return converted
+
+
+def _specs(cfg: ModelConfig, part: int | None) -> list[LayerSpec]:
+    """The layers a conversion of `part` covers (None: all)."""
+    specs = cfg.layer_specs()
+    if part is None:
+        return specs
+    return [spec for spec in specs if spec.index == part]
 
 
 def layout_fields(kinds: list[str], default: str) -> dict[str, list[str]]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Iterable
 from typing import Any
 
 from torch import Tensor
@@ -43,12 +44,12 @@ def with_depth(cfg: ModelConfig, hf: dict[str, Any]) -> ModelConfig:
     return dataclasses.replace(cfg, mtp=MTPConfig(depth=depth)) if depth else cfg
 
 
-def without_missing(cfg: ModelConfig, hf_state: dict[str, Tensor]) -> ModelConfig:
+def without_missing(cfg: ModelConfig, hf_names: Iterable[str]) -> ModelConfig:
     """`cfg` without MTP when the config counts MTP layers but the checkpoint holds none
     (transformers' own save_pretrained writes DeepseekV3Config's default of 1 and no MTP weights:
     its CausalLM class has no MTP module)."""
     first = f"model.layers.{cfg.n_layers}."
-    if cfg.mtp.depth and not any(name.startswith(first) for name in hf_state):
+    if cfg.mtp.depth and not any(name.startswith(first) for name in hf_names):
         log.warning(
             "the config counts %d MTP layer(s) but the checkpoint has no weights for them: "
             "imported without MTP",
@@ -76,10 +77,12 @@ def _gain(family: HFFamily, w: Tensor, out: bool) -> Tensor:
     return convert(w) if convert is not None else w
 
 
-def to_hf(family: HFFamily, state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
-    """Our state dict (MTP modules included) -> HF's."""
+def to_hf(
+    family: HFFamily, state: dict[str, Tensor], cfg: ModelConfig, part: int | None = None
+) -> dict[str, Tensor]:
+    """Our state dict (MTP modules included; the whole, or the tensors of `part`) -> HF's."""
     if not cfg.mtp.depth:
-        return family.to_hf_state(state, cfg)
+        return family.to_hf_state(state, cfg, part)
     L, main, own = cfg.n_layers, {}, {}
     for name, tensor in state.items():
         if not name.startswith("mtp."):
@@ -90,7 +93,7 @@ def to_hf(family: HFFamily, state: dict[str, Tensor], cfg: ModelConfig) -> dict[
             main[f"layers.{L + int(k)}.{rest.removeprefix('block.')}"] = tensor
         else:
             own[(int(k), rest)] = tensor
-    out = family.to_hf_state(main, _stacked(cfg))
+    out = family.to_hf_state(main, _stacked(cfg), part)
     for (k, rest), tensor in own.items():
         prefix = f"model.layers.{L + k}."
         if rest == "eh_proj.weight":
@@ -101,11 +104,12 @@ def to_hf(family: HFFamily, state: dict[str, Tensor], cfg: ModelConfig) -> dict[
 
 
 def from_hf(
-    family: HFFamily, hf_state: dict[str, Tensor], cfg: ModelConfig
+    family: HFFamily, hf_state: dict[str, Tensor], cfg: ModelConfig, part: int | None = None
 ) -> tuple[dict[str, Tensor], list[str]]:
-    """HF's state dict -> (ours, the HF names with no counterpart)."""
+    """HF's state dict (the whole, or the tensors of `part`) -> (ours, the HF names with no
+    counterpart)."""
     if not cfg.mtp.depth:
-        return family.from_hf_state(hf_state, cfg)
+        return family.from_hf_state(hf_state, cfg, part)
     L, state, own = cfg.n_layers, dict(hf_state), {}
     for k in range(cfg.mtp.depth):
         prefix = f"model.layers.{L + k}."
@@ -116,7 +120,7 @@ def from_hf(
         for ours, theirs in OWN.items():
             if prefix + theirs in state:
                 own[f"mtp.layers.{k}.{ours}"] = _gain(family, state.pop(prefix + theirs), out=False)
-    converted, unknown = family.from_hf_state(state, _stacked(cfg))
+    converted, unknown = family.from_hf_state(state, _stacked(cfg), part)
     out = dict(own)
     for name, tensor in converted.items():
         index = name.split(".")[1] if name.startswith("layers.") else ""

@@ -181,13 +181,15 @@ class QwenHybrid(LayeredFamily):
     def _moe_from_hf(self, hf: dict[str, Any]) -> MoEConfig:
         return MoEConfig()
 
-    def from_hf_state(self, hf_state: Params, cfg: ModelConfig) -> tuple[Params, list[str]]:
+    def from_hf_state(
+        self, hf_state: Params, cfg: ModelConfig, part: int | None = None
+    ) -> tuple[Params, list[str]]:
         text = {}
         for name, tensor in hf_state.items():
             if name.startswith(("model.visual.", "mtp.")):
                 continue  # the vision tower and MTP head (transformers' text models skip them too)
             text[name.replace("model.language_model.", "model.", 1)] = tensor
-        return super().from_hf_state(text, cfg)
+        return super().from_hf_state(text, cfg, part)
 
     # ---- weights --------------------------------------------------------------------------------
 

@@ -240,8 +240,9 @@ def sharded_newton_schulz(rank: int, shapes: list[tuple[int, ...]]) -> dict[str,
 
 
 def started_from_weights(rank: int, model_cfg: ModelConfig, layout: dict[str, Any]) -> dict:
-    """The engine built with initial weights (init_from): another seed's whole model, which
-    each rank must cut into its own shards (FSDP, expert parallelism)."""
+    """The engine built with initial weights (init_from): another seed's whole model, given
+    one tensor per part, which each rank must cut into its own shards (FSDP, expert
+    parallelism)."""
     from model.transformer import build_model
 
     _, size = world()
@@ -250,6 +251,13 @@ def started_from_weights(rank: int, model_cfg: ModelConfig, layout: dict[str, An
     tcfg = TrainerConfig(precision="fp32", batch_size=GLOBAL_BATCH)
     weights = build_model(model_cfg, device="cpu", seed=7).state_dict()
     engine = build_training_engine(
-        model_cfg, tcfg, pcfg, OptimConfig(), dims, torch.device("cpu"), 0, lambda: weights
+        model_cfg,
+        tcfg,
+        pcfg,
+        OptimConfig(),
+        dims,
+        torch.device("cpu"),
+        0,
+        lambda: ({name: tensor} for name, tensor in weights.items()),
     )
     return full_state(engine.model)
