@@ -234,9 +234,9 @@ def acceptance(run_dir: Path, prompts: int = 16, prompt_len: int = 64, new: int 
     from data.loader import TokenLoader
     from model.generate import generate
     from model.speculative import speculative_generate
-    from trainer.export import load_for_export
+    from trainer.checkpoint_weights import newest_model
 
-    _, extra, model = load_for_export(run_dir)
+    _, extra, model = newest_model(run_dir, "decoded")
     model.eval()
     data = Path(extra["tokenizer_dir"]).parent
     loader = TokenLoader(

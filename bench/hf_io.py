@@ -1,15 +1,19 @@
-"""Hugging Face import and export: time and peak memory against model size, one process and 2
-ranks (the path `init_from=hf:<dir>` takes today).
+"""Hugging Face import and export: time and peak memory against model size, streamed (a part at a
+time: today's path) against the whole model in one process (the path before), in the same run.
 
-Models: Llama-shaped dense decoders from ~7M to ~1B parameters (vocabulary 32000, SwiGLU, GQA),
-weights exported in bf16. Each measurement runs in a fresh process, so its peak resident memory
-(ru_maxrss) is its own:
+Models: Llama-shaped dense decoders from ~20M to ~0.85B parameters (vocabulary 32000, SwiGLU,
+GQA). Each measurement runs in a fresh process; memory is the growth of its peak resident set
+(VmHWM) over its resident set when the measured work starts (imports and process groups are
+before it):
 
-  export     build the model (fp32, seeded) and `save_hf` it (bf16 safetensors, sharded at 5 GiB)
+  export     a DCP training checkpoint (fp32 weights) -> a bf16 HF directory in 2 GB files:
+             streamed = `python -m trainer.export` (a layer at a time); whole = the checkpoint
+             read into one model, then `save_hf`
   import     `load_hf` in one process (the whole model, in the checkpoint's bf16), every weight
              then read once (safetensors maps the files: untouched, nothing would be loaded)
-  2 ranks    the FSDP2 engine on 2 gloo ranks started from the checkpoint (init_from=hf:): each
-             rank reads and converts the whole checkpoint today, then keeps its shard
+  2 ranks    the FSDP2 engine on 2 gloo ranks: seeded (no checkpoint: the cost of building
+             the engine itself), init_from=hf: streamed (each rank converts a part at a time
+             and keeps its shard) and whole (each rank reads and converts the whole checkpoint)
 
     python bench/hf_io.py [--sizes tiny,100m,400m,1b]
 Writes bench/results/hf_io_cpu.json and prints a table.
@@ -19,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import shutil
 import sys
 import tempfile
@@ -56,38 +59,64 @@ def model_config(size: str):
     )
 
 
-def peak_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+def rss_mib(field: str = "VmRSS") -> float:
+    """This process's resident set (VmRSS) or its peak (VmHWM; ru_maxrss would also count the
+    parent's, which a forked child keeps through exec)."""
+    status = Path("/proc/self/status").read_text()
+    return int(next(ln for ln in status.splitlines() if ln.startswith(field)).split()[1]) / 1024
 
 
-def export_job(size: str, out: str, result: dict) -> None:
+def checkpoint_job(size: str, root: str, hf: str, result: dict) -> None:
+    """The model (seeded) as a DCP training checkpoint and a bf16 HF directory."""
+    import dataclasses
+
     from model.hf import save_hf
     from model.transformer import build_model
+    from trainer.checkpoint import Checkpointer
 
     model = build_model(model_config(size), seed=0)
-    before = peak_mib()
-    start = time.perf_counter()
-    save_hf(model, out, dtype=torch.bfloat16)
-    result.update(
-        seconds=time.perf_counter() - start,
-        peak_mib=peak_mib(),
-        peak_before_mib=before,
-        params=sum(p.numel() for p in model.parameters()),
-    )
+
+    class Weights:
+        def state_dict(self) -> dict:
+            return {"model": model.state_dict()}
+
+    extra = {"model_config": dataclasses.asdict(model.cfg), "step": 1}
+    Checkpointer(Path(root), 0, keep=1).save(1, Weights(), extra)
+    save_hf(model, hf, dtype=torch.bfloat16)
+    result["params"] = sum(p.numel() for p in model.parameters())
+
+
+def export_job(mode: str, root: str, out: str, result: dict) -> None:
+    from model.hf import save_hf
+    from trainer.checkpoint_weights import newest_model
+    from trainer.export import ExportConfig, export
+
+    before, start = rss_mib(), time.perf_counter()
+    if mode == "streamed":
+        export(ExportConfig(path=root, out=out, max_shard_size="2GB", overwrite=True))
+    else:
+        _, _, model = newest_model(Path(root), "exported")
+        save_hf(model, out, dtype=torch.bfloat16, max_shard_bytes=2 * 10**9, overwrite=True)
+    result.update(seconds=time.perf_counter() - start, grew_mib=rss_mib("VmHWM") - before)
 
 
 def import_job(out: str, result: dict) -> None:
     from model.hf import load_hf
 
-    start = time.perf_counter()
+    before, start = rss_mib(), time.perf_counter()
     model = load_hf(out)
     # safetensors maps the files: reading every weight once makes the load real (and resident)
     with torch.no_grad():
         checksum = sum(float(p.float().sum()) for p in model.parameters())
-    result.update(seconds=time.perf_counter() - start, peak_mib=peak_mib(), checksum=checksum)
+    result.update(
+        seconds=time.perf_counter() - start,
+        grew_mib=rss_mib("VmHWM") - before,
+        checksum=checksum,
+    )
 
 
-def ranks_job(rank: int, world: int, size: str, out: str) -> dict:
+def ranks_job(rank: int, world: int, mode: str, size: str, out: str) -> dict:
+    from model.hf import from_hf_state_dict, read_hf_state_dict
     from optim.config import OptimConfig
     from parallel.config import ParallelConfig
     from parallel.mesh import ParallelDims
@@ -98,15 +127,19 @@ def ranks_job(rank: int, world: int, size: str, out: str) -> dict:
     cfg = model_config(size)
     parallel = ParallelConfig()
     dims = ParallelDims.resolve(parallel, world)
-    start = time.perf_counter()
-    reader = hf_weights_reader(f"hf:{out}", cfg)
+    readers = {
+        "seeded": None,
+        "streamed": hf_weights_reader(f"hf:{out}", cfg),
+        "whole": lambda: [from_hf_state_dict(read_hf_state_dict(out), cfg)],
+    }
+    before, start = rss_mib(), time.perf_counter()
     build_training_engine(
         cfg, TrainerConfig(batch_size=world), parallel, OptimConfig(), dims,
-        torch.device("cpu"), 0, reader,
+        torch.device("cpu"), 0, readers[mode],
     )  # fmt: skip
-    peaks = [None] * world
-    torch.distributed.all_gather_object(peaks, peak_mib())
-    return {"seconds": time.perf_counter() - start, "peak_mib_per_rank": max(peaks)}
+    grew = [None] * world
+    torch.distributed.all_gather_object(grew, rss_mib("VmHWM") - before)
+    return {"seconds": time.perf_counter() - start, "grew_mib_per_rank": max(grew)}
 
 
 def in_process(target, *args) -> dict:
@@ -122,15 +155,27 @@ def in_process(target, *args) -> dict:
         return dict(result)
 
 
+def _ranks_with_a_retry(cores: int, mode: str, size: str, hf: str) -> dict:
+    """run_on_ranks(ranks_job), once more if a rank died (gloo's teardown has aborted a rank
+    now and then on this machine: "terminate called without an active exception")."""
+    try:
+        return run_on_ranks(2, cores, ranks_job, mode, size, hf)
+    except mp.ProcessExitedException as err:
+        print(f"{mode}: {err}; running it again", flush=True)
+        return run_on_ranks(2, cores, ranks_job, mode, size, hf) | {"retried": str(err)}
+
+
 def measure(size: str, cores: int) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix=f"hf_io_{size}_"))
     try:
-        out = str(workdir / "hf")
-        row = {"size": size, "export": in_process(export_job, size, out)}
-        row["params"] = row["export"].pop("params")
-        row["checkpoint_mib"] = sum(f.stat().st_size for f in Path(out).iterdir()) / 2**20
-        row["import"] = in_process(import_job, out)
-        row["two_ranks"] = run_on_ranks(2, cores, ranks_job, size, out)
+        root, hf = str(workdir / "checkpoints"), str(workdir / "hf")
+        row = {"size": size, **in_process(checkpoint_job, size, root, hf)}
+        row["checkpoint_mib"] = sum(f.stat().st_size for f in Path(hf).iterdir()) / 2**20
+        for mode in ("streamed", "whole"):
+            row[f"export_{mode}"] = in_process(export_job, mode, root, str(workdir / mode))
+        row["import"] = in_process(import_job, hf)
+        for mode in ("seeded", "streamed", "whole"):
+            row[f"ranks_{mode}"] = _ranks_with_a_retry(cores, mode, size, hf)
         return row
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -144,20 +189,27 @@ def main() -> None:
     rows = []
     for size in args.sizes.split(","):
         rows.append(measure(size, args.cores))
-        row = rows[-1]
-        print(
-            f"{size:>5} {row['params'] / 1e6:8.1f}M  ckpt {row['checkpoint_mib']:8.0f} MiB | "
-            f"export {row['export']['seconds']:6.1f}s peak {row['export']['peak_mib']:7.0f} MiB | "
-            f"import {row['import']['seconds']:6.1f}s peak {row['import']['peak_mib']:7.0f} MiB | "
-            f"2 ranks {row['two_ranks']['seconds']:6.1f}s peak/rank "
-            f"{row['two_ranks']['peak_mib_per_rank']:7.0f} MiB",
-            flush=True,
-        )
+        print(_line(rows[-1]), flush=True)
     out = ROOT / "bench" / "results" / "hf_io_cpu.json"
     out.write_text(
         json.dumps({"machine": machine(("torch", "safetensors")), "rows": rows}, indent=2)
     )
     print(f"wrote {out}")
+
+
+def _line(row: dict) -> str:
+    def cell(result: dict, key: str = "grew_mib") -> str:
+        return f"{result['seconds']:5.1f}s +{result[key]:6.0f} MiB"
+
+    ranks = {
+        m: cell(row[f"ranks_{m}"], "grew_mib_per_rank") for m in ("seeded", "streamed", "whole")
+    }
+    return (
+        f"{row['size']:>5} {row['params'] / 1e6:7.1f}M ckpt {row['checkpoint_mib']:6.0f} MiB | "
+        f"export streamed {cell(row['export_streamed'])} whole {cell(row['export_whole'])} | "
+        f"import {cell(row['import'])} | 2 ranks seeded {ranks['seeded']} streamed "
+        f"{ranks['streamed']} whole {ranks['whole']}"
+    )
 
 
 if __name__ == "__main__":

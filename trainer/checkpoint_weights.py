@@ -3,22 +3,25 @@
 (which is how a run moves between `parallel.engine=fsdp2` and `deepspeed`).
 
 DCP checkpoints are read through the safe reader into a model built from the checkpoint's own
-config; DeepSpeed's are consolidated from every rank's fp32 ZeRO partitions
-(parallel.deepspeed_checkpoint). Both hold the whole model in this process.
+config, or, for export, a part at a time (`newest_weights`: one layer in memory); DeepSpeed's
+are consolidated from every rank's fp32 ZeRO partitions (parallel.deepspeed_checkpoint) and
+held whole in this process.
 """
 
 from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from model.config import ModelConfig, config_from_dict
 from model.errors import ConfigError
+from model.hf import our_part
 from model.transformer import build_model
 from optim.config import OptimConfig
 from parallel.collective import all_true, from_main
@@ -28,6 +31,7 @@ from trainer.checkpoint_load import DCP, format_of, read_checked, read_states
 from trainer.fingerprint import Fingerprint
 
 log = logging.getLogger("trainer.checkpoint")
+WeightParts = Iterable[tuple[int | None, dict[str, Tensor]]]  # (part, its tensors); None: all
 
 
 def candidates(path: Path) -> list[Path]:
@@ -56,6 +60,49 @@ def newest_model(path: Path, purpose: str) -> tuple[Path, dict[str, Any], nn.Mod
             )
             tried.append(ckpt.name)
     raise CheckpointError(f"no checkpoint under {path} loads (tried {', '.join(tried)})")
+
+
+def newest_weights(path: Path) -> tuple[Path, dict[str, Any], ModelConfig, WeightParts]:
+    """(checkpoint, its trainer state, its model config, its weights part by part) of the newest
+    checkpoint under `path` whose files verify. A DCP checkpoint is read one part at a time
+    (model/hf/family.py: the embedding, norm and head, then each layer), so a process holds one
+    part, never the whole model; a DeepSpeed one is consolidated whole (its fp32 partitions
+    are flat, across every rank's file), as one part."""
+    tried = []
+    for ckpt in candidates(path):
+        form = format_of(ckpt)
+        try:
+            if form is None:
+                raise CheckpointError(f"{ckpt} is incomplete (neither .metadata nor an engine's)")
+            extra, metadata = read_checked(ckpt, rank=0, form=form)
+        except LOAD_ERRORS as err:
+            log.warning(
+                "checkpoint %s cannot be exported (%s); trying the one before it", ckpt, err
+            )
+            tried.append(ckpt.name)
+            continue
+        cfg = config_from_dict(ModelConfig, extra["model_config"])
+        if form != DCP:
+            return ckpt, extra, cfg, [(None, consolidated_weights(ckpt))]
+        return ckpt, extra, cfg, _dcp_parts(ckpt, metadata, cfg)
+    raise CheckpointError(f"no checkpoint under {path} verifies (tried {', '.join(tried)})")
+
+
+def _dcp_parts(ckpt: Path, metadata: Any, cfg: ModelConfig) -> WeightParts:
+    """The model's weights in a DCP checkpoint, whole tensors read a part at a time."""
+    like = build_model(cfg, device="meta").state_dict()
+    names: dict[int, list[str]] = {}
+    for name in like:
+        names.setdefault(our_part(name, cfg.n_layers), []).append(name)
+    for part in sorted(names):
+        state = {n: torch.empty(like[n].shape, dtype=like[n].dtype) for n in names[part]}
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+                read_states({"model": state}, ckpt, metadata, no_dist=True)
+        except LOAD_ERRORS as err:
+            raise CheckpointError(f"{ckpt} cannot be read: {err}") from err
+        yield part, state
 
 
 def whole_model(ckpt: Path) -> tuple[dict[str, Any], nn.Module]:

@@ -1,9 +1,12 @@
-"""`python -m trainer.export path=<run dir or checkpoint dir> out=<dir> [dtype=bf16]`:
-a training checkpoint (of either engine) -> a Hugging Face directory (config.json + safetensors) for the families
-that transformers knows (Llama, Qwen3; see model/hf/).
+"""`python -m trainer.export path=<run dir or checkpoint dir> out=<dir> [dtype=bf16] [max_shard_size=5GB]`:
+a training checkpoint (of either engine) -> a Hugging Face directory (config.json + safetensors,
+with model.safetensors.index.json when there are several files) for the families that
+transformers knows (model/hf/).
 
 The checkpoint holds the resolved model config (vocabulary included), so nothing else is needed;
-a run directory means its newest complete checkpoint.
+a run directory means its newest checkpoint whose files verify. A sharded (DCP) checkpoint is
+streamed: read a layer at a time, converted, and written into files of at most max_shard_size,
+so the whole model is never in memory (DeepSpeed's checkpoints are consolidated whole).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import logging
 import shutil
 import sys
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,14 +22,16 @@ import hydra
 import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
 
 from data.errors import DataError
 from data.manifest import Manifest
 from data.tokenizer import TokenizerIdentity, load_verified_tokenizer
+from model.config import ModelConfig
 from model.errors import ConfigError
-from model.hf import save_hf
+from model.hf import save_hf_parts
 from trainer.checkpoint import CheckpointError
-from trainer.checkpoint_weights import newest_model
+from trainer.checkpoint_weights import newest_weights
 from trainer.config import CONF_DIR
 
 log = logging.getLogger("trainer.export")
@@ -38,23 +44,46 @@ class ExportConfig:
     out: str = ""  # the Hugging Face directory to write
     dtype: str = "bf16"  # fp32 | bf16: the dtype of the saved weights
     overwrite: bool = False  # replace an existing `out`
+    max_shard_size: str = (
+        "5GB"  # the largest safetensors file (transformers' default), e.g. 2GB, 500MB
+    )
 
     def __post_init__(self) -> None:
         if not self.path or not self.out:
             raise ConfigError("pass path=<run dir or checkpoint dir> and out=<directory>")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype={self.dtype!r} is not one of {sorted(DTYPES)}")
+        _bytes(self.max_shard_size)
 
 
-def load_for_export(path: Path) -> tuple[Path, dict, torch.nn.Module]:
-    """(checkpoint, its trainer state, the model with its weights) of the newest checkpoint
-    under `path` that verifies and loads; damaged ones are reported and skipped."""
-    return newest_model(path, "exported")
+UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def _bytes(size: str) -> int:
+    """ "5GB" -> 5e9 (transformers' units: KB/MB/GB decimal, KiB/MiB/GiB binary)."""
+    text = str(size).strip().upper()
+    unit = next((u for u in sorted(UNITS, key=len, reverse=True) if text.endswith(u)), "")
+    try:
+        value = float(text[: len(text) - len(unit)]) * UNITS.get(unit, 1)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ConfigError(f"max_shard_size={size!r} is not a size like 5GB, 500MB or 2GiB")
+    return int(value)
+
+
+def _with_progress(parts: Iterable, cfg: ModelConfig) -> Iterator:
+    """The parts, with a progress bar over the layers on a terminal."""
+    total = cfg.n_layers + cfg.mtp.depth + 1
+    yield from tqdm(parts, total=total, desc="exporting", unit="part", disable=None, leave=False)
 
 
 def copy_tokenizer(extra: dict, out: Path) -> None:
     """The training data's tokenizer, verified to be the one the checkpoint was trained with."""
-    directory = Path(extra.get("tokenizer_dir") or "")
+    if not extra.get("tokenizer_dir"):
+        log.warning("the checkpoint names no tokenizer: exported without one")
+        return
+    directory = Path(extra["tokenizer_dir"])
     if not directory.is_dir():
         log.warning("the tokenizer %s is not there any more: exported without it", directory)
         return
@@ -67,9 +96,17 @@ def copy_tokenizer(extra: dict, out: Path) -> None:
 
 
 def export(cfg: ExportConfig) -> Path:
-    ckpt, extra, model = load_for_export(Path(cfg.path).expanduser())
+    ckpt, extra, model_cfg, parts = newest_weights(Path(cfg.path).expanduser())
     out = Path(cfg.out).expanduser()
-    save_hf(model, out, dtype=DTYPES[cfg.dtype], overwrite=cfg.overwrite)
+    parts = _with_progress(parts, model_cfg)
+    save_hf_parts(
+        model_cfg,
+        parts,
+        out,
+        dtype=DTYPES[cfg.dtype],
+        max_shard_bytes=_bytes(cfg.max_shard_size),
+        overwrite=cfg.overwrite,
+    )
     copy_tokenizer(extra, out)
     log.info("exported %s (step %d) to %s", ckpt, extra["step"], out)
     return out

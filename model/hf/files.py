@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
@@ -113,7 +113,7 @@ class HFWeights:
         if index.is_file():
             self.file_of: dict[str, str] = json.loads(index.read_text())["weight_map"]
         elif (self.path / "model.safetensors").is_file():
-            with safe_open(self.path / "model.safetensors", "pt") as f:
+            with _open(self.path / "model.safetensors") as f:
                 self.file_of = dict.fromkeys(f.keys(), "model.safetensors")
         else:
             raise FileNotFoundError(f"{self.path} has neither model.safetensors nor {INDEX}")
@@ -130,9 +130,17 @@ class HFWeights:
         with ExitStack() as files:
             tensors = {}
             for filename, in_file in by_file.items():
-                handle = files.enter_context(safe_open(self.path / filename, "pt"))
+                handle = files.enter_context(_open(self.path / filename))
                 tensors |= {name: handle.get_tensor(name) for name in in_file}
             yield tensors
+
+
+def _open(path: Path) -> Any:
+    """safetensors' handle of `path`; a missing or damaged file is a ValueError naming it."""
+    try:
+        return safe_open(path, "pt")
+    except (SafetensorError, OSError) as err:
+        raise ValueError(f"{path} cannot be read: {err}") from None
 
 
 def read_hf_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
