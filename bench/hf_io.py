@@ -13,7 +13,8 @@ before it):
              then read once (safetensors maps the files: untouched, nothing would be loaded)
   2 ranks    the FSDP2 engine on 2 gloo ranks: seeded (no checkpoint: the cost of building
              the engine itself), init_from=hf: streamed (each rank converts a part at a time
-             and keeps its shard) and whole (each rank reads and converts the whole checkpoint)
+             and keeps its shard) and whole (each rank reads the whole checkpoint into memory
+             and converts it: the path before)
 
     python bench/hf_io.py [--sizes tiny,100m,400m,1b]
 Writes bench/results/hf_io_cpu.json and prints a table.
@@ -130,7 +131,10 @@ def ranks_job(rank: int, world: int, mode: str, size: str, out: str) -> dict:
     readers = {
         "seeded": None,
         "streamed": hf_weights_reader(f"hf:{out}", cfg),
-        "whole": lambda: [from_hf_state_dict(read_hf_state_dict(out), cfg)],
+        # the path before: every rank reads the whole checkpoint into memory, then converts it
+        "whole": lambda: [
+            from_hf_state_dict({n: t.clone() for n, t in read_hf_state_dict(out).items()}, cfg)
+        ],
     }
     before, start = rss_mib(), time.perf_counter()
     build_training_engine(

@@ -51,6 +51,7 @@ def load_weights(model: nn.Module, parts: WeightParts) -> None:
         present = {name: t for name, t in targets.items() if name in part}
         _fill(present, part)
         loaded |= present.keys()
+        del part  # before the next one is read
     missing = sorted(set(targets) - loaded)
     if missing:
         raise KeyError(

@@ -75,15 +75,18 @@ def newest_weights(path: Path) -> tuple[Path, dict[str, Any], ModelConfig, Weigh
             if form is None:
                 raise CheckpointError(f"{ckpt} is incomplete (neither .metadata nor an engine's)")
             extra, metadata = read_checked(ckpt, rank=0, form=form)
-        except LOAD_ERRORS as err:
+            cfg = config_from_dict(ModelConfig, extra["model_config"])
+            if form != DCP:
+                return ckpt, extra, cfg, [(None, consolidated_weights(ckpt))]
+        except ConfigError:  # e.g. DeepSpeed missing: not this checkpoint's fault
+            raise
+        except LOAD_ERRORS as err:  # damaged, unsafe or incomplete: the one before it
             log.warning(
                 "checkpoint %s cannot be exported (%s); trying the one before it", ckpt, err
             )
             tried.append(ckpt.name)
             continue
-        cfg = config_from_dict(ModelConfig, extra["model_config"])
-        if form != DCP:
-            return ckpt, extra, cfg, [(None, consolidated_weights(ckpt))]
+        # read after every file's checksum verified: a failure midway is an error, not a fallback
         return ckpt, extra, cfg, _dcp_parts(ckpt, metadata, cfg)
     raise CheckpointError(f"no checkpoint under {path} verifies (tried {', '.join(tried)})")
 
@@ -103,6 +106,7 @@ def _dcp_parts(ckpt: Path, metadata: Any, cfg: ModelConfig) -> WeightParts:
         except LOAD_ERRORS as err:
             raise CheckpointError(f"{ckpt} cannot be read: {err}") from err
         yield part, state
+        del state  # before the next part is read
 
 
 def whole_model(ckpt: Path) -> tuple[dict[str, Any], nn.Module]:

@@ -73,9 +73,13 @@ def _bytes(size: str) -> int:
 
 
 def _with_progress(parts: Iterable, cfg: ModelConfig) -> Iterator:
-    """The parts, with a progress bar over the layers on a terminal."""
-    total = cfg.n_layers + cfg.mtp.depth + 1
-    yield from tqdm(parts, total=total, desc="exporting", unit="part", disable=None, leave=False)
+    """The parts, with a progress bar over them on a terminal (none is kept past its turn)."""
+    total = len(parts) if isinstance(parts, list) else cfg.n_layers + cfg.mtp.depth + 1
+    with tqdm(total=total, desc="exporting", unit="part", disable=None, leave=False) as bar:
+        for item in parts:
+            yield item
+            del item
+            bar.update()
 
 
 def copy_tokenizer(extra: dict, out: Path) -> None:

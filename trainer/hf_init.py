@@ -8,7 +8,9 @@ checkpoint's own tokenizer (`python -m data.prepare tokenizer=hf:<dir>`), whose 
 were trained on: another tokenizer is refused, naming the fix. The weights load into the
 engine's model (sharded or not) part by part (the embedding and head, then one layer at a
 time, memory-mapped): every rank converts each part to ours and keeps its shard of it, reading
-only its own rows of the tensors that convert unchanged; the ranks agree on the outcome.
+only its own rows of the tensors that convert unchanged; the ranks agree on the outcome. (The
+DeepSpeed engine holds the whole model on every rank until ZeRO partitions it, so it merges
+the parts.)
 """
 
 from __future__ import annotations

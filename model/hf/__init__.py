@@ -122,9 +122,20 @@ def from_hf_parts(weights: HFWeights, cfg: ModelConfig, family: HFFamily) -> Ite
     by_part: dict[int, list[str]] = {}
     for name in weights.names():
         by_part.setdefault(hf_part(name), []).append(name)
+    expected = [GLOBALS, *range(cfg.n_layers + cfg.mtp.depth)]
+    if missing := [p for p in expected if p not in by_part]:
+        what = (
+            "no embedding, final norm or head (model.embed_tokens, model.norm, lm_head)"
+            if missing[0] == GLOBALS
+            else f"no tensor of layer {missing[0]} (model.layers.{missing[0]}.*)"
+        )
+        raise ConfigError(f"the checkpoint has {what}")
     for part in sorted(by_part):
         with weights.opened(by_part[part]) as tensors:
-            yield from_hf_state_dict(tensors, cfg, family, part)
+            converted = from_hf_state_dict(tensors, cfg, family, part)
+        del tensors  # the mapped pages go with the last reference
+        yield converted
+        del converted  # before the next part is read (the consumer dropped its own)
 
 
 def to_hf_parts(parts: Iterable[tuple[int, Params]], cfg: ModelConfig) -> Iterator[Params]:
@@ -132,7 +143,10 @@ def to_hf_parts(parts: Iterable[tuple[int, Params]], cfg: ModelConfig) -> Iterat
     converted one part at a time."""
     family = family_for_config(cfg)
     for part, state in parts:
-        yield mtp_layers.to_hf(family, state, cfg, part)
+        converted = mtp_layers.to_hf(family, state, cfg, part)
+        del state
+        yield converted
+        del converted
 
 
 def save_hf_parts(

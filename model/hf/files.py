@@ -48,6 +48,7 @@ def write_hf_dir(
                 dtype = dtype or tensor.dtype
                 kept = torch.float32 if name.endswith(keep_fp32) else dtype
                 writer.add(name, tensor.detach().to("cpu", kept))
+            part = tensor = None  # before the next part is read
         writer.close()
         (tmp / "config.json").write_text(json.dumps(config(dtype), indent=2) + "\n")
         if out_dir.exists():
@@ -111,7 +112,10 @@ class HFWeights:
         self.path = Path(path)
         index = self.path / INDEX
         if index.is_file():
-            self.file_of: dict[str, str] = json.loads(index.read_text())["weight_map"]
+            try:
+                self.file_of: dict[str, str] = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as err:
+                raise ValueError(f"{index} is not a safetensors index ({err!r})") from None
         elif (self.path / "model.safetensors").is_file():
             with _open(self.path / "model.safetensors") as f:
                 self.file_of = dict.fromkeys(f.keys(), "model.safetensors")
@@ -131,7 +135,10 @@ class HFWeights:
             tensors = {}
             for filename, in_file in by_file.items():
                 handle = files.enter_context(_open(self.path / filename))
-                tensors |= {name: handle.get_tensor(name) for name in in_file}
+                try:
+                    tensors |= {name: handle.get_tensor(name) for name in in_file}
+                except SafetensorError as err:  # e.g. an index naming the wrong file
+                    raise ValueError(f"{self.path / filename} cannot be read: {err}") from None
             yield tensors
 
 

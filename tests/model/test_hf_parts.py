@@ -106,3 +106,18 @@ def test_a_part_with_a_foreign_tensor_is_refused_by_name(tmp_path):
     with pytest.raises(ConfigError, match="made_up"):
         for _ in from_hf_parts(HFWeights(tmp_path / "hf"), cfg, family):
             pass
+
+
+def test_a_checkpoint_missing_a_layer_is_refused_by_name(tmp_path):
+    from safetensors.torch import save_file
+
+    from model.errors import ConfigError
+
+    cfg = CASES["llama/gqa_untied"]
+    save_hf(perturbed(cfg), tmp_path / "hf")
+    last = f"model.layers.{cfg.n_layers - 1}."
+    state = {n: t for n, t in read_hf_state_dict(tmp_path / "hf").items() if not n.startswith(last)}
+    save_file(state, tmp_path / "hf" / "model.safetensors")
+    family = family_for_hf(json.loads((tmp_path / "hf" / "config.json").read_text()))
+    with pytest.raises(ConfigError, match=f"no tensor of layer {cfg.n_layers - 1} "):
+        next(from_hf_parts(HFWeights(tmp_path / "hf"), cfg, family))

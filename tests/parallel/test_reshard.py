@@ -52,16 +52,24 @@ def test_resume_in_another_layout_continues_the_run(
         torch.testing.assert_close(second["final"][name], tensor, rtol=1e-4, atol=1e-5, msg=name)
 
 
-@pytest.mark.parametrize(("preset", "layout"), [("tiny", {}), ("tiny_moe", {"ep": 2})])
-def test_a_run_starts_from_whole_weights_in_any_layout(preset, layout):
-    """init_from's path: whole weights cut into each rank's FSDP (and expert-parallel) shards
-    give back exactly those weights."""
+@pytest.mark.parametrize(
+    ("preset", "layout", "ranks"),
+    [
+        ("tiny", {}, 2),
+        ("tiny_moe", {"ep": 2}, 2),  # experts split over the 2 ranks
+        ("tiny_moe", {"ep": 2}, 4),  # experts over 2 ranks, each expert FSDP-sharded over 2
+        ("tiny_moe", {"dp_replicate": 2}, 4),  # HSDP: shards over 2, replicated twice
+    ],
+)
+def test_a_run_starts_from_whole_weights_in_any_layout(preset, layout, ranks):
+    """init_from's path: whole weights, given one tensor at a time, cut into each rank's FSDP
+    (HSDP, expert-parallel) shards give back exactly those weights."""
     from model.transformer import build_model
     from tests.parallel.workers import started_from_weights
 
     cfg = small_model(preset, **({"moe.expert_hidden": 32} if "moe" in preset else {}))
     expected = build_model(cfg, device="cpu", seed=7).state_dict()
-    got = run_ranks(2, started_from_weights, cfg, layout)[0]
+    got = run_ranks(ranks, started_from_weights, cfg, layout)[0]
     assert set(got) >= set(expected) - {"lm_head.weight"}
     for name, tensor in got.items():
         if name in expected:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -143,7 +144,6 @@ def load_on_ranks(rank: int, directory: str, with_weights: bool) -> dict:
     of this process's peak RSS, and whether every shard holds the checkpoint's rows."""
     from optim.config import OptimConfig
     from parallel.config import ParallelConfig
-    from parallel.init import _shard_of
     from parallel.mesh import ParallelDims
     from trainer.build import build_training_engine
     from trainer.config import TrainerConfig
@@ -168,10 +168,10 @@ def load_on_ranks(rank: int, directory: str, with_weights: bool) -> dict:
     from model.hf import from_hf_state_dict
 
     expected = from_hf_state_dict(read_hf_state_dict(directory), BIG)
-    wrong = [
+    wrong = [  # whole tensors gathered from both ranks' shards
         name
         for name, p in engine.model.named_parameters()
-        if not torch.equal(p.to_local(), _shard_of(expected[name], p))
+        if not torch.equal(p.full_tensor(), expected[name])
     ]
     return {"grew": grew, "wrong": wrong}
 
@@ -188,8 +188,10 @@ def test_init_from_hf_loads_each_ranks_shards_without_the_whole_model(big):
         assert added < 0.1 * BIG_BYTES, (rank, loaded[rank]["grew"], seeded[rank]["grew"])
 
 
-def load_damaged(rank: int, directory: str) -> str:
+def load_damaged(rank: int, directories: list[str]) -> str:
+    """Build the 2-rank engine from directories[rank]; the ConfigError it raises ("" if none)."""
     from model.errors import ConfigError
+    from model.hf import config_from_hf
     from optim.config import OptimConfig
     from parallel.config import ParallelConfig
     from parallel.mesh import ParallelDims
@@ -197,10 +199,8 @@ def load_damaged(rank: int, directory: str) -> str:
     from trainer.config import TrainerConfig
     from trainer.hf_init import hf_weights_reader
 
-    cfg = json.loads((Path(directory) / "config.json").read_text())
-    from model.hf import config_from_hf
-
-    model_cfg = config_from_hf(cfg)
+    directory = directories[rank]
+    model_cfg = config_from_hf(json.loads((Path(directory) / "config.json").read_text()))
     parallel = ParallelConfig()
     try:
         build_training_engine(
@@ -218,12 +218,14 @@ def load_damaged(rank: int, directory: str) -> str:
     return ""
 
 
-def test_a_damaged_file_is_one_error_on_every_rank(tmp_path):
+def test_a_file_damaged_for_one_rank_is_an_error_on_both(tmp_path):
+    """Rank 1 reads a copy whose last file is cut short (a node's stale copy): it names the
+    file, and rank 0, whose copy is whole, stops too instead of waiting for it."""
     cfg = dataclasses.replace(BIG, n_layers=4, d_model=64, ffn=FFNConfig(hidden=96))
     save_hf(build_model(cfg, seed=0), tmp_path / "hf", max_shard_bytes=200_000)
-    damaged = sorted((tmp_path / "hf").glob("model-*.safetensors"))[-1]
+    shutil.copytree(tmp_path / "hf", tmp_path / "copy")
+    damaged = sorted((tmp_path / "copy").glob("model-*.safetensors"))[-1]
     damaged.write_bytes(damaged.read_bytes()[:1000])
-    errors = run_ranks(2, load_damaged, str(tmp_path / "hf"))
-    for error in errors:
-        assert error.startswith(f"init_from=hf:{tmp_path / 'hf'}: ")
-        assert damaged.name in error and "cannot be read" in error
+    errors = run_ranks(2, load_damaged, [str(tmp_path / "hf"), str(tmp_path / "copy")])
+    assert errors[0] == f"init_from=hf:{tmp_path / 'hf'} did not load on every rank"
+    assert errors[1].startswith(f"init_from=hf:{tmp_path / 'copy'}: {damaged} cannot be read")
