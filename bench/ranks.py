@@ -37,6 +37,7 @@ def _entry(
     torch.set_num_threads(max(1, cores // world))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     result = fn(rank, world, *args)
+    dist.barrier()  # no rank tears gloo down while a peer is still talking to it
     dist.destroy_process_group()
     if rank == 0:
         Path(out).write_bytes(pickle.dumps(result))
