@@ -87,6 +87,18 @@ def test_round_trip_is_bitwise_and_keeps_the_config(name, tmp_path):
     assert config_from_hf(hf_config(cfg)) == cfg
 
 
+def small_hf_config(interleave: bool):
+    """A small DeepseekV3Config with every feature: dense first layer, groups, shared experts."""
+    return transformers.DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=48, moe_intermediate_size=16,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+        num_experts_per_tok=3, n_shared_experts=1, n_group=4, topk_group=2,
+        first_k_dense_replace=1, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8,
+        qk_rope_head_dim=8, v_head_dim=12, rope_interleave=interleave,
+        max_position_embeddings=128, tie_word_embeddings=False,
+    )  # fmt: skip
+
+
 def _hf_random(config, seed: int = 3):
     torch.manual_seed(seed)
     model = transformers.DeepseekV3ForCausalLM(config).eval()
@@ -104,15 +116,7 @@ def test_imported_transformers_models_give_their_logits(interleave, tmp_path):
     """A random DeepseekV3ForCausalLM (its save_pretrained keeps the default of 1 MTP layer in
     the config but writes no MTP weights: imported without MTP) -> load_hf -> the same logits,
     and back out."""
-    config = transformers.DeepseekV3Config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=48, moe_intermediate_size=16,
-        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
-        num_experts_per_tok=3, n_shared_experts=1, n_group=4, topk_group=2,
-        first_k_dense_replace=1, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8,
-        qk_rope_head_dim=8, v_head_dim=12, rope_interleave=interleave,
-        max_position_embeddings=128, tie_word_embeddings=False,
-    )  # fmt: skip
-    theirs = _hf_random(config)
+    theirs = _hf_random(small_hf_config(interleave))
     theirs.save_pretrained(tmp_path / "hf")
     ours = load_hf(tmp_path / "hf").eval()
     assert ours.cfg.mtp.depth == 0 and ours.cfg.rope.pairing == (

@@ -139,9 +139,8 @@ def test_export_memory_stays_far_below_the_model(big, tmp_path):
     assert all(torch.equal(exported[name], tensor) for name, tensor in whole.items())
 
 
-def load_on_ranks(rank: int, directory: str, with_weights: bool) -> dict:
-    """Build the 2-rank FSDP2 engine, from the HF directory's weights or seeded; the growth
-    of this process's peak RSS, and whether every shard holds the checkpoint's rows."""
+def two_rank_engine(cfg: ModelConfig, directory: str | None):
+    """The FSDP2 engine on 2 ranks, from the HF directory's weights (None: seeded)."""
     from optim.config import OptimConfig
     from parallel.config import ParallelConfig
     from parallel.mesh import ParallelDims
@@ -150,18 +149,23 @@ def load_on_ranks(rank: int, directory: str, with_weights: bool) -> dict:
     from trainer.hf_init import hf_weights_reader
 
     parallel = ParallelConfig()
-    reader = hf_weights_reader(f"hf:{directory}", BIG) if with_weights else None
-    before = rss_mib()
-    engine = build_training_engine(
-        BIG,
+    return build_training_engine(
+        cfg,
         TrainerConfig(precision="fp32", batch_size=2),
         parallel,
         OptimConfig(),
         ParallelDims.resolve(parallel, 2),
         torch.device("cpu"),
         0,
-        reader,
+        hf_weights_reader(f"hf:{directory}", cfg) if directory else None,
     )
+
+
+def load_on_ranks(rank: int, directory: str, with_weights: bool) -> dict:
+    """Build the 2-rank engine from the HF directory's weights or seeded: the growth of this
+    process's peak RSS, and the weights whose gathered shards differ from the checkpoint's."""
+    before = rss_mib()
+    engine = two_rank_engine(BIG, directory if with_weights else None)
     grew = peak_rss_mib() - before
     if not with_weights:
         return {"grew": grew}
@@ -192,27 +196,11 @@ def load_damaged(rank: int, directories: list[str]) -> str:
     """Build the 2-rank engine from directories[rank]; the ConfigError it raises ("" if none)."""
     from model.errors import ConfigError
     from model.hf import config_from_hf
-    from optim.config import OptimConfig
-    from parallel.config import ParallelConfig
-    from parallel.mesh import ParallelDims
-    from trainer.build import build_training_engine
-    from trainer.config import TrainerConfig
-    from trainer.hf_init import hf_weights_reader
 
     directory = directories[rank]
-    model_cfg = config_from_hf(json.loads((Path(directory) / "config.json").read_text()))
-    parallel = ParallelConfig()
+    cfg = config_from_hf(json.loads((Path(directory) / "config.json").read_text()))
     try:
-        build_training_engine(
-            model_cfg,
-            TrainerConfig(precision="fp32", batch_size=2),
-            parallel,
-            OptimConfig(),
-            ParallelDims.resolve(parallel, 2),
-            torch.device("cpu"),
-            0,
-            hf_weights_reader(f"hf:{directory}", model_cfg),
-        )
+        two_rank_engine(cfg, directory)
     except ConfigError as err:
         return str(err)
     return ""
