@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable, Mapping
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn
@@ -32,7 +33,19 @@ def init_like_single_process(model: Transformer, device: torch.device, seed: int
         del replica  # before the next part is built: at most one full part at a time
 
 
-WeightParts = Iterable[Mapping[str, Tensor]]  # whole tensors in the model's names, part by part
+class Sliceable(Protocol):
+    """A whole tensor read on demand (model/hf/expert_stack.py): `shape`, and `[slices]` gives
+    the piece at one slice per dim, reading only that."""
+
+    shape: torch.Size
+
+    def __getitem__(self, index: tuple[slice, ...]) -> Tensor: ...
+
+    def detach(self) -> Sliceable: ...
+
+
+Source = Tensor | Sliceable
+WeightParts = Iterable[Mapping[str, Source]]  # whole tensors in the model's names, part by part
 
 
 @torch.no_grad()
@@ -60,10 +73,10 @@ def load_weights(model: nn.Module, parts: WeightParts) -> None:
 
 
 def whole_weights(parts: WeightParts) -> dict[str, Tensor]:
-    """The parts of some weights as one state dict."""
+    """The parts of some weights as one state dict of whole tensors."""
     merged: dict[str, Tensor] = {}
     for part in parts:
-        merged.update(part)
+        merged |= {name: t[tuple(slice(None) for _ in t.shape)] for name, t in part.items()}
     return merged
 
 
@@ -72,7 +85,7 @@ def _copy_shards(target: nn.Module, full: nn.Module) -> None:
     _fill(dict(target.named_parameters()) | dict(target.named_buffers()), sources)
 
 
-def _fill(targets: dict[str, Tensor], sources: Mapping[str, Tensor]) -> None:
+def _fill(targets: dict[str, Tensor], sources: Mapping[str, Source]) -> None:
     """Each target (a DTensor shard or a plain tensor) gets its piece of the whole source of
     the same name, converted to the target's dtype and device after the cut."""
     for name, tensor in targets.items():
@@ -84,18 +97,19 @@ def _fill(targets: dict[str, Tensor], sources: Mapping[str, Tensor]) -> None:
         _local(tensor).copy_(_shard_of(full, tensor))
 
 
-def _shard_of(full: Tensor, like: Tensor) -> Tensor:
+def _shard_of(full: Source, like: Tensor) -> Tensor:
     """This rank's piece of `full` in the layout of `like` (a DTensor or a plain tensor), cut
-    locally from the whole tensor every rank holds (no communication): a view of its rows where
-    the layout is plain shards and replicas, else through `distribute_tensor`."""
+    locally from the whole tensor every rank holds (no communication): its slices where the
+    layout is plain shards and replicas, else through `distribute_tensor`."""
+    everything = tuple(slice(None) for _ in full.shape)
     if not isinstance(like, DTensor):
-        return full
+        return full[everything]
     if all(type(p) in (Shard, Replicate) for p in like.placements):
         shape, offset = compute_local_shape_and_global_offset(
             full.shape, like.device_mesh, like.placements
         )
         return full[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
-    full = full.to(like.device_mesh.device_type)
+    full = full[everything].to(like.device_mesh.device_type)
     return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None).to_local()
 
 

@@ -38,6 +38,7 @@ from model.hf import (  # noqa: F401  (the families)
     qwen3_moe,
     qwen3_next,
 )
+from model.hf.expert_stack import ExpertStack, materialize
 from model.hf.family import (
     GLOBALS,
     HF_FAMILIES,
@@ -51,6 +52,7 @@ from model.hf.files import MAX_SHARD_BYTES, HFWeights, read_hf_state_dict, write
 from model.transformer import Transformer, build_model
 
 Params = dict[str, Tensor]
+Part = dict[str, Tensor | ExpertStack]
 __all__ = [
     "GLOBALS",
     "HF_FAMILIES",
@@ -102,7 +104,8 @@ def from_hf_state_dict(
     part: int | None = None,
 ) -> dict[str, Tensor]:
     """HF's tensors (the whole state dict, or the tensors of one part: model/hf/family.py) in
-    our names; a ConfigError names tensors that have no counterpart."""
+    our names; a ConfigError names tensors that have no counterpart. A part's expert weights
+    may be `ExpertStack`s (model/hf/expert_stack.py), whose consumer reads its own experts."""
     family = family or family_for_config(cfg)
     # old checkpoints saved RoPE frequencies; we recompute them
     kept = {n: t for n, t in hf_state.items() if not n.endswith("rotary_emb.inv_freq")}
@@ -111,14 +114,17 @@ def from_hf_state_dict(
         raise ConfigError(f"unexpected tensors in the checkpoint: {', '.join(unknown[:5])}")
     if cfg.tie_embeddings:
         out.pop("head.weight", None)
+    if part is None:  # whole tensors; a part's expert stacks are stacked as their reader cuts them
+        out = {name: materialize(t) for name, t in out.items()}
     return out
 
 
-def from_hf_parts(weights: HFWeights, cfg: ModelConfig, family: HFFamily) -> Iterator[Params]:
+def from_hf_parts(weights: HFWeights, cfg: ModelConfig, family: HFFamily) -> Iterator[Part]:
     """Our weights from a Hugging Face directory, converted part by part (the embedding, final
     norm and head; then each layer): a part's tensors are memory-mapped while the consumer
     uses it and released after, so a process holds one layer at a time, and of tensors that
-    convert unchanged (the embedding, the head, most projections) only the rows it reads."""
+    convert unchanged (the embedding, the head, most projections) and of per-expert matrices
+    (`ExpertStack`s) only the rows and experts it reads."""
     by_part: dict[int, list[str]] = {}
     for name in weights.names():
         by_part.setdefault(hf_part(name), []).append(name)

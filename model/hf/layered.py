@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from model.config import ConfigError, LayerSpec, ModelConfig
+from model.hf.expert_stack import ExpertStack
 from model.hf.family import GLOBALS, HFFamily
 
 Params = dict[str, Tensor]
@@ -79,13 +80,14 @@ def experts_to_hf(params: Params, names: tuple[str, str, str]) -> Params:
 
 def experts_from_hf(params: Params, names: tuple[str, str, str], E: int, where: str) -> Params:
     """The inverse of `experts_to_hf`; also reads transformers 5's fused runtime layout,
-    gate_up_proj (E, 2F, C) = [W_gate; W_up] per expert and down_proj (E, C, F)."""
+    gate_up_proj (E, 2F, C) = [W_gate; W_up] per expert and down_proj (E, C, F). Per-expert
+    matrices become `ExpertStack`s, stacked when read (model/hf/expert_stack.py)."""
     if "experts.gate_up_proj" in params:
         gate, up = pop(params, "experts.gate_up_proj").transpose(1, 2).chunk(2, dim=2)
         down = pop(params, "experts.down_proj", where).transpose(1, 2)
     else:
         gate, up, down = (
-            torch.stack([pop(params, f"experts.{j}.{name}.weight", where).T for j in range(E)])
+            ExpertStack([pop(params, f"experts.{j}.{name}.weight", where) for j in range(E)])
             for name in names
         )
     return {"experts.w_gate": gate, "experts.w_up": up, "experts.w_down": down}

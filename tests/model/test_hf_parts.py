@@ -23,6 +23,7 @@ from model.hf import (
     to_hf_parts,
     to_hf_state_dict,
 )
+from model.hf.expert_stack import ExpertStack, materialize
 from model.hf.family import family_for_hf, hf_part
 from tests.model import test_hf, test_hf_deepseek_v3, test_hf_hybrid, test_hf_moe
 from tests.model.hf_helpers import perturbed
@@ -78,7 +79,7 @@ def test_part_by_part_conversion_equals_the_whole(name, tmp_path):
     read_whole = from_hf_state_dict(read_hf_state_dict(tmp_path / "hf"), cfg, family)
     read_parts: dict[str, torch.Tensor] = {}
     for converted in from_hf_parts(weights, cfg, family):
-        read_parts |= {n: t.clone() for n, t in converted.items()}
+        read_parts |= {n: materialize(t).clone() for n, t in converted.items()}
     _assert_same(read_parts, read_whole)
 
 
@@ -121,3 +122,38 @@ def test_a_checkpoint_missing_a_layer_is_refused_by_name(tmp_path):
     family = family_for_hf(json.loads((tmp_path / "hf" / "config.json").read_text()))
     with pytest.raises(ConfigError, match=f"no tensor of layer {cfg.n_layers - 1} "):
         next(from_hf_parts(HFWeights(tmp_path / "hf"), cfg, family))
+
+
+@pytest.mark.parametrize(
+    "index",
+    [
+        (slice(None),),
+        (slice(2, 5),),
+        (slice(1, 3), slice(4, 9)),
+        (slice(0, 6), slice(None), slice(3, 7)),
+        (slice(6, 6),),  # no expert here (more shards than experts)
+    ],
+)
+def test_an_expert_stack_reads_the_experts_asked_for(index):
+    """Our (E, in, out) stack over per-expert (out, in) matrices: any cut equals the cut of the
+    stacked tensor, and only the experts in it are touched."""
+    matrices = [torch.randn(12, 10) for _ in range(6)]
+    stacked = torch.stack([m.T for m in matrices])
+    stack = ExpertStack(matrices)
+    assert stack.shape == stacked.shape and stack.dtype == stacked.dtype
+    assert torch.equal(stack[index], stacked[index])
+    assert torch.equal(stack.materialize(), stacked)
+    chosen = range(6)[index[0]]
+    untouchable = [m if j in chosen else _Untouchable(m) for j, m in enumerate(matrices)]
+    assert torch.equal(ExpertStack(untouchable)[index], stacked[index])
+
+
+class _Untouchable:
+    """An expert's matrix that must not be read (its shape and dtype may be)."""
+
+    def __init__(self, like: torch.Tensor) -> None:
+        self.shape, self.dtype = like.shape, like.dtype
+
+    @property
+    def T(self):
+        raise AssertionError("an expert outside the cut was read")
