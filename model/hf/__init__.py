@@ -165,8 +165,12 @@ def save_hf_parts(
     overwrite: bool = False,
 ) -> Path:
     """`save_hf` of weights streamed part by part (a sharded checkpoint read a layer at a time):
-    one part and one output file in memory at once."""
+    each converted tensor goes to its place in its file as it comes, so one part is in memory
+    at a time, whatever the files' size."""
     family = family_for_config(cfg)  # refuses what HF cannot express before touching the disk
+    # every tensor's name and shape in advance: the conversion of the model on the meta device
+    meta = dict(build_model(cfg, device="meta").state_dict())
+    layout = [(n, tuple(t.shape)) for n, t in mtp_layers.to_hf(family, meta, cfg).items()]
     return write_hf_dir(
         to_hf_parts(parts, cfg),
         lambda dt: hf_config(cfg, dt),
@@ -175,6 +179,7 @@ def save_hf_parts(
         max_shard_bytes=max_shard_bytes,
         overwrite=overwrite,
         keep_fp32=family.keep_fp32,
+        layout=layout,
     )
 
 

@@ -14,12 +14,16 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import Tensor
 
+from model.hf.safetensors_stream import INDEX, StreamedFiles, TensorSpec
+
 MAX_SHARD_BYTES = 5 * 2**30
-INDEX = "model.safetensors.index.json"
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+Layout = list[tuple[str, tuple[int, ...]]]  # (HF name, shape) of every tensor a directory holds
 
 
 def write_hf_dir(
@@ -31,23 +35,35 @@ def write_hf_dir(
     max_shard_bytes: int = MAX_SHARD_BYTES,
     overwrite: bool = False,
     keep_fp32: tuple[str, ...] = (),
+    layout: Layout | None = None,
 ) -> Path:
-    """Write config(dtype) + the tensors (HF names: one state dict, or parts of one streamed
-    in turn) to `out_dir` atomically (a temporary sibling, then rename). `dtype`: the first
-    tensor's when None. Tensors whose names end with one of `keep_fp32` stay fp32 (a router's
-    selection bias rounded to bf16 would change which experts win near ties)."""
+    """Write config(dtype) + the tensors (HF names) to `out_dir` atomically (a temporary sibling,
+    then rename): one state dict, or parts of one streamed in turn with their `layout` and
+    `dtype` given in advance (each tensor then goes to disk as it comes: model/hf/
+    safetensors_stream.py). `dtype`: by default the state dict's first tensor's. Tensors whose
+    names end with one of `keep_fp32` stay fp32 (a router's selection bias rounded to bf16
+    would change which experts win near ties)."""
+    if isinstance(parts, dict):
+        dtype = dtype or next(iter(parts.values())).dtype
+        layout = [(name, tuple(t.shape)) for name, t in parts.items()]
+        parts = [parts]
+    elif layout is None or dtype is None:
+        raise ValueError("streamed parts need their layout and dtype in advance")
     out_dir = Path(out_dir)
     if out_dir.exists() and not overwrite:
         raise FileExistsError(f"{out_dir} exists; pass overwrite=True or choose another directory")
+
+    def stored(name: str) -> torch.dtype:
+        return torch.float32 if name.endswith(keep_fp32) else dtype
+
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
-        writer = ShardWriter(tmp, max_shard_bytes)
-        for part in [parts] if isinstance(parts, dict) else parts:
+        specs = [TensorSpec(name, stored(name), shape) for name, shape in layout]
+        writer = StreamedFiles(tmp, specs, max_shard_bytes)
+        for part in parts:
             for name, tensor in part.items():
-                dtype = dtype or tensor.dtype
-                kept = torch.float32 if name.endswith(keep_fp32) else dtype
-                writer.add(name, tensor.detach().to("cpu", kept))
+                writer.add(name, tensor.detach().to("cpu", stored(name)))
             part = tensor = None  # before the next part is read
         writer.close()
         (tmp / "config.json").write_text(json.dumps(config(dtype), indent=2) + "\n")
@@ -58,49 +74,6 @@ def write_hf_dir(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
-
-
-class ShardWriter:
-    """Tensors (HF names) streamed into size-limited safetensors files in `directory`: a file is
-    written as soon as the next tensor would take it past `max_shard_bytes`, so at most one
-    file's tensors are held. `close()` names the files model-0000i-of-0000N.safetensors (one
-    file: model.safetensors) and writes model.safetensors.index.json."""
-
-    def __init__(self, directory: Path, max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
-        self.directory, self.max_shard_bytes = directory, max_shard_bytes
-        self.pending: dict[str, Tensor] = {}
-        self.pending_bytes = self.total_bytes = 0
-        self.files: list[list[str]] = []  # the names in each written file
-
-    def add(self, name: str, tensor: Tensor) -> None:
-        nbytes = tensor.numel() * tensor.element_size()
-        if self.pending and self.pending_bytes + nbytes > self.max_shard_bytes:
-            self._flush()
-        self.pending[name] = tensor.contiguous()
-        self.pending_bytes += nbytes
-        self.total_bytes += nbytes
-
-    def _flush(self) -> None:
-        save_file(self.pending, self._part(len(self.files)), metadata={"format": "pt"})
-        self.files.append(list(self.pending))
-        self.pending, self.pending_bytes = {}, 0
-
-    def _part(self, i: int) -> Path:
-        return self.directory / f".part-{i:05d}.safetensors"
-
-    def close(self) -> None:
-        if self.pending or not self.files:
-            self._flush()
-        if len(self.files) == 1:
-            self._part(0).rename(self.directory / "model.safetensors")
-            return
-        weight_map = {}
-        for i, names in enumerate(self.files):
-            filename = f"model-{i + 1:05d}-of-{len(self.files):05d}.safetensors"
-            self._part(i).rename(self.directory / filename)
-            weight_map.update(dict.fromkeys(names, filename))
-        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
-        (self.directory / INDEX).write_text(json.dumps(index, indent=2) + "\n")
 
 
 class HFWeights:

@@ -248,7 +248,7 @@ class QwenHybrid(LayeredFamily):
         if kind == "dense":
             return rename(params, {n: n for n in DENSE_FFN})
         bias = params.pop("router.expert_bias", None)
-        if bias is not None and bias.any():  # the HF router has no selection bias
+        if bias is not None and not bias.is_meta and bias.any():  # HF routes without one
             raise ConfigError(
                 "the routers' expert_bias (aux-loss-free balancing) is not zero: "
                 f"{self.architecture} routes without a selection bias"

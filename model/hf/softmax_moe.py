@@ -146,7 +146,7 @@ class SoftmaxMoEFamily(LayeredFamily):
         if kind == "dense":
             return rename(params, {n: n for n in DENSE_FFN})
         bias = params.pop("router.expert_bias", None)
-        if bias is not None and bias.any():
+        if bias is not None and not bias.is_meta and bias.any():  # (meta: a layout only)
             raise ConfigError(
                 "the routers' expert_bias (aux-loss-free balancing) is not zero: "
                 f"{self.architecture} routes without a selection bias"
