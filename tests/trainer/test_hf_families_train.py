@@ -1,6 +1,7 @@
 """Continued pretraining from each Hugging Face family, end to end: a small random transformers
 model of the family (with the tokenizer of tests/trainer/test_hf_init.py) -> `init_from=hf:`
--> one training step on 2 torchrun ranks (FSDP2, the experts split over both: ep=2) whose loss equals transformers' loss on the same batch.
+-> one training step on 2 torchrun ranks (FSDP2; MoE models with their experts split over both:
+ep=2) whose loss equals transformers' loss on the same batch.
 Documents are not masked here (`trainer.doc_mask=false`): each packed row is one sequence to
 both, as transformers sees it."""
 
@@ -34,8 +35,10 @@ FAMILIES = {
     ),
     "qwen3_next": lambda: (test_hf_hybrid.HF_MODELS["qwen3_next"](), test_hf_hybrid._hf_random),
     "kimi_linear": lambda: (test_hf_hybrid.HF_MODELS["kimi_linear"](), test_hf_hybrid._hf_random),
+    "qwen3_5": lambda: (test_hf_hybrid.HF_MODELS["qwen3_5_text"](), test_hf_hybrid._hf_random),
 }
-HYBRID = ("qwen3_next", "kimi_linear")
+HYBRID = ("qwen3_next", "kimi_linear", "qwen3_5")
+DENSE = ("qwen3_5",)  # no experts to split: FSDP2 alone
 
 
 def family_checkpoint(family: str, tokenizer_dir, out):
@@ -67,7 +70,8 @@ def test_each_family_continues_pretraining_at_transformers_loss(checkpoint, fami
     family_checkpoint(family, checkpoint / "hf", hf)
     result = torchrun(
         2, *COMMON, f"data.path={data}", f"init_from=hf:{hf}", "trainer.max_steps=1",
-        "trainer.doc_mask=false", "trainer.sample_tokens=0", "parallel.ep=2",
+        "trainer.doc_mask=false", "trainer.sample_tokens=0",
+        *([] if family in DENSE else ["parallel.ep=2"]),
         f"hydra.run.dir={run}", cwd=tmp_path,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
