@@ -45,7 +45,8 @@ class Sliceable(Protocol):
 
 
 Source = Tensor | Sliceable
-WeightParts = Iterable[Mapping[str, Source]]  # whole tensors in the model's names, part by part
+# whole tensors in the model's names: one state dict, or its parts in turn
+WeightParts = Mapping[str, Source] | Iterable[Mapping[str, Source]]
 
 
 @torch.no_grad()
@@ -60,7 +61,7 @@ def load_weights(model: nn.Module, parts: WeightParts) -> None:
         name: b for name, b in model.named_buffers() if name in persistent
     }
     loaded: set[str] = set()
-    for part in parts:
+    for part in [parts] if isinstance(parts, Mapping) else parts:
         present = {name: t for name, t in targets.items() if name in part}
         _fill(present, part)
         loaded |= present.keys()
@@ -75,7 +76,7 @@ def load_weights(model: nn.Module, parts: WeightParts) -> None:
 def whole_weights(parts: WeightParts) -> dict[str, Tensor]:
     """The parts of some weights as one state dict of whole tensors."""
     merged: dict[str, Tensor] = {}
-    for part in parts:
+    for part in [parts] if isinstance(parts, Mapping) else parts:
         merged |= {name: t[tuple(slice(None) for _ in t.shape)] for name, t in part.items()}
     return merged
 

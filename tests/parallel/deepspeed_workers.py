@@ -227,7 +227,7 @@ def masters_after_init(rank: int, model_cfg: ModelConfig, zero_stage: int) -> fl
     tcfg = TrainerConfig(precision="bf16_master", batch_size=GLOBAL_BATCH)
     engine = build_training_engine(
         model_cfg, tcfg, pcfg, OptimConfig(), ParallelDims.resolve(pcfg, size),
-        torch.device("cpu"), 0, lambda: weights,
+        torch.device("cpu"), 0, lambda: [weights],
     )  # fmt: skip
     return max(
         float((safe_get_full_fp32_param(p) - weights[name]).abs().max())
