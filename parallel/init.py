@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from model.transformer import Transformer, part_seed, seeded
 
@@ -35,11 +36,11 @@ def init_like_single_process(model: Transformer, device: torch.device, seed: int
 
 class Sliceable(Protocol):
     """A whole tensor read on demand (model/hf/expert_stack.py): `shape`, and `[slices]` gives
-    the piece at one slice per dim, reading only that."""
+    the piece at one slice per dim (the first may be a tensor of indices), reading only that."""
 
     shape: torch.Size
 
-    def __getitem__(self, index: tuple[slice, ...]) -> Tensor: ...
+    def __getitem__(self, index: tuple[slice | Tensor, ...]) -> Tensor: ...
 
     def detach(self) -> Sliceable: ...
 
@@ -110,8 +111,35 @@ def _shard_of(full: Source, like: Tensor) -> Tensor:
             full.shape, like.device_mesh, like.placements
         )
         return full[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
+    split = {p.dim for p in like.placements if isinstance(p, (Shard, _StridedShard))}
+    if len(split) == 1:  # e.g. FSDP2 over expert parallelism: (_StridedShard(0), Shard(0))
+        (dim,) = split
+        index = list(everything)
+        index[dim] = _local_indices(full.shape[dim], dim, like)
+        return full[tuple(index)]
     full = full[everything].to(like.device_mesh.device_type)
     return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None).to_local()
+
+
+def _local_indices(size: int, dim: int, like: DTensor) -> slice | Tensor:
+    """The indices along `dim` (the only one `like` splits) of this rank's piece: its layout
+    applied to the indices themselves, a slice when they are consecutive."""
+    placements = [
+        _StridedShard(0, split_factor=p.split_factor)
+        if isinstance(p, _StridedShard)
+        else Shard(0)
+        if isinstance(p, Shard)
+        else p
+        for p in like.placements
+    ]
+    ids = torch.arange(size, device=like.device_mesh.device_type)
+    mine = distribute_tensor(ids, like.device_mesh, placements, src_data_rank=None).to_local()
+    mine = mine.cpu()
+    if len(mine) == 0:
+        return slice(0, 0)
+    if torch.equal(mine, torch.arange(int(mine[0]), int(mine[0]) + len(mine))):
+        return slice(int(mine[0]), int(mine[0]) + len(mine))
+    return mine
 
 
 def _local(t: Tensor) -> Tensor:

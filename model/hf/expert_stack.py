@@ -14,20 +14,32 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from model.config import ConfigError
+
 
 class ExpertStack:
     """(E, in, out): expert j is `matrices[j].T`."""
 
-    def __init__(self, matrices: list[Tensor]) -> None:
+    def __init__(self, matrices: list[Tensor], where: str = "") -> None:
         self.matrices = matrices
         out_features, in_features = matrices[0].shape
         self.shape = torch.Size((len(matrices), in_features, out_features))
         self.dtype = matrices[0].dtype
+        for j, matrix in enumerate(matrices):  # (metadata only: every rank refuses alike)
+            if matrix.shape != matrices[0].shape or matrix.dtype != self.dtype:
+                raise ConfigError(
+                    f"{where}expert {j} holds {tuple(matrix.shape)} {matrix.dtype}, expert 0 "
+                    f"{tuple(matrices[0].shape)} {self.dtype}"
+                )
 
-    def __getitem__(self, index: tuple[slice, ...]) -> Tensor:
-        """The stack's piece at `index` (one slice per leading dim), stacked from its experts."""
+    def __getitem__(self, index: tuple[slice | Tensor, ...]) -> Tensor:
+        """The stack's piece at `index` (a slice per leading dim; the first may also be the
+        experts' indices), stacked from its experts."""
         first, *rest = index
-        experts = range(len(self.matrices))[first]
+        if isinstance(first, slice):
+            experts = range(len(self.matrices))[first]
+        else:
+            experts = [int(j) for j in first]
         if len(experts) == 0:  # a rank with no expert of this layer (more shards than experts)
             shape = torch.empty(self.shape[1:], device="meta")[tuple(rest)].shape
             return torch.empty((0, *shape), dtype=self.dtype)

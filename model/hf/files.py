@@ -44,7 +44,7 @@ def write_hf_dir(
     names end with one of `keep_fp32` stay fp32 (a router's selection bias rounded to bf16
     would change which experts win near ties)."""
     if isinstance(parts, dict):
-        dtype = dtype or next(iter(parts.values())).dtype
+        dtype = dtype or next(iter(parts.values()), torch.empty(())).dtype
         layout = [(name, tuple(t.shape)) for name, t in parts.items()]
         parts = [parts]
     elif layout is None or dtype is None:

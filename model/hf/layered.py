@@ -87,7 +87,10 @@ def experts_from_hf(params: Params, names: tuple[str, str, str], E: int, where: 
         down = pop(params, "experts.down_proj", where).transpose(1, 2)
     else:
         gate, up, down = (
-            ExpertStack([pop(params, f"experts.{j}.{name}.weight", where) for j in range(E)])
+            ExpertStack(
+                [pop(params, f"experts.{j}.{name}.weight", where) for j in range(E)],
+                f"{where}experts.*.{name}.weight: ",
+            )
             for name in names
         )
     return {"experts.w_gate": gate, "experts.w_up": up, "experts.w_down": down}

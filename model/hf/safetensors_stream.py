@@ -23,7 +23,8 @@ INDEX = "model.safetensors.index.json"
 DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL",
+    torch.uint64: "U64", torch.uint32: "U32", torch.uint16: "U16", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
 }  # fmt: skip
 
 
@@ -34,8 +35,12 @@ class TensorSpec:
     shape: tuple[int, ...]
 
     @property
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
     def nbytes(self) -> int:
-        return torch.Size(self.shape).numel() * torch.empty((), dtype=self.dtype).element_size()
+        return torch.Size(self.shape).numel() * self.element_size
 
     @classmethod
     def of(cls, name: str, tensor: Tensor) -> TensorSpec:
@@ -43,7 +48,9 @@ class TensorSpec:
 
 
 def plan_files(specs: list[TensorSpec], max_bytes: int) -> list[list[TensorSpec]]:
-    """Tensors in order into files of at most `max_bytes` (a larger tensor alone in its file)."""
+    """Tensors in order into files of at most `max_bytes` (a larger tensor alone in its file);
+    in each file the wider dtypes first, as the library lays them out, so every tensor starts
+    aligned to its element size."""
     files: list[list[TensorSpec]] = [[]]
     size = 0
     for spec in specs:
@@ -52,7 +59,7 @@ def plan_files(specs: list[TensorSpec], max_bytes: int) -> list[list[TensorSpec]
             size = 0
         files[-1].append(spec)
         size += spec.nbytes
-    return files
+    return [sorted(file, key=lambda spec: -spec.element_size) for file in files]
 
 
 def file_names(count: int) -> list[str]:

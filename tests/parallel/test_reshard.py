@@ -74,3 +74,18 @@ def test_a_run_starts_from_whole_weights_in_any_layout(preset, layout, ranks):
     for name, tensor in got.items():
         if name in expected:
             assert torch.equal(tensor, expected[name]), name
+
+
+def test_each_rank_reads_only_its_own_experts_of_a_streamed_import():
+    """A streamed HF import hands per-expert matrices over as ExpertStacks: under expert
+    parallelism each rank stacks only its own experts (another's would raise), and the loaded
+    weights are the whole weights."""
+    from model.transformer import build_model
+    from tests.parallel.workers import started_from_expert_stacks
+
+    cfg = small_model("tiny_moe", **{"moe.expert_hidden": 32})
+    expected = build_model(cfg, device="cpu", seed=7).state_dict()
+    got = run_ranks(2, started_from_expert_stacks, cfg, {"ep": 2})[0]
+    for name, tensor in got.items():
+        if name in expected:
+            assert torch.equal(tensor, expected[name]), name

@@ -261,3 +261,48 @@ def started_from_weights(rank: int, model_cfg: ModelConfig, layout: dict[str, An
         lambda: ({name: tensor} for name, tensor in weights.items()),
     )
     return full_state(engine.model)
+
+
+class _Foreign:
+    """An expert's matrix that this rank must not read (its shape and dtype may be read)."""
+
+    def __init__(self, like: torch.Tensor) -> None:
+        self.shape, self.dtype = like.shape, like.dtype
+
+    @property
+    def T(self):
+        raise AssertionError("a rank read another rank's expert")
+
+
+def started_from_expert_stacks(rank: int, model_cfg: ModelConfig, layout: dict[str, Any]) -> dict:
+    """The engine built from weights whose expert stacks are `ExpertStack`s (as a streamed HF
+    import gives them) in which the experts of the other expert-parallel ranks cannot be read;
+    returns this rank's loaded weights, whole."""
+    from model.hf.expert_stack import ExpertStack
+    from model.transformer import build_model
+
+    _, size = world()
+    pcfg = ParallelConfig(**layout)
+    dims = ParallelDims.resolve(pcfg, size)
+    weights = build_model(model_cfg, device="cpu", seed=7).state_dict()
+    E, ep = model_cfg.moe.n_routed_experts, dims.ep
+    own = range(rank % ep * E // ep, (rank % ep + 1) * E // ep)  # consecutive ranks share tokens
+
+    def stack(name: str, tensor: torch.Tensor):
+        if ".experts.w_" not in name:
+            return tensor
+        matrices = [tensor[j].T.contiguous() for j in range(E)]  # as checkpoints store them
+        return ExpertStack([m if j in own else _Foreign(m) for j, m in enumerate(matrices)])
+
+    tcfg = TrainerConfig(precision="fp32", batch_size=GLOBAL_BATCH)
+    engine = build_training_engine(
+        model_cfg,
+        tcfg,
+        pcfg,
+        OptimConfig(),
+        dims,
+        torch.device("cpu"),
+        0,
+        lambda: [{name: stack(name, t) for name, t in weights.items()}],
+    )
+    return full_state(engine.model)
