@@ -239,28 +239,24 @@ def sharded_newton_schulz(rank: int, shapes: list[tuple[int, ...]]) -> dict[str,
     return {"equal": equal, "work": dict(distributed_muon.work)}
 
 
+def _engine_from(model_cfg: ModelConfig, layout: dict[str, Any], parts) -> TrainingEngine:
+    """The fp32 engine in `layout` on this group's ranks, started from `parts()`."""
+    pcfg = ParallelConfig(**layout)
+    dims = ParallelDims.resolve(pcfg, world()[1])
+    tcfg = TrainerConfig(precision="fp32", batch_size=GLOBAL_BATCH)
+    cpu = torch.device("cpu")
+    return build_training_engine(model_cfg, tcfg, pcfg, OptimConfig(), dims, cpu, 0, parts)
+
+
 def started_from_weights(rank: int, model_cfg: ModelConfig, layout: dict[str, Any]) -> dict:
     """The engine built with initial weights (init_from): another seed's whole model, given
     one tensor per part, which each rank must cut into its own shards (FSDP, expert
     parallelism)."""
     from model.transformer import build_model
 
-    _, size = world()
-    pcfg = ParallelConfig(**layout)
-    dims = ParallelDims.resolve(pcfg, size)
-    tcfg = TrainerConfig(precision="fp32", batch_size=GLOBAL_BATCH)
     weights = build_model(model_cfg, device="cpu", seed=7).state_dict()
-    engine = build_training_engine(
-        model_cfg,
-        tcfg,
-        pcfg,
-        OptimConfig(),
-        dims,
-        torch.device("cpu"),
-        0,
-        lambda: ({name: tensor} for name, tensor in weights.items()),
-    )
-    return full_state(engine.model)
+    parts = lambda: ({name: tensor} for name, tensor in weights.items())  # noqa: E731
+    return full_state(_engine_from(model_cfg, layout, parts).model)
 
 
 class _Foreign:
@@ -281,11 +277,8 @@ def started_from_expert_stacks(rank: int, model_cfg: ModelConfig, layout: dict[s
     from model.hf.expert_stack import ExpertStack
     from model.transformer import build_model
 
-    _, size = world()
-    pcfg = ParallelConfig(**layout)
-    dims = ParallelDims.resolve(pcfg, size)
     weights = build_model(model_cfg, device="cpu", seed=7).state_dict()
-    E, ep = model_cfg.moe.n_routed_experts, dims.ep
+    E, ep = model_cfg.moe.n_routed_experts, layout["ep"]
     own = range(rank % ep * E // ep, (rank % ep + 1) * E // ep)  # consecutive ranks share tokens
 
     def stack(name: str, tensor: torch.Tensor):
@@ -294,15 +287,5 @@ def started_from_expert_stacks(rank: int, model_cfg: ModelConfig, layout: dict[s
         matrices = [tensor[j].T.contiguous() for j in range(E)]  # as checkpoints store them
         return ExpertStack([m if j in own else _Foreign(m) for j, m in enumerate(matrices)])
 
-    tcfg = TrainerConfig(precision="fp32", batch_size=GLOBAL_BATCH)
-    engine = build_training_engine(
-        model_cfg,
-        tcfg,
-        pcfg,
-        OptimConfig(),
-        dims,
-        torch.device("cpu"),
-        0,
-        lambda: [{name: stack(name, t) for name, t in weights.items()}],
-    )
-    return full_state(engine.model)
+    parts = lambda: [{name: stack(name, t) for name, t in weights.items()}]  # noqa: E731
+    return full_state(_engine_from(model_cfg, layout, parts).model)
