@@ -124,14 +124,7 @@ def _shard_of(full: Source, like: Tensor) -> Tensor:
 def _local_indices(size: int, dim: int, like: DTensor) -> slice | Tensor:
     """The indices along `dim` (the only one `like` splits) of this rank's piece: its layout
     applied to the indices themselves, a slice when they are consecutive."""
-    placements = [
-        _StridedShard(0, split_factor=p.split_factor)
-        if isinstance(p, _StridedShard)
-        else Shard(0)
-        if isinstance(p, Shard)
-        else p
-        for p in like.placements
-    ]
+    placements = [_on_dim_0(p) for p in like.placements]
     ids = torch.arange(size, device=like.device_mesh.device_type)
     mine = distribute_tensor(ids, like.device_mesh, placements, src_data_rank=None).to_local()
     mine = mine.cpu()
@@ -140,6 +133,13 @@ def _local_indices(size: int, dim: int, like: DTensor) -> slice | Tensor:
     if torch.equal(mine, torch.arange(int(mine[0]), int(mine[0]) + len(mine))):
         return slice(int(mine[0]), int(mine[0]) + len(mine))
     return mine
+
+
+def _on_dim_0(placement):
+    """The placement moved to dim 0 (the indices' only dim)."""
+    if isinstance(placement, _StridedShard):
+        return _StridedShard(0, split_factor=placement.split_factor)
+    return Shard(0) if isinstance(placement, Shard) else placement
 
 
 def _local(t: Tensor) -> Tensor:

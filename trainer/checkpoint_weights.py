@@ -45,13 +45,13 @@ def candidates(path: Path) -> list[Path]:
     raise ConfigError(f"{path} is neither a checkpoint nor a run directory with one")
 
 
-def newest_model(path: Path, purpose: str) -> tuple[Path, dict[str, Any], nn.Module]:
-    """(checkpoint, its trainer state, the model with its whole fp32 weights) of the newest
-    checkpoint under `path` that verifies and loads; damaged ones are reported and skipped."""
+def _newest(path: Path, purpose: str, verb: str, open_one: Callable[[Path], tuple]) -> tuple:
+    """(checkpoint, *open_one(checkpoint)) of the newest checkpoint under `path` that
+    `open_one` takes; damaged ones are reported and skipped."""
     tried = []
     for ckpt in candidates(path):
         try:
-            return (ckpt, *whole_model(ckpt))
+            return (ckpt, *open_one(ckpt))
         except ConfigError:  # e.g. DeepSpeed missing: not this checkpoint's fault
             raise
         except LOAD_ERRORS as err:  # damaged, unsafe or incomplete: the one before it
@@ -59,7 +59,13 @@ def newest_model(path: Path, purpose: str) -> tuple[Path, dict[str, Any], nn.Mod
                 "checkpoint %s cannot be %s (%s); trying the one before it", ckpt, purpose, err
             )
             tried.append(ckpt.name)
-    raise CheckpointError(f"no checkpoint under {path} loads (tried {', '.join(tried)})")
+    raise CheckpointError(f"no checkpoint under {path} {verb} (tried {', '.join(tried)})")
+
+
+def newest_model(path: Path, purpose: str) -> tuple[Path, dict[str, Any], nn.Module]:
+    """(checkpoint, its trainer state, the model with its whole fp32 weights) of the newest
+    checkpoint under `path` that verifies and loads; damaged ones are reported and skipped."""
+    return _newest(path, purpose, "loads", whole_model)
 
 
 def newest_weights(path: Path) -> tuple[Path, dict[str, Any], ModelConfig, WeightParts]:
@@ -68,27 +74,19 @@ def newest_weights(path: Path) -> tuple[Path, dict[str, Any], ModelConfig, Weigh
     (model/hf/family.py: the embedding, norm and head, then each layer), so a process holds one
     part, never the whole model; a DeepSpeed one is consolidated whole (its fp32 partitions
     are flat, across every rank's file), as one part."""
-    tried = []
-    for ckpt in candidates(path):
-        form = format_of(ckpt)
-        try:
-            if form is None:
-                raise CheckpointError(f"{ckpt} is incomplete (neither .metadata nor an engine's)")
-            extra, metadata = read_checked(ckpt, rank=0, form=form)
-            cfg = config_from_dict(ModelConfig, extra["model_config"])
-            if form != DCP:
-                return ckpt, extra, cfg, [(None, consolidated_weights(ckpt))]
-        except ConfigError:  # e.g. DeepSpeed missing: not this checkpoint's fault
-            raise
-        except LOAD_ERRORS as err:  # damaged, unsafe or incomplete: the one before it
-            log.warning(
-                "checkpoint %s cannot be exported (%s); trying the one before it", ckpt, err
-            )
-            tried.append(ckpt.name)
-            continue
-        # read after every file's checksum verified: a failure midway is an error, not a fallback
-        return ckpt, extra, cfg, _dcp_parts(ckpt, metadata, cfg)
-    raise CheckpointError(f"no checkpoint under {path} verifies (tried {', '.join(tried)})")
+    return _newest(path, "exported", "verifies", _weights_of)
+
+
+def _weights_of(ckpt: Path) -> tuple[dict[str, Any], ModelConfig, WeightParts]:
+    form = format_of(ckpt)
+    if form is None:
+        raise CheckpointError(f"{ckpt} is incomplete (neither .metadata nor an engine's)")
+    extra, metadata = read_checked(ckpt, rank=0, form=form)
+    cfg = config_from_dict(ModelConfig, extra["model_config"])
+    if form != DCP:
+        return extra, cfg, [(None, consolidated_weights(ckpt))]
+    # read after every file's checksum verified: a failure midway is an error, not a fallback
+    return extra, cfg, _dcp_parts(ckpt, metadata, cfg)
 
 
 def _dcp_parts(ckpt: Path, metadata: Any, cfg: ModelConfig) -> WeightParts:

@@ -34,3 +34,15 @@ def transformers_model(path):
 
 def token_batch(vocab: int, seq: int, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, vocab, (2, seq), generator=torch.Generator().manual_seed(seed))
+
+
+class Unreadable:
+    """An expert's matrix that must not be read (its shape and dtype may be): a stand-in in an
+    ExpertStack for the experts outside a cut."""
+
+    def __init__(self, like: torch.Tensor) -> None:
+        self.shape, self.dtype = like.shape, like.dtype
+
+    @property
+    def T(self):
+        raise AssertionError("an expert outside the cut was read")

@@ -26,7 +26,7 @@ from model.hf import (
 from model.hf.expert_stack import ExpertStack, materialize
 from model.hf.family import family_for_hf, hf_part
 from tests.model import test_hf, test_hf_deepseek_v3, test_hf_hybrid, test_hf_moe
-from tests.model.hf_helpers import perturbed
+from tests.model.hf_helpers import Unreadable, perturbed
 
 
 def _cases() -> dict[str, ModelConfig]:
@@ -144,16 +144,5 @@ def test_an_expert_stack_reads_the_experts_asked_for(index):
     assert torch.equal(stack[index], stacked[index])
     assert torch.equal(stack.materialize(), stacked)
     chosen = range(6)[index[0]]
-    untouchable = [m if j in chosen else _Untouchable(m) for j, m in enumerate(matrices)]
+    untouchable = [m if j in chosen else Unreadable(m) for j, m in enumerate(matrices)]
     assert torch.equal(ExpertStack(untouchable)[index], stacked[index])
-
-
-class _Untouchable:
-    """An expert's matrix that must not be read (its shape and dtype may be)."""
-
-    def __init__(self, like: torch.Tensor) -> None:
-        self.shape, self.dtype = like.shape, like.dtype
-
-    @property
-    def T(self):
-        raise AssertionError("an expert outside the cut was read")

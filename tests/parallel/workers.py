@@ -259,23 +259,13 @@ def started_from_weights(rank: int, model_cfg: ModelConfig, layout: dict[str, An
     return full_state(_engine_from(model_cfg, layout, parts).model)
 
 
-class _Foreign:
-    """An expert's matrix that this rank must not read (its shape and dtype may be read)."""
-
-    def __init__(self, like: torch.Tensor) -> None:
-        self.shape, self.dtype = like.shape, like.dtype
-
-    @property
-    def T(self):
-        raise AssertionError("a rank read another rank's expert")
-
-
 def started_from_expert_stacks(rank: int, model_cfg: ModelConfig, layout: dict[str, Any]) -> dict:
     """The engine built from weights whose expert stacks are `ExpertStack`s (as a streamed HF
     import gives them) in which the experts of the other expert-parallel ranks cannot be read;
     returns this rank's loaded weights, whole."""
     from model.hf.expert_stack import ExpertStack
     from model.transformer import build_model
+    from tests.model.hf_helpers import Unreadable
 
     weights = build_model(model_cfg, device="cpu", seed=7).state_dict()
     E, ep = model_cfg.moe.n_routed_experts, layout["ep"]
@@ -285,7 +275,7 @@ def started_from_expert_stacks(rank: int, model_cfg: ModelConfig, layout: dict[s
         if ".experts.w_" not in name:
             return tensor
         matrices = [tensor[j].T.contiguous() for j in range(E)]  # as checkpoints store them
-        return ExpertStack([m if j in own else _Foreign(m) for j, m in enumerate(matrices)])
+        return ExpertStack([m if j in own else Unreadable(m) for j, m in enumerate(matrices)])
 
     parts = lambda: [{name: stack(name, t) for name, t in weights.items()}]  # noqa: E731
     return full_state(_engine_from(model_cfg, layout, parts).model)
