@@ -1,6 +1,12 @@
 """Optimizer step time as a fraction of the whole training step: AdamW vs Muon (vs MuonClip),
-on the tiny model (bf16 autocast, global batch 8 x 256), in one process and with FSDP2 on 2 gloo
-processes (same global batch); Muon also with every attention head orthogonalized alone.
+on the tiny model (bf16 autocast, global batch 8 x 256 and 32 x 256), in one process and with
+FSDP2 on 2 gloo processes (same global batch); Muon also with every attention head
+orthogonalized alone, and with every matrix orthogonalized on its own (`unbatched`: the path
+before same-shaped matrices were batched).
+
+The floor: Newton-Schulz's matmul FLOPs on this rank (counted by torch's FlopCounterMode over
+one optimizer step) at the rate of a large bf16 GEMM measured in the same process; the floor
+share is that time over the step's other work plus it.
 
     python bench/optimizer_step_time.py [--steps 6]
 Writes bench/results/optimizer_step_time_cpu.json.
@@ -24,6 +30,7 @@ from bench.machine import machine
 from bench.ranks import add_step_arguments, run_on_ranks
 from data.loader import Batch
 from model.presets import load_preset
+from optim import newton_schulz
 from optim.config import OptimConfig
 from optim.qk_clip import enable_qk_clip
 from parallel.config import ParallelConfig
@@ -35,17 +42,46 @@ from trainer.step import LossTracker, StepSettings, train_step
 # name -> (optim.name, optim.muon_split); "muon (heads)" orthogonalizes every attention head alone
 OPTIMIZERS = {
     "adamw": ("adamw", "fused"),
+    "muon (unbatched)": ("muon", "fused"),
     "muon": ("muon", "fused"),
     "muon (heads)": ("muon", "heads"),
     "muonclip": ("muonclip", "fused"),
 }
+LARGE_BATCH_OPTIMIZERS = ("adamw", "muon (unbatched)", "muon")  # also run at 4x the batch
 
 
-def measure(rank: int, world: int, name: str, args: argparse.Namespace) -> dict:
+def gemm_rate(size: int = 2048, repeats: int = 5) -> float:
+    """FLOP/s of a (size x size) @ (size x size) bf16 matmul on this process's threads."""
+    a, b = torch.randn(size, size).bfloat16(), torch.randn(size, size).bfloat16()
+    a @ b
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    return 2 * size**3 * repeats / (time.perf_counter() - start)
+
+
+def counted(step, flops: list[float]):
+    """`step` that adds the matmul FLOPs of its first call to `flops` (an untimed warmup)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def first_step_counted(*a, **k):
+        if flops:
+            return step(*a, **k)
+        with FlopCounterMode(display=False) as counter:
+            out = step(*a, **k)
+        flops.append(counter.get_total_flops())
+        return out
+
+    return first_step_counted
+
+
+def measure(rank: int, world: int, name: str, batch_size: int, args: argparse.Namespace) -> dict:
+    if name == "muon (unbatched)":
+        newton_schulz.BATCH_ELEMENTS = 0  # every matrix alone (this rank's process only)
     cfg = load_preset("tiny")
     dims = ParallelDims.resolve(ParallelConfig(), world)
     device = torch.device("cpu")
-    tcfg = TrainerConfig(batch_size=args.batch)
+    tcfg = TrainerConfig(batch_size=batch_size)
     optim_name, split = OPTIMIZERS[name]
     tau = 100.0 if optim_name == "muonclip" else 0.0
     settings = OptimConfig(name=optim_name, warmup_steps=0, qk_clip_tau=tau, muon_split=split)
@@ -54,7 +90,8 @@ def measure(rank: int, world: int, name: str, args: argparse.Namespace) -> dict:
     if tau:
         enable_qk_clip(engine.model)
     optimizer_seconds: list[float] = []
-    step = optimizer.step
+    flops: list[float] = []
+    step = counted(optimizer.step, flops)
 
     def timed_step(*a, **k):
         start = time.perf_counter()
@@ -63,8 +100,8 @@ def measure(rank: int, world: int, name: str, args: argparse.Namespace) -> dict:
         return out
 
     optimizer.step = timed_step  # type: ignore[method-assign]
-    tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq_len + 1))
-    local = args.batch // world
+    tokens = torch.randint(0, cfg.vocab_size, (batch_size, args.seq_len + 1))
+    local = batch_size // world
     part = tokens[rank * local : (rank + 1) * local]
     batch = Batch(part[:, :-1], part[:, 1:], torch.zeros_like(part[:, 1:]))
     step_settings = StepSettings(grad_clip=1.0, qk_clip_tau=tau)
@@ -77,7 +114,19 @@ def measure(rank: int, world: int, name: str, args: argparse.Namespace) -> dict:
         totals.append(time.perf_counter() - start)
     total = statistics.median(totals[args.warmup :])
     opt = statistics.median(optimizer_seconds[args.warmup :])
-    return {"optimizer": name, "ranks": world, "step_s": total, "optimizer_s": opt}
+    rate = gemm_rate()
+    floor = flops[0] / rate
+    return {
+        "optimizer": name,
+        "ranks": world,
+        "batch": batch_size,
+        "step_s": total,
+        "optimizer_s": opt,
+        "optimizer_matmul_flops": flops[0],
+        "gemm_flops_per_s": rate,
+        "floor_s": floor,
+        "floor_share": floor / (total - opt + floor),
+    }
 
 
 def main() -> None:
@@ -85,17 +134,22 @@ def main() -> None:
     add_step_arguments(parser)
     args = parser.parse_args()
     rows = []
-    print("| optimizer | ranks | step s | optimizer s | share of step |")
-    print("|---|---:|---:|---:|---:|")
+    print("| optimizer | ranks | batch | step s | optimizer s | share of step | floor share |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for world in (1, 2):
-        for name in OPTIMIZERS:
-            row = run_on_ranks(world, args.cores, measure, name, args)
-            row["share"] = row["optimizer_s"] / row["step_s"]
-            rows.append(row)
-            print(
-                f"| {name} | {world} | {row['step_s']:.3f} | {row['optimizer_s']:.3f} | "
-                f"{100 * row['share']:.1f}% |"
-            )
+        for batch_size, names in (
+            (args.batch, OPTIMIZERS),
+            (4 * args.batch, LARGE_BATCH_OPTIMIZERS),
+        ):
+            for name in names:
+                row = run_on_ranks(world, args.cores, measure, name, batch_size, args)
+                row["share"] = row["optimizer_s"] / row["step_s"]
+                rows.append(row)
+                print(
+                    f"| {name} | {world} | {batch_size} | {row['step_s']:.3f} | "
+                    f"{row['optimizer_s']:.3f} | {100 * row['share']:.1f}% | "
+                    f"{100 * row['floor_share']:.1f}% |"
+                )
     report = {
         "benchmark": "optimizer_step_time",
         "args": vars(args),

@@ -16,6 +16,10 @@ orthogonalizes it, and scatters the result back as shards. Layouts:
   than shard ranks): every local expert is one matrix whose rows are sharded; dealt out as above.
 - Anything else falls back to gathering the whole tensor on every rank (correct, redundant).
 
+Same-shaped matrices are orthogonalized as one batch (optim.newton_schulz.orthogonalize_many):
+the local ones together, and an owner's matrices of several rounds together (a wave of rounds
+holds at most BATCH_ELEMENTS whole-matrix elements per owner).
+
 The result equals single-process Muon bitwise: the same full matrix goes through the same
 iteration. `work` counts the matrices this process orthogonalized (tests check the division).
 """
@@ -31,6 +35,9 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from optim import newton_schulz
+from optim.newton_schulz import orthogonalize_many
+
 NS = Callable[[Tensor], Tensor]  # whole matrix (or expert stack) -> orthogonalized, bf16
 work: Counter[str] = Counter()  # "local", "owned", "fallback": matrices orthogonalized here
 
@@ -40,18 +47,22 @@ def orthogonalize_all(updates: list[Tensor], ns: list[NS]) -> list[Tensor]:
     shards), with the work divided among ranks as the module docstring describes."""
     out: list[Tensor | None] = [None] * len(updates)
     by_layout: dict[tuple, list[int]] = {}
+    local: list[int] = []  # whole on this rank: orthogonalized here, batched by shape
     for i, u in enumerate(updates):
         if not isinstance(u, DTensor):
-            out[i] = ns[i](u)
+            local.append(i)
             work["local"] += 1
         elif u.ndim == 3 and _whole_experts(u):
-            out[i] = _rewrap(ns[i](u.to_local()), u)
+            local.append(i)
             work["local"] += u.to_local().shape[0]
         elif (layout := _owner_layout(u)) is not None:  # meshes compare by value: FSDP2
             by_layout.setdefault((u.device_mesh, layout), []).append(i)  # makes one per param
         else:
             out[i] = _local_piece(ns[i](u.full_tensor()), u)
             work["fallback"] += 1
+    pieces = [u.to_local() if isinstance(u, DTensor) else u for u in (updates[i] for i in local)]
+    for i, result in zip(local, orthogonalize_many(pieces, [ns[i] for i in local])):
+        out[i] = _rewrap(result, updates[i]) if isinstance(updates[i], DTensor) else result
     first_owner = 0  # rotates, so that partial rounds do not all start on the same rank
     for (_, layout), indices in by_layout.items():
         owned, first_owner = _owner_orthogonalize(
@@ -170,10 +181,14 @@ def _owner_orthogonalize(
     groups = _Groups(updates[0].device_mesh, layout)
     size = len(groups.shard_ranks)
     items = [item for u, f in zip(updates, ns) for item in _items(u, f, size)]
+    largest = max(item.shard.numel() * size for item in items)  # a whole matrix, padded
+    wave = groups.per_round * max(
+        1, newton_schulz.BATCH_ELEMENTS // largest
+    )  # whole rounds per wave
     pieces: list[Tensor] = []
-    for first in range(0, len(items), groups.per_round):
-        batch = items[first : first + groups.per_round]
-        pieces += _round(batch, groups, (first_owner + first) % groups.per_round)
+    for first in range(0, len(items), wave):  # first % per_round == 0: the owners stay put
+        batch = items[first : first + wave]
+        pieces += _round(batch, groups, first_owner)
     results, used = [], 0
     for u in updates:
         count = 1 if u.ndim == 2 else u.to_local().shape[0]
@@ -184,22 +199,24 @@ def _owner_orthogonalize(
 
 
 def _round(items: list[_Item], g: _Groups, offset: int) -> list[Tensor]:
-    """One round: item m takes owner slot s = (m + offset) mod R*P, that is replica s // P and
-    there shard rank s % P. All gathers are in flight at once, then each owner orthogonalizes,
-    then all scatters and broadcasts."""
+    """A wave of rounds: item m takes owner slot s = (m + offset) mod R*P, that is replica
+    s // P and there shard rank s % P. All gathers are in flight at once, then each owner
+    orthogonalizes its matrices (batched by shape), then all scatters and broadcasts."""
     size = len(g.shard_ranks)
     owner = [divmod((m + offset) % g.per_round, size) for m in range(len(items))]
     ours = [m for m, (replica, _) in enumerate(owner) if replica == g.my_replica]
     gathered = {m: _gather(items[m].shard, owner[m][1], g) for m in ours}
     gathered = {m: _wait(value) for m, value in gathered.items()}
     send: dict[int, list[Tensor]] = {}
-    for m in ours:
-        if owner[m][1] == g.me:
-            item = items[m]
-            ortho = item.ns(torch.cat(gathered[m])[: item.rows]).bfloat16()
-            padding = ortho.new_zeros((item.shard.shape[0] * size - item.rows, *ortho.shape[1:]))
-            send[m] = list(torch.cat([ortho, padding]).chunk(size))
-            work["owned"] += 1
+    mine = [m for m in ours if owner[m][1] == g.me]
+    whole = [torch.cat(gathered[m])[: items[m].rows] for m in mine]
+    for m, ortho in zip(mine, orthogonalize_many(whole, [items[m].ns for m in mine])):
+        ortho = ortho.bfloat16()
+        padding = ortho.new_zeros(
+            (items[m].shard.shape[0] * size - items[m].rows, *ortho.shape[1:])
+        )
+        send[m] = list(torch.cat([ortho, padding]).chunk(size))
+        work["owned"] += 1
     received = [torch.empty_like(item.shard) for item in items]
     handles = []
     for m in ours:

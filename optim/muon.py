@@ -27,7 +27,7 @@ from torch import Tensor
 
 from optim.distributed_muon import NS, orthogonalize_all
 from optim.matrix_blocks import SCALINGS, MatrixBlocks, orthogonalize_blocks, update_scale
-from optim.newton_schulz import coefficient_schedule, orthogonalize
+from optim.newton_schulz import WholeMatrix, coefficient_schedule
 from optim.row_adam import ALGORITHM as ROW_ADAM
 from optim.row_adam import adam_step_count, row_adam_step
 
@@ -126,7 +126,7 @@ class Muon(torch.optim.Optimizer):
         coefficients = coefficient_schedule(group["ns_schedule"], group["ns_steps"])
         blocks = self.blocks.get(id(param))
         if blocks is None:
-            return partial(orthogonalize, coefficients=coefficients)
+            return WholeMatrix(tuple(coefficients))  # batched with same-shaped matrices
         return partial(
             orthogonalize_blocks, coefficients=coefficients, blocks=blocks, scaling=group["scaling"]
         )

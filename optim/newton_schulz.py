@@ -11,6 +11,9 @@ Shapes: (..., m, n), batched over leading dims (experts); computed in bf16 on th
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -39,7 +42,7 @@ def coefficient_schedule(name: str, steps: int) -> list[tuple[float, float, floa
 
 
 def orthogonalize(
-    g: Tensor, coefficients: list[tuple[float, float, float]], eps: float = 1e-7
+    g: Tensor, coefficients: Sequence[tuple[float, float, float]], eps: float = 1e-7
 ) -> Tensor:
     """(..., m, n) -> bf16 (..., m, n) with singular values pushed towards 1 (same U and V)."""
     x = g.bfloat16()
@@ -55,3 +58,54 @@ def orthogonalize(
         x = torch.baddbmm(x, update, x, beta=a)  # a X + (b G + c G^2) X
     x = x.reshape(*lead, *x.shape[-2:])
     return x.mT if tall else x
+
+
+# at most this many elements (128 MiB in bf16) of same-shaped matrices go through one batched
+# iteration: enough to fill the GEMMs of small models, bounded for large ones
+BATCH_ELEMENTS = 1 << 26
+
+
+@dataclass(frozen=True)
+class WholeMatrix:
+    """Newton-Schulz of a whole matrix, or of each matrix of a stack (..., m, n). Updates with
+    equal WholeMatrix and matrix shape may be stacked into one batch (orthogonalize_many)."""
+
+    coefficients: tuple[tuple[float, float, float], ...]
+
+    def __call__(self, g: Tensor) -> Tensor:
+        return orthogonalize(g, self.coefficients)
+
+
+def orthogonalize_many(updates: list[Tensor], ns: list[Callable[[Tensor], Tensor]]) -> list[Tensor]:
+    """ns[i](updates[i]) for each i. Updates whose ns is the same WholeMatrix and whose
+    matrices have the same (m, n) are stacked (expert stacks contribute each expert) and
+    orthogonalized in batches of up to BATCH_ELEMENTS: one batched matmul per iteration step
+    instead of one per matrix. Each matrix's result is the one it gets alone (bitwise on CPU)."""
+    out: list[Tensor | None] = [None] * len(updates)
+    same: dict[tuple, list[int]] = {}
+    for i, (u, f) in enumerate(zip(updates, ns)):
+        if isinstance(f, WholeMatrix) and u.ndim >= 2:
+            same.setdefault((f, tuple(u.shape[-2:]), u.device), []).append(i)
+        else:
+            out[i] = f(u)
+    for (f, (m, n), _), indices in same.items():
+        for chunk in _batches(indices, [updates[i].numel() for i in indices]):
+            stacked = torch.cat([updates[i].bfloat16().reshape(-1, m, n) for i in chunk])
+            results = f(stacked).split([updates[i].numel() // (m * n) for i in chunk])
+            for i, result in zip(chunk, results):
+                out[i] = result.reshape(updates[i].shape)
+    return out  # type: ignore[return-value]
+
+
+def _batches(indices: list[int], sizes: list[int]) -> list[list[int]]:
+    """Consecutive runs of indices whose sizes add up to at most BATCH_ELEMENTS (a larger
+    single update is a batch of its own)."""
+    batches: list[list[int]] = []
+    total = 0
+    for i, size in zip(indices, sizes):
+        if not batches or total + size > BATCH_ELEMENTS:
+            batches.append([])
+            total = 0
+        batches[-1].append(i)
+        total += size
+    return batches

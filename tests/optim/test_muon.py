@@ -10,11 +10,12 @@ from torch import nn
 
 from model.presets import load_preset
 from model.transformer import build_model
+from optim import newton_schulz
 from optim.builder import build_optimizer
 from optim.config import OptimConfig
 from optim.grouping import muon_param_groups
 from optim.muon import Muon
-from optim.newton_schulz import coefficient_schedule, orthogonalize
+from optim.newton_schulz import WholeMatrix, coefficient_schedule, orthogonalize, orthogonalize_many
 
 
 def _polynomial(s: torch.Tensor, coefficients) -> torch.Tensor:
@@ -96,6 +97,35 @@ def test_expert_stacks_are_orthogonalized_per_expert() -> None:
     stacked = orthogonalize(g, coefficients)
     for e in range(4):
         torch.testing.assert_close(stacked[e], orthogonalize(g[e], coefficients), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("batch_elements", [1 << 26, 2 * 16 * 24])  # one batch; pairs of (16, 24)
+def test_same_shaped_matrices_are_batched_and_equal_alone(monkeypatch, batch_elements) -> None:
+    gen = torch.Generator().manual_seed(0)
+    # wide and tall (16, 24) / (24, 16), a stack of (16, 24) experts, another schedule, odd ones
+    shapes = [(16, 24), (24, 16), (16, 24), (3, 16, 24), (24, 16), (16, 24), (5, 7), (16, 24)]
+    updates = [torch.randn(*shape, generator=gen) for shape in shapes]
+    quintic = WholeMatrix(tuple(coefficient_schedule("quintic", 5)))
+    polar = WholeMatrix(tuple(coefficient_schedule("polar_express", 5)))
+    ns = [quintic] * 5 + [polar, quintic, lambda g: g.bfloat16() * 2]
+    calls = []
+    monkeypatch.setattr(newton_schulz, "BATCH_ELEMENTS", batch_elements)
+    plain = newton_schulz.orthogonalize
+    monkeypatch.setattr(
+        newton_schulz, "orthogonalize", lambda g, c: calls.append(g.shape) or plain(g, c)
+    )
+    results = orthogonalize_many(updates, ns)
+    monkeypatch.setattr(newton_schulz, "orthogonalize", plain)
+    for update, f, result in zip(updates, ns, results):
+        expected = plain(update, f.coefficients) if isinstance(f, WholeMatrix) else f(update)
+        assert result.shape == update.shape and result.dtype == torch.bfloat16
+        assert torch.equal(result, expected)
+    if batch_elements == 1 << 26:  # quintic (16, 24) x 2 + 3 experts, (24, 16) x 2, polar, (5, 7)
+        assert sorted(calls) == sorted([(5, 16, 24), (2, 24, 16), (1, 16, 24), (1, 5, 7)])
+    else:  # at most two (16, 24) matrices per batch: the expert stack is a batch of its own
+        assert sorted(calls) == sorted(
+            [(2, 16, 24), (3, 16, 24), (2, 24, 16), (1, 16, 24), (1, 5, 7)]
+        )
 
 
 def test_grouping_sends_hidden_matrices_to_muon() -> None:

@@ -15,18 +15,23 @@ pytestmark = pytest.mark.distributed
 STEPS = 3
 
 
+@pytest.mark.parametrize("batch_elements", [None, 4096])  # one wave; waves of one round
 @pytest.mark.parametrize("world", [2, 4])
-def test_sharded_newton_schulz_is_bitwise_and_done_once(world: int) -> None:
-    # uneven shards (7 rows over 2 or 4 ranks), tall and wide, expert stacks, a fused weight
-    shapes = [(64, 32), (7, 48), (32, 96), (4, 16, 24), (5, 8)]
-    per_rank = run_ranks(world, sharded_newton_schulz, shapes)
+def test_sharded_newton_schulz_is_bitwise_and_done_once(
+    world: int, batch_elements: int | None
+) -> None:
+    # uneven shards (7 rows over 2 or 4 ranks), tall and wide, expert stacks, a fused weight;
+    # repeated shapes are batched (4096 elements: (64, 32) pairs, the rest alone)
+    shapes = [(64, 32), (7, 48), (32, 96), (4, 16, 24), (5, 8), (64, 32), (7, 48), (4, 16, 24)]
+    per_rank = run_ranks(world, sharded_newton_schulz, shapes, batch_elements)
     for result in per_rank:
         assert all(result["equal"]), result["equal"]
         assert result["work"].get("fallback", 0) == 0, result["work"]
-    # owner-path matrices: 4 FSDP 2-D + the fused one + the 4 experts split inside (dim 1) + 4
-    # replicated 2-D; with 4 ranks also 4 HSDP 2-D, 2 ep groups x 2 experts, 4 HSDP experts
+    # owner-path matrices: 6 FSDP 2-D + the fused one + the 8 experts split inside (dim 1) + 6
+    # replicated 2-D; with 4 ranks also 6 HSDP 2-D, 2 stacks x 2 ep groups x 2 experts, 8 HSDP
+    # experts
     owned = [result["work"].get("owned", 0) for result in per_rank]
-    assert sum(owned) == 13 + (12 if world == 4 else 0)  # each orthogonalized once in the job
+    assert sum(owned) == 21 + (22 if world == 4 else 0)  # each orthogonalized once in the job
     assert max(owned) - min(owned) <= 1, owned  # and the work is dealt out evenly
 
 

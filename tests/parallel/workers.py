@@ -196,22 +196,28 @@ def dispatch_matches_local(rank: int, counts_by_rank: list[list[int]]) -> dict[s
     return {"y": (y_ep.detach(), y_ref.detach()), "dx": (x_ep.grad, x_ref.grad)}
 
 
-def sharded_newton_schulz(rank: int, shapes: list[tuple[int, ...]]) -> dict[str, Any]:
-    """orthogonalize_all on sharded matrices equals the whole-matrix result bitwise, through the
-    owner path for FSDP, HSDP, fused blocks and experts split inside each expert; returns the
-    comparisons and how many matrices this rank orthogonalized."""
+def sharded_newton_schulz(
+    rank: int, shapes: list[tuple[int, ...]], batch_elements: int | None = None
+) -> dict[str, Any]:
+    """orthogonalize_all on sharded matrices equals each whole matrix orthogonalized alone,
+    bitwise, through the owner path for FSDP, HSDP, fused blocks and experts split inside each
+    expert, with same-shaped matrices batched (at most `batch_elements` per batch, if given);
+    returns the comparisons and how many matrices this rank orthogonalized."""
     from functools import partial
 
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from optim import distributed_muon
+    from optim import distributed_muon, newton_schulz
     from optim.matrix_blocks import MatrixBlocks, orthogonalize_blocks
-    from optim.newton_schulz import coefficient_schedule, orthogonalize
+    from optim.newton_schulz import WholeMatrix, coefficient_schedule, orthogonalize
 
     _, size = world()
+    if batch_elements is not None:
+        newton_schulz.BATCH_ELEMENTS = batch_elements  # this rank's process only
     coefficients = coefficient_schedule("quintic", 5)
-    plain = partial(orthogonalize, coefficients=coefficients)
+    plain = WholeMatrix(tuple(coefficients))  # batched with the same shape
+    alone = partial(orthogonalize, coefficients=coefficients)  # the reference: one at a time
     gen = torch.Generator().manual_seed(0)
     full = [torch.randn(*shape, generator=gen) for shape in shapes]
     stacks = [t for t in full if t.ndim == 3]
@@ -233,7 +239,7 @@ def sharded_newton_schulz(rank: int, shapes: list[tuple[int, ...]]) -> dict[str,
     distributed_muon.work.clear()
     results = distributed_muon.orthogonalize_all(sharded, [ns for *_, ns in cases])
     equal = [
-        torch.equal(r.full_tensor().float(), ns(t).float())
+        torch.equal(r.full_tensor().float(), (alone if ns is plain else ns)(t).float())
         for r, (t, _, _, ns) in zip(results, cases)
     ]
     return {"equal": equal, "work": dict(distributed_muon.work)}
