@@ -3,10 +3,16 @@ implementation of the training step.
 
 Every GEMM of one training step of the `tiny` preset (forward y = x W^T, backward dX = dY W and
 dW = dY^T X, for each projection of each layer and the chunked output head) is timed alone in
-bf16 at its real shape, and causal SDPA forward + backward at the real (B, H, T, D). A step
-cannot be faster than the sum of those times (elementwise work, norms, RoPE, the loss, the
-optimizer and framework overhead only add to it), so model FLOPs / that sum, over the measured
-bf16 matmul peak, bounds the achievable MFU.
+bf16 at its real shape, and causal attention forward + backward at the real (B, H, T, D)
+through the fastest kernel for that shape (bench/attention_kernels.py: SDPA, SDPA's math
+kernel, the plain matmul kernel eager or compiled). A step cannot be faster than the sum of
+those times (elementwise work, norms, RoPE, the loss, the optimizer and framework overhead only
+add to it), so model FLOPs / that sum, over the measured bf16 matmul peak, bounds the
+achievable MFU.
+
+In the same run, the trainer's own step (engine and step function, bf16 autocast, AdamW, as
+`python -m trainer` runs it) is timed eager with `model.attention.backend` auto and sdpa, and
+with `trainer.compile=true`: its ratio to the bound is what the framework adds.
 
     python bench/mfu_ceiling.py [--batch 16] [--seq-len 256]
 Writes bench/results/mfu_ceiling_cpu_<batch>x<seq_len>.json.
@@ -23,15 +29,22 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from bench.attention_kernels import kernel_seconds
 from bench.machine import machine
+from data.loader import Batch
 from model.accounting import training_flops_per_token
 from model.presets import load_preset
 from model.transformer import build_model
+from optim.config import OptimConfig
+from parallel.config import ParallelConfig
+from parallel.mesh import ParallelDims
+from trainer.build import build_training_engine
+from trainer.config import TrainerConfig
 from trainer.mfu import measure_matmul_peak
+from trainer.step import LossTracker, StepSettings, train_step
 
 BF16 = torch.bfloat16
 
@@ -58,16 +71,19 @@ def linear_seconds(tokens: int, d_in: int, d_out: int) -> float:
     return forward + grad_input + grad_weight
 
 
-def attention_seconds(batch: int, heads: int, kv_heads: int, seq: int, dim: int) -> float:
-    q = torch.randn(batch, heads, seq, dim, dtype=BF16, requires_grad=True)
-    k = torch.randn(batch, kv_heads, seq, dim, dtype=BF16, requires_grad=True)
-    v = torch.randn(batch, kv_heads, seq, dim, dtype=BF16, requires_grad=True)
-
-    def step() -> None:
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv_heads != heads)
-        y.backward(torch.ones_like(y))
-
-    return median_seconds(step)
+def trainer_step_seconds(batch: int, seq_len: int, backend: str, compile: bool) -> float:
+    """Median seconds of the trainer's own training step on the tiny preset (bf16 autocast,
+    AdamW, gradient clipping), after warm-up (compilation included there)."""
+    cfg = load_preset("tiny", {"attention.backend": backend})
+    tcfg = TrainerConfig(batch_size=batch, compile=compile)
+    dims = ParallelDims.resolve(ParallelConfig(), 1)
+    engine = build_training_engine(
+        cfg, tcfg, ParallelConfig(), OptimConfig(), dims, torch.device("cpu"), 0
+    )
+    tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1))
+    data = Batch(tokens[:, :-1], tokens[:, 1:], torch.zeros_like(tokens[:, 1:]))
+    tracker, settings = LossTracker(0.0), StepSettings(grad_clip=1.0)
+    return median_seconds(lambda: train_step(engine, data, settings, tracker), repeats=5)
 
 
 def main() -> None:
@@ -84,11 +100,19 @@ def main() -> None:
     per_layer = sum(linear_seconds(tokens, d_in, d_out) for d_in, d_out in layer_shapes)
     chunk = cfg.loss_chunk_tokens or tokens
     head = (tokens // chunk) * linear_seconds(chunk, C, cfg.vocab_size)
-    attention = attention_seconds(args.batch, H, K, args.seq_len, D)
+    kernels = kernel_seconds(args.batch, H, K, args.seq_len, D)
+    fastest = min(kernels, key=kernels.get)
+    attention = kernels[fastest]
     gemm_time = cfg.n_layers * per_layer + head
     step_time = gemm_time + cfg.n_layers * attention
     flops = training_flops_per_token(model, args.seq_len).total * tokens
     peak = measure_matmul_peak(torch.device("cpu"), BF16, seconds=2.0)
+    steps = {
+        f"{backend}{'_compiled' if compile else ''}": trainer_step_seconds(
+            args.batch, args.seq_len, backend, compile
+        )
+        for backend, compile in (("auto", False), ("sdpa", False), ("auto", True))
+    }
     report = {
         "benchmark": "mfu_ceiling",
         "args": vars(args),
@@ -101,16 +125,21 @@ def main() -> None:
             "attention_all_layers": cfg.n_layers * attention,
             "lower_bound_step": step_time,
         },
+        "attention_kernel_seconds_per_layer": kernels,
+        "attention_kernel_of_the_bound": fastest,
+        "trainer_step_seconds": steps,
+        "trainer_step_over_bound": {name: t / step_time for name, t in steps.items()},
         "mfu_ceiling_gemms_only": flops / gemm_time / peak,
         "mfu_ceiling_gemms_and_attention": flops / step_time / peak,
     }
     for key, value in report["seconds"].items():
         print(f"{key:32s} {value * 1e3:8.1f} ms")
+    print(f"attention per layer: { {k: round(v * 1e3, 1) for k, v in kernels.items()} } ms")
+    for name, t in steps.items():
+        print(f"trainer step ({name}) {t * 1e3:8.1f} ms = {t / step_time:.2f}x the bound")
     print(f"bf16 matmul peak {peak / 1e12:.2f} TFLOP/s; step {flops / 1e9:.1f} GFLOP")
     print(f"MFU ceiling, GEMMs alone:            {100 * report['mfu_ceiling_gemms_only']:.1f}%")
-    print(
-        f"MFU ceiling, GEMMs + SDPA attention: {100 * report['mfu_ceiling_gemms_and_attention']:.1f}%"
-    )
+    print(f"MFU ceiling, GEMMs + attention: {100 * report['mfu_ceiling_gemms_and_attention']:.1f}%")
     name = f"mfu_ceiling_cpu_{args.batch}x{args.seq_len}.json"
     out = Path(__file__).parent / "results" / name
     out.write_text(json.dumps(report, indent=2) + "\n")

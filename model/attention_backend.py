@@ -10,9 +10,14 @@ in the registry ATTENTION_BACKENDS, shared by the gqa and mla mixers:
   triton  our FlashAttention-2 kernel (model/kernels/flash_attention.py): documents and windows
           as per-row key bounds, GQA without repeated keys, MLA's 192/128 head dims, and the max
           logits as a by-product of the forward. On CPU it runs only under Triton's interpreter.
+  matmul  plain matmul - softmax - matmul (transformers' "eager" attention): the (B, H, T, S)
+          logits in the compute dtype, softmax in fp32, SDPA's mask form; the max logits are a
+          by-product. On a CPU in bf16 it beats SDPA's flash kernel up to S = 256 keys
+          (bench/attention_kernels.py), and costs O(T S) memory per head.
   auto    triton on CUDA (sm_80 or newer) while QK-clip records max logits, when triton is
-          installed and the kernel fits the layer (no ALiBi, head dims <= 256); sdpa otherwise:
-          the fastest measured where no max logit is needed.
+          installed and the kernel fits the layer (no ALiBi, head dims <= 256); on a CPU, matmul
+          for bf16 layers of at most MATMUL_MAX_KEYS keys; sdpa otherwise: the fastest measured
+          where no max logit is needed.
 
 Decoding and prefill after cached tokens (start > 0) always use sdpa: the kernels train.
 
@@ -42,6 +47,10 @@ Attend = Callable[
     [Tensor, Tensor, Tensor, AttentionContext, float, bool], tuple[Tensor, Tensor | None]
 ]
 ATTENTION_BACKENDS: Registry = Registry("attention backend")
+# auto on a CPU: bf16 layers with at most this many keys take `matmul` (measured crossover with
+# SDPA's flash kernel, head dim 64: bench/attention_kernels.py)
+MATMUL_MAX_KEYS = 256
+MASK_FORM_BACKENDS = ("sdpa", "matmul")  # the backends that read AttentionContext.mask
 
 
 @functools.cache
@@ -121,6 +130,8 @@ class KernelChoice:
         heads' max logits into `self.max_logits`."""
         want_max = self.record_max_logits and torch.is_grad_enabled()
         backend = self.attention_backend(q.device, ctx.start)
+        if backend == "sdpa" and self.backend == "auto" and prefers_matmul(q, k, ctx.start):
+            backend = "matmul"  # same mask form: the context was built for either
         out, new_max = ATTENTION_BACKENDS.get(backend)(q, k, v, ctx, scale, want_max)
         if new_max is not None:
             running = self.max_logits
@@ -149,6 +160,42 @@ def sdpa(
         q, k, v, attn_mask=mask, is_causal=ctx.is_causal, scale=scale, enable_gqa=grouped
     )
     return out, new_max
+
+
+def prefers_matmul(q: Tensor, k: Tensor, start: int) -> bool:
+    """auto's choice of the plain matmul kernel over SDPA for a training or prefill forward of
+    this shape (see MATMUL_MAX_KEYS)."""
+    cpu_bf16 = q.device.type == "cpu" and q.dtype == torch.bfloat16
+    return cpu_bf16 and start == 0 and k.shape[2] <= MATMUL_MAX_KEYS
+
+
+@ATTENTION_BACKENDS.register("matmul")
+def matmul_attention(
+    q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext, scale: float, want_max: bool
+) -> tuple[Tensor, Tensor | None]:
+    B, H, T, _ = q.shape
+    K, S = k.shape[1], k.shape[2]
+    # query heads of one kv head stacked along the rows: no repeated keys or values (GQA)
+    grouped = q.reshape(B, K, (H // K) * T, q.shape[-1])
+    logits = (grouped @ k.mT).view(B, H, T, S) * scale  # compute dtype, like SDPA's inputs
+    allowed = _allowed_keys(ctx, T, S, q.device)
+    if ctx.mask is not None and ctx.mask.dtype != torch.bool:
+        logits = logits + ctx.mask.to(logits.dtype)  # ALiBi: a bias with -inf where not allowed
+    elif allowed is not None:
+        logits = logits.masked_fill(~allowed, float("-inf"))
+    new_max = logits.detach().amax(dim=(0, 2, 3)).float() if want_max else None
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32).to(v.dtype)
+    out = probs.view(B, K, (H // K) * T, S) @ v  # (B, K, G T, Dv)
+    return out.view(B, H, T, v.shape[-1]), new_max
+
+
+def _allowed_keys(ctx: AttentionContext, T: int, S: int, device: torch.device) -> Tensor | None:
+    """(B|1, 1, T, S) bool of the keys each query may see, or None for all."""
+    if ctx.mask is not None and ctx.mask.dtype == torch.bool:
+        return ctx.mask
+    if ctx.mask is None and ctx.is_causal:
+        return torch.ones(T, S, dtype=torch.bool, device=device).tril(S - T)[None, None]
+    return None
 
 
 @ATTENTION_BACKENDS.register("triton")

@@ -139,7 +139,13 @@ class MLAConfig:
         )
 
 
-ATTENTION_BACKEND_CHOICES = ("auto", "sdpa", "flex", "triton")  # model/attention_backend.py
+ATTENTION_BACKEND_CHOICES = (
+    "auto",
+    "sdpa",
+    "matmul",
+    "flex",
+    "triton",
+)  # model/attention_backend.py
 KERNEL_CHOICES = ("torch", "triton")
 
 
@@ -177,8 +183,8 @@ class AttentionConfig:
     sliding_window: int = 0
     bias: bool = False  # biases on the q/k/v/o projections
     softmax_scale: float = 0.0  # logit scale; 0 = 1/sqrt(query-key head dim)
-    # the attention kernel (model/attention_backend.py): auto (triton on CUDA under QK-clip, else
-    # sdpa) | sdpa | flex | triton
+    # the attention kernel (model/attention_backend.py): auto (triton on CUDA under QK-clip; on a
+    # CPU matmul for short bf16 sequences; else sdpa) | sdpa | matmul | flex | triton
     backend: str = "auto"
     mla: MLAConfig = field(default_factory=MLAConfig)  # used when kind = mla
 

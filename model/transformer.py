@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from model import roles
-from model.attention_backend import flex_block_mask
+from model.attention_backend import MASK_FORM_BACKENDS, flex_block_mask
 from model.block import Block
 from model.config import ConfigError, ModelConfig
 from model.engram import Engram, TokenCompression
@@ -223,7 +223,7 @@ class Transformer(nn.Module):
         doc_starts = document_starts(doc_ids) if doc_ids is not None else None
         window = self.cfg.attention.sliding_window
         mask, is_causal = None, start == 0
-        if "sdpa" in backends:
+        if backends & set(MASK_FORM_BACKENDS):
             mask, is_causal = build_mask(
                 T,
                 start,

@@ -39,7 +39,7 @@ from trainer.build import (
 )
 from trainer.checkpoint import Checkpointer, resume, set_aside
 from trainer.checkpoint_weights import init_weights_reader, resumes_its_own
-from trainer.config import RootConfig
+from trainer.config import COMPILE_MIN_STEPS, RootConfig, TrainerConfig, compiles
 from trainer.distributed import is_collective_timeout
 from trainer.evaluate import describe_evaluation
 from trainer.fingerprint import Fingerprint
@@ -177,6 +177,7 @@ def _log_model_and_data(
         loader.manifest.tokenizer.short(),
     )
     log.info("layers: %s", model_cfg.layout_summary())
+    log.info("torch.compile: %s", compile_summary(cfg.trainer))
     log.info(
         "data: %s, %d training windows of %d tokens; %d micro-batch(es) of %d per step",
         loader.manifest.root,
@@ -184,6 +185,18 @@ def _log_model_and_data(
         cfg.data.seq_len,
         micro_batches,
         cfg.trainer.batch_size // world_size // micro_batches,
+    )
+
+
+def compile_summary(trainer: TrainerConfig) -> str:
+    """The compile decision in words (with auto's reason)."""
+    on = "on, every block and the head + loss" if compiles(trainer) else "off (eager)"
+    if trainer.compile != "auto":
+        return f"{on} (trainer.compile={trainer.compile})"
+    comparison = ">=" if compiles(trainer) else "<"
+    return (
+        f"{on} (trainer.compile=auto: {trainer.max_steps} steps {comparison} {COMPILE_MIN_STEPS}; "
+        "set trainer.compile=true or false to choose)"
     )
 
 

@@ -23,7 +23,7 @@ from optim.config import OptimConfig
 from parallel import EngineRequest, TrainingEngine, build_engine
 from parallel.config import ParallelConfig
 from parallel.mesh import ParallelDims
-from trainer.config import TrainerConfig
+from trainer.config import TrainerConfig, compiles
 
 log = logging.getLogger("trainer")
 VOCAB_MULTIPLE = 64
@@ -126,7 +126,7 @@ def build_training_engine(
         model_cfg=model_cfg,
         parallel=parallel,
         precision=trainer.precision,
-        compile=trainer.compile,
+        compile=compiles(trainer),
         dims=dims,
         device=device,
         seed=seed,

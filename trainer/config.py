@@ -23,6 +23,12 @@ CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 PRECISIONS = ("bf16", "bf16_master", "fp32")
 WANDB_MODES = ("disabled", "offline", "online")
 DEVICES = ("auto", "cpu", "cuda")
+COMPILE_CHOICES = ("auto", "true", "false")
+# trainer.compile=auto compiles runs of at least this many steps. On the README's 2-core CPU
+# the tiny preset's first (cold-cache) compile took 30-65 s and saved 0.03-0.1 s a step: the
+# default 300-step run was slower compiled the first time (bench/default_speed.py), so it
+# stays eager; runs of thousands of steps (any real one, on any device) compile
+COMPILE_MIN_STEPS = 1000
 
 
 def _require(ok: bool, message: str) -> None:
@@ -42,7 +48,10 @@ class TrainerConfig:
     grad_clip: float = 1.0  # global gradient-norm clip; 0 = off
     precision: str = "bf16"  # bf16 (autocast over fp32 weights) | bf16_master (bf16 weights,
     # fp32 master weights in the optimizer) | fp32
-    compile: bool = False  # torch.compile every block and the fused head + loss (10-30 s on CPU)
+    # torch.compile every block and the fused head + loss (10-30 s on CPU, cached on disk for
+    # the next run): true | false | auto (compile runs of at least COMPILE_MIN_STEPS steps).
+    # `python -m trainer` defaults to auto (conf/trainer/default.yaml); built from Python, false
+    compile: str = "false"
     doc_mask: bool = False  # attention within documents, positions restart at each (packed data)
     device: str = "auto"  # auto (cuda when available) | cpu | cuda
     max_bad_steps: int = 5  # consecutive skipped steps (non-finite or spiking) before stopping
@@ -65,6 +74,11 @@ class TrainerConfig:
             f"trainer.precision={self.precision!r} is not one of {PRECISIONS}",
         )
         _require(self.device in DEVICES, f"trainer.device={self.device!r} is not one of {DEVICES}")
+        self.compile = str(self.compile).lower()  # a bool from Python or YAML: true / false
+        _require(
+            self.compile in COMPILE_CHOICES,
+            f"trainer.compile={self.compile!r} is not one of {COMPILE_CHOICES}",
+        )
         _require(
             self.max_bad_steps >= 1, f"trainer.max_bad_steps={self.max_bad_steps} must be >= 1"
         )
@@ -73,6 +87,14 @@ class TrainerConfig:
             f"trainer.spike_factor={self.spike_factor} must be 0 (off) or > 1 (a multiple of the "
             "running mean loss)",
         )
+
+
+def compiles(trainer: TrainerConfig) -> bool:
+    """Whether the run compiles its blocks: trainer.compile, with auto resolved by the run's
+    length (COMPILE_MIN_STEPS)."""
+    if trainer.compile == "auto":
+        return trainer.max_steps >= COMPILE_MIN_STEPS
+    return trainer.compile == "true"
 
 
 @dataclass(kw_only=True)

@@ -146,7 +146,7 @@ def test_a_job_trains_is_preempted_requeues_itself_and_ends_like_an_uninterrupte
 ) -> None:
     # 200 steps: the signal sent at step 3 must land well before the end (tens of ms a step)
     steps = [f"data.path={dataset}", "trainer.max_steps=200", "checkpoint.every=1000"]
-    steps += ["trainer.log_every=1"]
+    steps += ["trainer.log_every=1", "trainer.compile=false"]
     plain_name, preempted_name = unique("plain"), unique("preempted")
     try:
         plain = submit(cluster, tmp_path, plain_name, *steps)

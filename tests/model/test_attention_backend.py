@@ -1,7 +1,8 @@
 """`model.attention.backend` (model/attention_backend.py): a model attending through the Triton
-kernel (under Triton's interpreter on CPU) or FlexAttention gives SDPA's logits and gradients
-(fp32) with packed documents, sliding windows, GQA and MLA; each forward builds only the mask
-form its layers read; cached generation, torch.compile, the auto rule and the refusals."""
+kernel (under Triton's interpreter on CPU), the plain matmul kernel or FlexAttention gives
+SDPA's logits and gradients (fp32) with packed documents, sliding windows, GQA, MLA and ALiBi;
+each forward builds only the mask form its layers read; cached generation, torch.compile, the
+auto rule and the refusals."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ import pytest
 import torch
 
 from model import generate
-from model.attention_backend import resolve_backend
+from model.attention_backend import MATMUL_MAX_KEYS, matmul_attention, resolve_backend, sdpa
 from model.errors import ConfigError
+from model.masks import AttentionContext, build_mask
 from model.presets import load_preset
+from model.qk_logits import max_logits_per_head
 from model.transformer import build_model
 
 SMALL = {"d_model": 64, "n_layers": 2, "vocab_size": 96, "max_seq_len": 64, "loss_chunk_tokens": 64}
@@ -20,6 +23,7 @@ VARIANTS = {  # name -> (preset, overrides): each attends inside documents
     "mha": ("tiny", {"attention.n_kv_heads": 4}),
     "mla": ("tiny_mla", {}),
 }
+MATMUL_VARIANTS = VARIANTS | {"alibi": ("tiny", {"position": "alibi"})}
 
 
 def pair(variant: str, backend: str, **extra):
@@ -54,6 +58,71 @@ def test_triton_backend_trains_like_sdpa(variant):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("variant", MATMUL_VARIANTS)
+def test_matmul_backend_trains_like_sdpa(variant):
+    preset, overrides = MATMUL_VARIANTS[variant]
+    cfg = load_preset(preset, SMALL | overrides | {"attention.backend": "sdpa"})
+    ref_model = build_model(cfg, seed=0)
+    model = build_model(load_preset(preset, SMALL | overrides | {"attention.backend": "matmul"}))
+    model.load_state_dict(ref_model.state_dict())
+    tokens, targets, doc_ids = batch(cfg)
+    loss, grads = loss_and_grads(model, tokens, targets, doc_ids)
+    ref_loss, ref_grads = loss_and_grads(ref_model, tokens, targets, doc_ids)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+    for (name, _), got, want in zip(model.named_parameters(), grads, ref_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("form", ["causal", "documents", "alibi"])
+def test_matmul_kernel_gives_sdpa_outputs_and_the_max_logits(form):
+    """The kernel alone, GQA (4 query heads on 2 kv heads): SDPA's output in fp32 and in bf16
+    (to bf16's precision), and each head's max logit equal to the fp32 recomputation's."""
+    gen = torch.Generator().manual_seed(0)
+    B, H, K, T, D = 2, 4, 2, 24, 16
+    q, k, v = (torch.randn(B, n, T, D, generator=gen) for n in (H, K, K))
+    doc_ids = torch.randint(0, 3, (B, T), generator=gen).sort(dim=1).values
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+    mask, causal = {
+        "causal": (None, True),
+        "documents": build_mask(T, 0, doc_ids=doc_ids),
+        "alibi": build_mask(T, 0, alibi_slopes=slopes),
+    }[form]
+    ctx = AttentionContext(positions=None, rope=None, mask=mask, is_causal=causal, start=0)
+    for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
+        args = [t.to(dtype) for t in (q, k, v)]
+        if form == "alibi":
+            ctx.mask = mask.to(dtype)
+        want, _ = sdpa(*args, ctx, 0.25, want_max=False)
+        got, got_max = matmul_attention(*args, ctx, 0.25, want_max=True)
+        torch.testing.assert_close(got.float(), want.float(), rtol=tolerance, atol=tolerance)
+    want_max = max_logits_per_head(q, k, 0.25, None if form == "alibi" else mask, causal, 0)
+    ctx.mask = mask
+    _, got_max = matmul_attention(q, k, v, ctx, 0.25, want_max=True)
+    if form != "alibi":  # with ALiBi the kernel's max includes the bias
+        torch.testing.assert_close(got_max, want_max, rtol=1e-6, atol=1e-6)
+
+
+def test_auto_takes_the_matmul_kernel_for_short_bf16_sequences_on_cpu(monkeypatch):
+    import model.attention_backend as backends
+
+    used = []
+    for name in ("sdpa", "matmul"):
+        original = backends.ATTENTION_BACKENDS.get(name)
+        spy = lambda *a, _f=original, _n=name: used.append(_n) or _f(*a)  # noqa: E731
+        monkeypatch.setitem(backends.ATTENTION_BACKENDS._entries, name, spy)
+    model, cfg = pair("gqa + window", "auto", max_seq_len=2 * MATMUL_MAX_KEYS)
+    for T, dtype, expected in [
+        (MATMUL_MAX_KEYS, torch.bfloat16, "matmul"),
+        (MATMUL_MAX_KEYS + 1, torch.bfloat16, "sdpa"),  # longer: SDPA's flash kernel is faster
+        (40, torch.float32, "sdpa"),  # fp32 trains through SDPA
+    ]:
+        used.clear()
+        tokens, _, doc_ids = batch(cfg, T=T)
+        with torch.no_grad(), torch.autocast("cpu", torch.bfloat16, enabled=dtype != torch.float32):
+            model(tokens, doc_ids=doc_ids)
+        assert set(used) == {expected}, (T, dtype, used)
+
+
 def test_flex_backend_evaluates_like_sdpa_and_refuses_to_train_on_cpu():
     ref_model, cfg = pair("gqa + window", "sdpa")
     model, _ = pair("gqa + window", "flex")
@@ -70,6 +139,7 @@ def test_flex_backend_evaluates_like_sdpa_and_refuses_to_train_on_cpu():
     ("backend", "built", "absent"),
     [
         ("sdpa", "mask", "first_key"),
+        ("matmul", "mask", "first_key"),
         ("triton", "first_key", "mask"),
         ("flex", "block_mask", "mask"),
     ],

@@ -21,6 +21,7 @@ from model.config import ModelConfig, config_from_dict
 from model.transformer import build_model
 from tests.commands import ROOT
 from tests.trainer.helpers import SMALL_OVERRIDES, metric_rows, run_trainer
+from trainer.config import COMPILE_MIN_STEPS, TrainerConfig, compiles
 
 pytestmark = pytest.mark.integration
 REQUIRED = {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu"}
@@ -52,9 +53,10 @@ def test_the_default_run_writes_the_run_directory_contract(tmp_path):
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000002"
     assert (run_dir / "checkpoints" / "step_00000002" / ".metadata").is_file()
     assert (run_dir / ".hydra" / "config.yaml").is_file()
-    assert (run_dir / "loss.png").is_file() and "validation loss" in (
-        run_dir / "train.log"
-    ).read_text()
+    log = (run_dir / "train.log").read_text()
+    assert (run_dir / "loss.png").is_file() and "validation loss" in log
+    # the default trainer.compile=auto: a 2-step run stays eager, and says why
+    assert "torch.compile: off (eager) (trainer.compile=auto: 2 steps < 1000" in log
     assert (
         tmp_path / "data" / "stdlib-py{}.{}-bpe8192".format(*sys.version_info[:2]) / "manifest.json"
     ).is_file()
@@ -135,6 +137,7 @@ def test_sigterm_saves_and_exits_then_resume_finishes(dataset, tmp_path):
         (["data.seq_len=128"], "data.seq_len=128 exceeds the model's context of 64 tokens"),
         (["model.vocab_size=100"], "model.vocab_size=100 is smaller than the tokenizer's 300 ids"),
         (["trainer.precision=fp16"], "trainer.precision='fp16' is not one of"),
+        (["trainer.compile=sometimes"], "trainer.compile='sometimes' is not one of"),
         (["parallel.engine=megatron"], "unknown training engine (parallel.engine) 'megatron'"),
         (
             ["model.layer_pattern=[gqa,mamba]"],
@@ -255,3 +258,15 @@ def test_a_local_sweep_runs_every_point(dataset, tmp_path):
         [1, 2],
         [1, 2, 3],
     ]
+
+
+@pytest.mark.parametrize(
+    ("value", "steps", "expected"),
+    [("auto", 999, False), ("auto", 1000, True), (True, 2, True), ("False", 5000, False)],
+)
+def test_compile_auto_compiles_runs_long_enough_to_pay_back(value, steps, expected):
+    """auto: runs of COMPILE_MIN_STEPS steps or more compile (bench/default_speed.py); a bool
+    from Python or YAML is accepted as true / false."""
+    trainer = TrainerConfig(compile=value, max_steps=steps)
+    assert trainer.compile in ("auto", "true", "false") and compiles(trainer) is expected
+    assert COMPILE_MIN_STEPS == 1000

@@ -1,0 +1,109 @@
+"""Causal attention forward + backward on CPU in bf16, per sequence length, through each kernel
+the trainer can use: SDPA's default dispatch (the flash kernel for causal bf16), SDPA's math
+kernel, the plain matmul - softmax - matmul kernel (`model.attention.backend=matmul`) eager and
+under torch.compile. The tokens per batch stay fixed (B x T = --tokens); heads are the tiny
+preset's (4 query heads on 2 kv heads of 64). `auto` picks matmul up to
+model.attention_backend.MATMUL_MAX_KEYS keys; the last column says what this run measured.
+
+    python bench/attention_kernels.py [--tokens 4096] [--lengths 128 256 512 1024 2048]
+Writes bench/results/attention_kernels_cpu.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from bench.machine import machine
+from model.attention_backend import MATMUL_MAX_KEYS, matmul_attention
+from model.masks import AttentionContext
+
+BF16 = torch.bfloat16
+CAUSAL = AttentionContext(positions=None, rope=None, mask=None, is_causal=True, start=0)
+
+
+def sdpa_default(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+def sdpa_math(q, k, v):
+    with sdpa_kernel(SDPBackend.MATH):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+def matmul(q, k, v):
+    return matmul_attention(q, k, v, CAUSAL, q.shape[-1] ** -0.5, False)[0]
+
+
+KERNELS: dict[str, Callable] = {
+    "sdpa": sdpa_default,
+    "sdpa_math": sdpa_math,
+    "matmul": matmul,
+    "matmul_compiled": torch.compile(matmul, dynamic=False),
+}
+
+
+def seconds(kernel: Callable, batch: int, heads: int, kv_heads: int, seq: int, dim: int) -> float:
+    """Median seconds of one forward + backward (after two warm-up calls)."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(batch, heads, seq, dim, generator=gen).to(BF16).requires_grad_()
+    k, v = (
+        torch.randn(batch, kv_heads, seq, dim, generator=gen).to(BF16).requires_grad_()
+        for _ in range(2)
+    )
+    grad = torch.randn(batch, heads, seq, dim, generator=gen).to(BF16)
+    times = []
+    for _ in range(7):
+        start = time.perf_counter()
+        kernel(q, k, v).backward(grad)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[2:])
+
+
+def kernel_seconds(batch: int, heads: int, kv_heads: int, seq: int, dim: int) -> dict[str, float]:
+    return {name: seconds(f, batch, heads, kv_heads, seq, dim) for name, f in KERNELS.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[128, 256, 512, 1024, 2048])
+    args = parser.parse_args()
+    rows = []
+    print("| T | B | " + " | ".join(KERNELS) + " | fastest | auto |")
+    print("|---:|---:|" + "---:|" * len(KERNELS) + "---|---|")
+    for seq in args.lengths:
+        batch = max(1, args.tokens // seq)
+        times = kernel_seconds(batch, 4, 2, seq, 64)
+        eager = {name: t for name, t in times.items() if not name.endswith("compiled")}
+        fastest = min(eager, key=eager.get)
+        auto = "matmul" if seq <= MATMUL_MAX_KEYS else "sdpa"
+        rows.append({"seq_len": seq, "batch": batch, "seconds": times, "fastest_eager": fastest})
+        cells = " | ".join(f"{1e3 * t:.1f} ms" for t in times.values())
+        print(f"| {seq} | {batch} | {cells} | {fastest} | {auto} |")
+    report = {
+        "benchmark": "attention_kernels",
+        "args": vars(args),
+        "machine": machine(torch_threads=torch.get_num_threads()),
+        "heads": {"query": 4, "kv": 2, "dim": 64},
+        "matmul_max_keys": MATMUL_MAX_KEYS,
+        "rows": rows,
+    }
+    out = Path(__file__).parent / "results" / "attention_kernels_cpu.json"
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
