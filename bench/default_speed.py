@@ -50,8 +50,10 @@ def run_trainer(overrides: list[str], cache: Path) -> dict:
         env = os.environ | {"HF_DATASETS_OFFLINE": "1", "TORCHINDUCTOR_CACHE_DIR": str(cache)}
         command = [sys.executable, "-m", "trainer", f"hydra.run.dir={run_dir}", *overrides]
         start = time.perf_counter()
-        subprocess.run(command, cwd=ROOT, env=env, check=True, capture_output=True)
+        done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
         wall = time.perf_counter() - start
+        if done.returncode != 0:
+            raise SystemExit(f"{' '.join(command)} failed:\n{done.stderr[-4000:]}")
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         log = (run_dir / "train.log").read_text()
     train = [r for r in rows if "tokens_per_s" in r]
@@ -76,11 +78,11 @@ def main() -> None:
     before = transformers_tokens_per_s()
     rows = {}
     with tempfile.TemporaryDirectory() as caches:
-        shared = Path(caches) / "shared"
+        previous = Path(caches) / "none"
         for i, (name, (overrides, cache)) in enumerate(RUNS.items()):
-            rows[name] = run_trainer(
-                overrides, shared if cache == "reused" or i == 0 else Path(caches) / name
-            )
+            fresh = Path(caches) / str(i)  # no spaces: the C++ compiler gets this path
+            rows[name] = run_trainer(overrides, previous if cache == "reused" else fresh)
+            previous = fresh
             print(name, json.dumps({k: v for k, v in rows[name].items() if k != "compile"}))
     after = transformers_tokens_per_s()
     reference = (before + after) / 2
