@@ -11,9 +11,11 @@ in the registry ATTENTION_BACKENDS, shared by the gqa and mla mixers:
           as per-row key bounds, GQA without repeated keys, MLA's 192/128 head dims, and the max
           logits as a by-product of the forward. On CPU it runs only under Triton's interpreter.
   matmul  plain matmul - softmax - matmul (transformers' "eager" attention): the (B, H, T, S)
-          logits in the compute dtype, softmax in fp32, SDPA's mask form; the max logits are a
-          by-product. On a CPU in bf16 it beats SDPA's flash kernel up to S = 256 keys
-          (bench/attention_kernels.py), and costs O(T S) memory per head.
+          logits in the compute dtype, softmax in fp32, SDPA's mask form (every query must see
+          a key, as the model's masks guarantee: a row with none would be NaN, where SDPA gives
+          0); QK-clip's max logits recomputed in fp32 as for sdpa. On a CPU in bf16 it beats
+          SDPA's flash kernel up to S = 256 keys (bench/attention_kernels.py), and costs
+          O(T S) memory per head.
   auto    triton on CUDA (sm_80 or newer) while QK-clip records max logits, when triton is
           installed and the kernel fits the layer (no ALiBi, head dims <= 256); on a CPU, matmul
           for bf16 layers of at most MATMUL_MAX_KEYS keys; sdpa otherwise: the fastest measured
@@ -183,7 +185,9 @@ def matmul_attention(
         logits = logits + ctx.mask.to(logits.dtype)  # ALiBi: a bias with -inf where not allowed
     elif allowed is not None:
         logits = logits.masked_fill(~allowed, float("-inf"))
-    new_max = logits.detach().amax(dim=(0, 2, 3)).float() if want_max else None
+    new_max = None  # the fp32 q.k scale, without ALiBi's bias, as every backend records it
+    if want_max:
+        new_max = max_logits_per_head(q, k, scale, ctx.mask, ctx.is_causal, ctx.start)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32).to(v.dtype)
     out = probs.view(B, K, (H // K) * T, S) @ v  # (B, K, G T, Dv)
     return out.view(B, H, T, v.shape[-1]), new_max

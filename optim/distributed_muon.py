@@ -20,8 +20,9 @@ Same-shaped matrices are orthogonalized as one batch (optim.newton_schulz.orthog
 the local ones together, and an owner's matrices of several rounds together (a wave of rounds
 holds at most BATCH_ELEMENTS whole-matrix elements per owner).
 
-The result equals single-process Muon bitwise: the same full matrix goes through the same
-iteration. `work` counts the matrices this process orthogonalized (tests check the division).
+The result equals single-process Muon bitwise on CPU (tested): the same full matrix goes
+through the same iteration, batched with other same-shaped matrices (on GPUs the batched GEMMs
+may pick other kernels for other batch sizes: equal to rounding). `work` counts the matrices this process orthogonalized (tests check the division).
 """
 
 from __future__ import annotations
@@ -209,7 +210,7 @@ def _round(items: list[_Item], g: _Groups, offset: int) -> list[Tensor]:
     gathered = {m: _wait(value) for m, value in gathered.items()}
     send: dict[int, list[Tensor]] = {}
     mine = [m for m in ours if owner[m][1] == g.me]
-    whole = [torch.cat(gathered[m])[: items[m].rows] for m in mine]
+    whole = [torch.cat(gathered.pop(m))[: items[m].rows] for m in mine]  # shards freed
     for m, ortho in zip(mine, orthogonalize_many(whole, [items[m].ns for m in mine])):
         ortho = ortho.bfloat16()
         padding = ortho.new_zeros(

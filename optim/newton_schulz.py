@@ -90,7 +90,8 @@ def orthogonalize_many(updates: list[Tensor], ns: list[Callable[[Tensor], Tensor
             out[i] = f(u)
     for (f, (m, n), _), indices in same.items():
         for chunk in _batches(indices, [updates[i].numel() for i in indices]):
-            stacked = torch.cat([updates[i].bfloat16().reshape(-1, m, n) for i in chunk])
+            pieces = [updates[i].bfloat16().reshape(-1, m, n) for i in chunk]
+            stacked = pieces[0] if len(pieces) == 1 else torch.cat(pieces)  # no copy of one
             results = f(stacked).split([updates[i].numel() // (m * n) for i in chunk])
             for i, result in zip(chunk, results):
                 out[i] = result.reshape(updates[i].shape)

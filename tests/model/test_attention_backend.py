@@ -14,7 +14,6 @@ from model.attention_backend import MATMUL_MAX_KEYS, matmul_attention, resolve_b
 from model.errors import ConfigError
 from model.masks import AttentionContext, build_mask
 from model.presets import load_preset
-from model.qk_logits import max_logits_per_head
 from model.transformer import build_model
 
 SMALL = {"d_model": 64, "n_layers": 2, "vocab_size": 96, "max_seq_len": 64, "loss_chunk_tokens": 64}
@@ -76,7 +75,8 @@ def test_matmul_backend_trains_like_sdpa(variant):
 @pytest.mark.parametrize("form", ["causal", "documents", "alibi"])
 def test_matmul_kernel_gives_sdpa_outputs_and_the_max_logits(form):
     """The kernel alone, GQA (4 query heads on 2 kv heads): SDPA's output in fp32 and in bf16
-    (to bf16's precision), and each head's max logit equal to the fp32 recomputation's."""
+    (to bf16's precision), and each head's max logit as SDPA's path records it (fp32 q.k scale,
+    without ALiBi's bias), in both dtypes."""
     gen = torch.Generator().manual_seed(0)
     B, H, K, T, D = 2, 4, 2, 24, 16
     q, k, v = (torch.randn(B, n, T, D, generator=gen) for n in (H, K, K))
@@ -87,19 +87,21 @@ def test_matmul_kernel_gives_sdpa_outputs_and_the_max_logits(form):
         "documents": build_mask(T, 0, doc_ids=doc_ids),
         "alibi": build_mask(T, 0, alibi_slopes=slopes),
     }[form]
-    ctx = AttentionContext(positions=None, rope=None, mask=mask, is_causal=causal, start=0)
     for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
         args = [t.to(dtype) for t in (q, k, v)]
-        if form == "alibi":
-            ctx.mask = mask.to(dtype)
-        want, _ = sdpa(*args, ctx, 0.25, want_max=False)
+        typed = mask.to(dtype) if form == "alibi" else mask
+        ctx = AttentionContext(positions=None, rope=None, mask=typed, is_causal=causal, start=0)
+        want, want_max = sdpa(*args, ctx, 0.25, want_max=True)
         got, got_max = matmul_attention(*args, ctx, 0.25, want_max=True)
         torch.testing.assert_close(got.float(), want.float(), rtol=tolerance, atol=tolerance)
-    want_max = max_logits_per_head(q, k, 0.25, None if form == "alibi" else mask, causal, 0)
-    ctx.mask = mask
-    _, got_max = matmul_attention(q, k, v, ctx, 0.25, want_max=True)
-    if form != "alibi":  # with ALiBi the kernel's max includes the bias
-        torch.testing.assert_close(got_max, want_max, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(got_max, want_max, rtol=0, atol=0)
+        # independently: fp32 q.k scale over the visible keys (ALiBi's bias left out)
+        qf, kf = args[0].float(), args[1].float().repeat_interleave(H // K, dim=1)
+        visible = torch.ones(T, T, dtype=torch.bool).tril()
+        if form == "documents":
+            visible = visible & mask
+        exact = (qf @ kf.mT * 0.25).masked_fill(~visible, float("-inf")).amax(dim=(0, 2, 3))
+        torch.testing.assert_close(got_max, exact, rtol=1e-5, atol=1e-5)
 
 
 def test_auto_takes_the_matmul_kernel_for_short_bf16_sequences_on_cpu(monkeypatch):

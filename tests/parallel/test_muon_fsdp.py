@@ -15,7 +15,8 @@ pytestmark = pytest.mark.distributed
 STEPS = 3
 
 
-@pytest.mark.parametrize("batch_elements", [None, 4096])  # one wave; waves of one round
+# one wave; waves of one round; waves of two rounds (the largest padded matrix: 32 x 96)
+@pytest.mark.parametrize("batch_elements", [None, 4096, 8192])
 @pytest.mark.parametrize("world", [2, 4])
 def test_sharded_newton_schulz_is_bitwise_and_done_once(
     world: int, batch_elements: int | None
