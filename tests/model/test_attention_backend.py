@@ -26,7 +26,7 @@ MATMUL_VARIANTS = VARIANTS | {"alibi": ("tiny", {"position": "alibi"})}
 
 
 def pair(variant: str, backend: str, **extra):
-    preset, overrides = VARIANTS[variant]
+    preset, overrides = MATMUL_VARIANTS[variant]  # VARIANTS and ALiBi
     cfg = load_preset(preset, SMALL | overrides | extra | {"attention.backend": backend})
     return build_model(cfg, seed=0), cfg
 
@@ -44,32 +44,27 @@ def loss_and_grads(model, tokens, targets, doc_ids):
     return loss.detach(), grads
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_triton_backend_trains_like_sdpa(variant):
-    pytest.importorskip("triton")
+def assert_trains_like_sdpa(variant: str, backend: str) -> None:
+    """Same weights (same seed), same packed batch: loss and every gradient as SDPA's (fp32)."""
     ref_model, cfg = pair(variant, "sdpa")
-    model, _ = pair(variant, "triton")
+    model, _ = pair(variant, backend)
     tokens, targets, doc_ids = batch(cfg)
     loss, grads = loss_and_grads(model, tokens, targets, doc_ids)
     ref_loss, ref_grads = loss_and_grads(ref_model, tokens, targets, doc_ids)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
     for (name, _), got, want in zip(model.named_parameters(), grads, ref_grads, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_triton_backend_trains_like_sdpa(variant):
+    pytest.importorskip("triton")
+    assert_trains_like_sdpa(variant, "triton")
 
 
 @pytest.mark.parametrize("variant", MATMUL_VARIANTS)
 def test_matmul_backend_trains_like_sdpa(variant):
-    preset, overrides = MATMUL_VARIANTS[variant]
-    cfg = load_preset(preset, SMALL | overrides | {"attention.backend": "sdpa"})
-    ref_model = build_model(cfg, seed=0)
-    model = build_model(load_preset(preset, SMALL | overrides | {"attention.backend": "matmul"}))
-    model.load_state_dict(ref_model.state_dict())
-    tokens, targets, doc_ids = batch(cfg)
-    loss, grads = loss_and_grads(model, tokens, targets, doc_ids)
-    ref_loss, ref_grads = loss_and_grads(ref_model, tokens, targets, doc_ids)
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
-    for (name, _), got, want in zip(model.named_parameters(), grads, ref_grads, strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=name)
+    assert_trains_like_sdpa(variant, "matmul")
 
 
 @pytest.mark.parametrize("form", ["causal", "documents", "alibi"])
