@@ -40,7 +40,7 @@ from torch import Tensor
 from model.config import KernelsConfig
 from model.errors import ConfigError
 from model.masks import AttentionContext
-from model.qk_logits import max_logits_per_head
+from model.qk_logits import allowed_keys, max_logits_per_head
 from model.registry import Registry
 from model.rope import rope_applier
 
@@ -180,26 +180,19 @@ def matmul_attention(
     # query heads of one kv head stacked along the rows: no repeated keys or values (GQA)
     grouped = q.reshape(B, K, (H // K) * T, q.shape[-1])
     logits = (grouped @ k.mT).view(B, H, T, S) * scale  # compute dtype, like SDPA's inputs
-    allowed = _allowed_keys(ctx, T, S, q.device)
     if ctx.mask is not None and ctx.mask.dtype != torch.bool:
         logits = logits + ctx.mask.to(logits.dtype)  # ALiBi: a bias with -inf where not allowed
-    elif allowed is not None:
-        logits = logits.masked_fill(~allowed, float("-inf"))
+    else:
+        keys = torch.arange(S, device=q.device)
+        allowed = allowed_keys(ctx.mask, ctx.is_causal, ctx.start, 0, T, keys, B, H)
+        if allowed is not None:
+            logits = logits.masked_fill(~allowed, float("-inf"))
     new_max = None  # the fp32 q.k scale, without ALiBi's bias, as every backend records it
     if want_max:
         new_max = max_logits_per_head(q, k, scale, ctx.mask, ctx.is_causal, ctx.start)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32).to(v.dtype)
     out = probs.view(B, K, (H // K) * T, S) @ v  # (B, K, G T, Dv)
     return out.view(B, H, T, v.shape[-1]), new_max
-
-
-def _allowed_keys(ctx: AttentionContext, T: int, S: int, device: torch.device) -> Tensor | None:
-    """(B|1, 1, T, S) bool of the keys each query may see, or None for all."""
-    if ctx.mask is not None and ctx.mask.dtype == torch.bool:
-        return ctx.mask
-    if ctx.mask is None and ctx.is_causal:
-        return torch.ones(T, S, dtype=torch.bool, device=device).tril(S - T)[None, None]
-    return None
 
 
 @ATTENTION_BACKENDS.register("triton")

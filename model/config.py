@@ -139,13 +139,8 @@ class MLAConfig:
         )
 
 
-ATTENTION_BACKEND_CHOICES = (
-    "auto",
-    "sdpa",
-    "matmul",
-    "flex",
-    "triton",
-)  # model/attention_backend.py
+# model/attention_backend.py
+ATTENTION_BACKEND_CHOICES = ("auto", "sdpa", "matmul", "flex", "triton")
 KERNEL_CHOICES = ("torch", "triton")
 
 

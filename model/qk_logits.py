@@ -30,14 +30,14 @@ def max_logits_per_head(
     for t0 in range(0, T, rows):
         t1 = min(T, t0 + rows)
         logits = (qg[:, :, :, t0:t1] @ kt) * scale  # (B, K, G, t, S)
-        allowed = _allowed(mask, is_causal, start, t0, t1, key_index, B, H)
+        allowed = allowed_keys(mask, is_causal, start, t0, t1, key_index, B, H)
         if allowed is not None:
             logits = logits.masked_fill(~allowed.view(B, K, H // K, t1 - t0, S), float("-inf"))
         best = torch.maximum(best, logits.amax(dim=(0, 3, 4)).reshape(H))
     return best
 
 
-def _allowed(
+def allowed_keys(
     mask: Tensor | None, is_causal: bool, start: int, t0: int, t1: int, keys: Tensor, B: int, H: int
 ) -> Tensor | None:
     """(B, H, t, S) bool of the positions that count, or None for all."""

@@ -22,7 +22,8 @@ holds at most BATCH_ELEMENTS whole-matrix elements per owner).
 
 The result equals single-process Muon bitwise on CPU (tested): the same full matrix goes
 through the same iteration, batched with other same-shaped matrices (on GPUs the batched GEMMs
-may pick other kernels for other batch sizes: equal to rounding). `work` counts the matrices this process orthogonalized (tests check the division).
+may pick other kernels for other batch sizes: equal to rounding). `work` counts the matrices
+this process orthogonalized (tests check the division).
 """
 
 from __future__ import annotations
@@ -183,9 +184,8 @@ def _owner_orthogonalize(
     size = len(groups.shard_ranks)
     items = [item for u, f in zip(updates, ns) for item in _items(u, f, size)]
     largest = max(item.shard.numel() * size for item in items)  # a whole matrix, padded
-    wave = groups.per_round * max(
-        1, newton_schulz.BATCH_ELEMENTS // largest
-    )  # whole rounds per wave
+    rounds = max(1, newton_schulz.BATCH_ELEMENTS // largest)  # each owner: one matrix a round
+    wave = groups.per_round * rounds
     pieces: list[Tensor] = []
     for first in range(0, len(items), wave):  # first % per_round == 0: the owners stay put
         batch = items[first : first + wave]
