@@ -11,7 +11,7 @@ The trained BPE (vocab 8192, rustbpe on the same corpus) is trained once before 
 passed to `prepare` as a saved tokenizer directory, so no training is timed. The two
 measurements alternate and the best of `--repeats` counts. MB = 10**6 bytes of UTF-8 text.
 Two fixed costs inside the pipeline are also timed on their own, to read the ratio by: listing
-the corpus files, and starting (and closing) the worker pool with the tokenizer loaded.
+the corpus files, and starting (and closing) the encoding threads with the tokenizer loaded.
 
     python bench/prepare_throughput.py [--repeats 3] [--cores N] [--max-documents 0]
 Writes bench/results/prepare_throughput_cpu.json (with --copies N: prepare_throughput_cpu_xN.json).
@@ -96,13 +96,13 @@ def time_pipeline(
 
 def fixed_costs(tokenizer_dir: Path, vocab_size: int, cores: int) -> dict:
     """Serial costs inside the pipeline that do not grow with the text: listing the corpus files,
-    and starting the worker pool (spawn, imports, tokenizer load) through one tiny batch each."""
+    and starting the encoding threads (with the tokenizer loaded) through one tiny batch each."""
     start = time.perf_counter()
     stdlib_files()
     listing = time.perf_counter() - start
     start = time.perf_counter()
     with EncodePool(cores) as pool:
-        pool.start(tokenizer_dir, token_dtype("auto", vocab_size))
+        pool.start(load_tokenizer(tokenizer_dir), token_dtype("auto", vocab_size))
         for _ in pool.map((i, ["x"]) for i in range(cores)):
             pass
     pool_start = time.perf_counter() - start

@@ -42,7 +42,7 @@ class PrepareConfig:
     shard_tokens: int = 1 << 26  # tokens per shard (the last shard of a split is shorter)
     token_dtype: str = "auto"  # auto (uint16 when the vocabulary fits) | uint16 | uint32
     max_documents: int = 0  # stop after this many source documents; 0 = all
-    workers: int = 0  # tokenizer processes; 0 = one per available core
+    workers: int = 0  # encoding threads; 0 = one per available core
     progress: bool = True  # show a progress bar
 
     def __post_init__(self) -> None:

@@ -4,7 +4,7 @@
         tokenizer=<train|cl100k_base|path/to/file.tiktoken> vocab_size=<N>
 
 Documents are read in the source's fixed order, sent to the training or validation split by a
-seeded hash of their index, tokenized by worker processes, and written as fixed-size shards
+seeded hash of their index, tokenized by threads, and written as fixed-size shards
 (see `data.writer`). The run is resumable: interrupted, it keeps every finished shard and a
 re-run of the same command writes the rest, byte-identical to an uninterrupted run. On a
 finished dataset it verifies the shards and rewrites any that are missing or damaged.
@@ -52,7 +52,7 @@ from data.writer import ShardWriter
 
 log = logging.getLogger("data.prepare")
 LOCK_FILE = ".lock"
-BATCH_CHARS = 1 << 20  # text per batch sent to a worker
+BATCH_CHARS = 1 << 20  # text per batch handed to an encoding thread
 BATCH_DOCS = 2048
 
 
@@ -143,13 +143,9 @@ def _prepare_locked(cfg: PrepareConfig, out: Path) -> Manifest:
     pieces = PieceSplit(piece_chars, cfg.val_fraction, cfg.split_seed) if piece_chars else None
     split = Assigner(DocumentSplit(cfg.val_fraction, cfg.split_seed), pieces, cfg.max_documents)
     with EncodePool(cfg.workers or len(os.sched_getaffinity(0))) as pool:
-        # workers start (and load a named or file tokenizer) while this process sets up
-        copy_exists = (out / "tokenizer" / META_FILE).is_file()
-        worker_spec = cfg.tokenizer if cfg.tokenizer != "train" and not copy_exists else ""
-        pool.warm_up(worker_spec)
         tokenizer = _obtain_tokenizer(cfg, out, source, split)
         dtype = token_dtype(cfg.token_dtype, tokenizer.vocab_size)
-        pool.start(worker_spec or out / "tokenizer", dtype)
+        pool.start(tokenizer, dtype)
         writers = {name: ShardWriter(out, name, dtype, cfg.shard_tokens) for name in SPLITS}
         try:
             end_doc = _tokenize_source(cfg, source, split, writers, pool)
@@ -359,7 +355,7 @@ def _tokenize_source(
         )
     elapsed = time.perf_counter() - start
     log.info(
-        "tokenized %d documents into %d tokens in %.1f s (%d workers)",
+        "tokenized %d documents into %d tokens in %.1f s (%d threads)",
         counts["docs"],
         counts["tokens"],
         elapsed,

@@ -5,18 +5,20 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from data import writer as writer_module
+from data.encode_pool import EncodePool, encode_batch
 from data.errors import DataError
 from data.manifest import Manifest
 from data.prepare import DocumentSplit, prepare
 from data.tokenizer import load_tokenizer
 from data.writer import ShardWriter
-from tests.data.helpers import prepare_config
+from tests.data.helpers import make_text, prepare_config
 
 
 def expected_streams(corpus_dir: Path, tokenizer_dir: Path, val_fraction: float = 0.1):
@@ -88,6 +90,20 @@ def test_the_manifest_describes_source_settings_and_tokenizer(reference, corpus_
 def test_parallel_workers_write_the_same_bytes(reference, corpus_dir, tokenizer_dir, tmp_path):
     prepare(prepare_config(corpus_dir, tmp_path, tokenizer_dir, workers=2))
     assert tree_bytes(tmp_path) == tree_bytes(reference)
+
+
+def test_the_encoding_threads_return_batches_in_submission_order(tokenizer_dir):
+    tok = load_tokenizer(tokenizer_dir)
+    rng = random.Random(0)
+    batches = [(i, [make_text(rng, rng.randint(0, 300)) for _ in range(3)]) for i in range(40)]
+    with EncodePool(3) as pool:
+        pool.start(tok, np.dtype(np.uint16))
+        threaded = list(pool.map(iter(batches)))
+    assert [tag for tag, _ in threaded] == list(range(40))
+    for (_, texts), (_, enc) in zip(batches, threaded):
+        alone = encode_batch(tok, texts, np.dtype(np.uint16))
+        assert enc.tokens.dtype == np.uint16 and np.array_equal(enc.tokens, alone.tokens)
+        assert enc.lengths.tolist() == [len(tok.encode_document(t)) for t in texts]
 
 
 class Crash(Exception):

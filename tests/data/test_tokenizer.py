@@ -6,6 +6,7 @@ import random
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from data.bpe import train_bpe
@@ -57,6 +58,19 @@ def test_special_token_text_is_encoded_as_plain_text(tokenizer_dir):
     tok = load_tokenizer(tokenizer_dir)
     ids = tok.encode_document(f"a {EOT} b")
     assert ids.count(tok.eot_id) == 1 and tok.decode(ids[:-1]) == f"a {EOT} b"
+
+
+@pytest.mark.parametrize("normalizer", ["", "NFC"])
+def test_the_array_encoding_equals_the_list_encoding(tokenizer_dir, normalizer):
+    """encode_ordinary_array (tiktoken's buffer) = encode_ordinary (its list), special-token
+    strings, lone surrogates and normalization included."""
+    tok = load_tokenizer(tokenizer_dir)
+    tok = Tokenizer(tok.name, tok.pattern, tok.ranks, tok.special_tokens, normalizer=normalizer)
+    texts = ["", f"a {EOT} b {EOT}", "lone \ud800 surrogate", "cafe\u0301 ﬁ 😀"]
+    texts += [random_unicode(random.Random(seed), 500) for seed in range(3)]
+    for text in texts:
+        array = tok.encode_ordinary_array(text)
+        assert array.dtype == np.uint32 and array.tolist() == tok.encode_ordinary(text)
 
 
 def test_save_and_load_keep_the_identity_and_the_encoding(tokenizer_dir, tmp_path):
