@@ -36,6 +36,7 @@ from parallel.config import ParallelConfig
 from parallel.mesh import ParallelDims
 from trainer.build import build_training_engine
 from trainer.config import TrainerConfig
+from trainer.cpu_malloc import keep_freed_memory
 from trainer.mfu import measure_matmul_peak
 from trainer.step import LossTracker, StepSettings, train_step
 
@@ -43,8 +44,11 @@ from trainer.step import LossTracker, StepSettings, train_step
 # with trainer.precision=bf16 (autocast) or bf16_master; *_compiled: trainer.compile=true (each
 # block compiled, the composition path of every layout); *_compiled_whole_model: the whole model
 # compiled as one graph instead (the single-process path before the engine interface)
+# transformers_malloc_keep: transformers' eager step with glibc keeping freed blocks, as the
+# trainer sets it on CPU (trainer/cpu_malloc.py); every lmforge_* variant runs with it
 VARIANTS = (
     "transformers",
+    "transformers_malloc_keep",
     "transformers_compiled",
     "lmforge",
     "lmforge_compiled",
@@ -57,6 +61,8 @@ def build(variant: str):
     """A step function for one variant: forward, backward, clip to 1.0, AdamW step."""
     cfg = load_preset("tiny")
     torch.manual_seed(0)
+    if variant.startswith("lmforge") or variant.endswith("_malloc_keep"):
+        keep_freed_memory()  # what `python -m trainer` does on CPU (trainer.cpu_malloc=keep)
     if variant.startswith("transformers"):
         import transformers
 

@@ -40,6 +40,7 @@ from trainer.build import (
 from trainer.checkpoint import Checkpointer, resume, set_aside
 from trainer.checkpoint_weights import init_weights_reader, resumes_its_own
 from trainer.config import COMPILE_MIN_STEPS, RootConfig, TrainerConfig, compiles
+from trainer.cpu_malloc import keep_freed_memory
 from trainer.distributed import is_collective_timeout
 from trainer.evaluate import describe_evaluation
 from trainer.fingerprint import Fingerprint
@@ -68,6 +69,8 @@ def build_training(cfg: RootConfig, run_dir: Path, ranks: Ranks) -> Training:
     if tcfg.threads:
         torch.set_num_threads(tcfg.threads)
     device = pick_device(tcfg.device, ranks.local_rank)
+    if device.type == "cpu" and tcfg.cpu_malloc == "keep":
+        log.info("CPU allocator: %s", keep_freed_memory())
     manifest = dataset_manifest(cfg.data, ranks.is_main)
     if hf:
         model_cfg = hf_model_config(cfg.init_from, manifest, explicit_overrides())

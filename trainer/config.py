@@ -23,6 +23,7 @@ CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 PRECISIONS = ("bf16", "bf16_master", "fp32")
 WANDB_MODES = ("disabled", "offline", "online")
 DEVICES = ("auto", "cpu", "cuda")
+CPU_MALLOC_CHOICES = ("keep", "system")  # trainer/cpu_malloc.py
 COMPILE_CHOICES = ("auto", "true", "false")
 # trainer.compile=auto compiles runs of at least this many steps. On the README's 2-core CPU
 # the tiny preset's first (cold-cache) compile took 30-65 s and saved 0.03-0.1 s a step: the
@@ -57,6 +58,9 @@ class TrainerConfig:
     max_bad_steps: int = 5  # consecutive skipped steps (non-finite or spiking) before stopping
     spike_factor: float = 0.0  # skip a step whose loss exceeds this x the running mean; 0 = off
     threads: int = 0  # torch intra-op threads on CPU; 0 = torch's default
+    # CPU runs: keep (glibc keeps freed blocks for the next step: no page faults on every large
+    # activation, trainer/cpu_malloc.py) | system (glibc's defaults)
+    cpu_malloc: str = "keep"
     peak_flops: float = 0.0  # per-device peak FLOP/s for MFU; 0 = table (GPU) or measured (CPU)
     fault_step: int = -1  # testing: raise SIGKILL on this step (once per run directory)
     fault_rank: int = -1  # testing: the rank that dies at fault_step; -1 = every rank
@@ -74,6 +78,10 @@ class TrainerConfig:
             f"trainer.precision={self.precision!r} is not one of {PRECISIONS}",
         )
         _require(self.device in DEVICES, f"trainer.device={self.device!r} is not one of {DEVICES}")
+        _require(
+            self.cpu_malloc in CPU_MALLOC_CHOICES,
+            f"trainer.cpu_malloc={self.cpu_malloc!r} is not one of {CPU_MALLOC_CHOICES}",
+        )
         self.compile = str(self.compile).lower()  # a bool from Python or YAML: true / false
         _require(
             self.compile in COMPILE_CHOICES,

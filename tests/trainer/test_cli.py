@@ -57,6 +57,7 @@ def test_the_default_run_writes_the_run_directory_contract(tmp_path):
     assert (run_dir / "loss.png").is_file() and "validation loss" in log
     # the default trainer.compile=auto: a 2-step run stays eager, and says why
     assert "torch.compile: off (eager) (trainer.compile=auto: 2 steps < 1000" in log
+    assert "CPU allocator: glibc keeps freed blocks" in log  # trainer.cpu_malloc=keep
     assert (
         tmp_path / "data" / "stdlib-py{}.{}-bpe8192".format(*sys.version_info[:2]) / "manifest.json"
     ).is_file()
@@ -138,6 +139,7 @@ def test_sigterm_saves_and_exits_then_resume_finishes(dataset, tmp_path):
         (["model.vocab_size=100"], "model.vocab_size=100 is smaller than the tokenizer's 300 ids"),
         (["trainer.precision=fp16"], "trainer.precision='fp16' is not one of"),
         (["trainer.compile=sometimes"], "trainer.compile='sometimes' is not one of"),
+        (["trainer.cpu_malloc=jemalloc"], "trainer.cpu_malloc='jemalloc' is not one of"),
         (["parallel.engine=megatron"], "unknown training engine (parallel.engine) 'megatron'"),
         (
             ["model.layer_pattern=[gqa,mamba]"],
