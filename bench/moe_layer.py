@@ -16,12 +16,16 @@ renormalization. Rows:
                            router, sort, padding or combine) through one batched GEMM per
                            projection: the floor of any grouped expert computation here, whose
                            gap to dense_same_flops is the per-expert GEMMs' own cost
-The median of --repeats steps after one warm-up step is reported (parameter gradients cleared
-each step, as an optimizer would); outputs are checked against ours (relative Frobenius error),
-so a fast wrong variant would show.
+The variants step in turn, round after round (one warm-up round, then --repeats), so a drift in
+the machine's speed reaches all of them alike; each reports its median step and its median
+speed relative to the dense FFN of the same round (parameter gradients cleared each step, as an
+optimizer would). Outputs are checked against ours (relative Frobenius error), so a fast wrong
+variant would show. The process keeps freed memory for reuse as the trainer does on CPU
+(--malloc keep; trainer/cpu_malloc.py): with glibc's defaults every large activation here is
+fresh pages, and all variants ran 27-40% slower.
 
     python bench/moe_layer.py [--tokens 4096] [--experts 64] [--top-k 8] [--d-model 512]
-                              [--hidden 256] [--repeats 5] [--device cpu]
+                              [--hidden 256] [--repeats 9] [--device cpu] [--malloc keep]
 Writes bench/results/moe_layer_<device>.json.
 """
 
@@ -44,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.machine import machine
 from model import FFNConfig, ModelConfig, MoEConfig
 from model.moe import MoE
+from trainer.cpu_malloc import keep_freed_memory
 
 
 def build_ours(args: argparse.Namespace, dtype: torch.dtype) -> MoE:
@@ -166,20 +171,38 @@ class ExpertGemmsAlone(DenseSameFlops):
         return y.sum(dim=-2).view(x.shape)
 
 
-def median_seconds(fn: nn.Module, x: Tensor, grad: Tensor, repeats: int, device: str):
+def one_step(fn: nn.Module, x: Tensor, grad: Tensor, device: str) -> tuple[float, Tensor]:
+    """Seconds of one forward + backward (gradients cleared first, as an optimizer would)."""
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    times, out = [], None
-    for step in range(repeats + 1):  # the first step warms up
-        x.grad = None
-        fn.zero_grad(set_to_none=True)
-        sync()
-        start = time.perf_counter()
-        out = fn(x)
-        out.backward(grad)
-        sync()
-        if step:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times), out.detach()
+    x.grad = None
+    fn.zero_grad(set_to_none=True)
+    sync()
+    start = time.perf_counter()
+    out = fn(x)
+    out.backward(grad)
+    sync()
+    return time.perf_counter() - start, out.detach()
+
+
+def interleaved_times(
+    variants: dict[str, tuple[nn.Module, Callable[[], None]]],
+    x: Tensor,
+    grad: Tensor,
+    repeats: int,
+    device: str,
+) -> tuple[dict[str, list[float]], dict[str, Tensor]]:
+    """Every variant steps once per round, round after round (the first round warms up), so a
+    drift in the machine's speed reaches all of them alike. variants: name -> (module, a call
+    that prepares it, e.g. sets the experts' impl)."""
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    outs: dict[str, Tensor] = {}
+    for step in range(repeats + 1):
+        for name, (module, prepare) in variants.items():
+            prepare()
+            seconds, outs[name] = one_step(module, x, grad, device)
+            if step:
+                times[name].append(seconds)
+    return times, outs
 
 
 def main() -> None:
@@ -189,7 +212,7 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--d-model", type=int, default=512)
     parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--device", default="cpu")
     parser.add_argument(
         "--variants",
@@ -199,7 +222,15 @@ def main() -> None:
     parser.add_argument(
         "--out", default="", help="JSON path (default results/moe_layer_<device>.json)"
     )
+    parser.add_argument(
+        "--malloc",
+        default="keep",
+        choices=("keep", "system"),
+        help="keep: glibc keeps freed blocks, as the trainer sets it on CPU (trainer/cpu_malloc.py)",
+    )
     args = parser.parse_args()
+    if args.malloc == "keep" and args.device == "cpu":
+        keep_freed_memory()
     dtype = torch.bfloat16
     ours = build_ours(args, dtype)
     variants: dict[str, Callable[[], nn.Module]] = {
@@ -221,22 +252,35 @@ def main() -> None:
     )
     x = torch.randn(shape, generator=g, device=args.device, dtype=dtype, requires_grad=True)
     grad = torch.randn(shape, generator=g, device=args.device, dtype=dtype)
-    rows, reference = [], None
-    for name in args.variants.split(","):
-        module = variants[name]()
-        ours.experts.impl = impls.get(name, "auto")
-        seconds, out = median_seconds(module, x, grad, args.repeats, args.device)
-        if reference is None:
-            reference = out.float()
+    names = list(dict.fromkeys(args.variants.split(",")))
+    built = {
+        name: (
+            variants[name](),
+            lambda name=name: setattr(ours.experts, "impl", impls.get(name, "auto")),
+        )
+        for name in names
+    }
+    times, outs = interleaved_times(built, x, grad, args.repeats, args.device)
+    reference = outs[names[0]].float()
+    dense = times.get("dense_same_flops")
+    rows = []
+    for name in names:
+        seconds = statistics.median(times[name])
         error = None  # the ceilings compute other functions: only their time matters
         if name not in ("dense_same_flops", "expert_gemms_alone"):
-            error = ((out.float() - reference).norm() / reference.norm()).item()
+            error = ((outs[name].float() - reference).norm() / reference.norm()).item()
         rows.append(
             {
                 "variant": name,
                 "ms": seconds * 1e3,
                 "tokens_per_s": args.tokens / seconds,
                 "rel_error_vs_ours": error,
+                # the median over rounds of (dense step / this step): the speed relative to the
+                # dense FFN, paired within each round
+                "vs_dense": (
+                    statistics.median(d / t for d, t in zip(dense, times[name])) if dense else None
+                ),
+                "all_ms": [t * 1e3 for t in times[name]],
             }
         )
         print(
@@ -247,10 +291,14 @@ def main() -> None:
     base = next(r for r in rows if r["variant"] == "ours")
     for row in rows:
         row["ours_speedup"] = row["ms"] / base["ms"]
-    print(f"\n{'variant':26s} {'ms':>9s} {'tokens/s':>10s} {'ours is x faster':>17s}")
+    print(
+        f"\n{'variant':26s} {'ms':>9s} {'tokens/s':>10s} {'ours is x faster':>17s} {'vs dense':>9s}"
+    )
     for row in rows:
+        vs_dense = "-" if row["vs_dense"] is None else f"{row['vs_dense']:.2f}"
         print(
-            f"{row['variant']:26s} {row['ms']:9.1f} {row['tokens_per_s']:10.0f} {row['ours_speedup']:17.2f}"
+            f"{row['variant']:26s} {row['ms']:9.1f} {row['tokens_per_s']:10.0f} "
+            f"{row['ours_speedup']:17.2f} {vs_dense:>9s}"
         )
     report = {
         "benchmark": "moe_layer",

@@ -113,21 +113,28 @@ class GroupedExperts(nn.Module):
     def param_roles(self) -> dict[str, str]:
         return dict.fromkeys(("w_gate", "w_up", "w_down"), roles.EXPERT_STACK)
 
-    def forward(self, x: Tensor, counts: Tensor) -> Tensor:
-        """x (M, C) grouped by expert in ascending order, counts (E_local,) int64 -> (M, C).
-
-        Computes in the autocast dtype when autocast is on (grouped GEMMs are not autocast ops),
-        else in x's dtype."""
-        w_gate, w_up, w_down = (_local(w) for w in (self.w_gate, self.w_up, self.w_down))
-        if len(counts) != w_gate.shape[0]:
-            raise ValueError(f"{len(counts)} expert counts for {w_gate.shape[0]} local experts")
+    def compute_dtype(self, x: Tensor) -> torch.dtype:
+        """The autocast dtype when autocast is on (grouped GEMMs are not autocast ops), else x's."""
         device = x.device.type
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-        x = x.to(dtype).contiguous()
-        w_gate, w_up, w_down = (w.to(dtype) for w in (w_gate, w_up, w_down))
-        impl = self._choose(x, counts, w_gate, w_down)
+        return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+    def _weights(self, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+        """(w_gate, w_up, w_down) of the local experts in `dtype`."""
+        return tuple(_local(w).to(dtype) for w in (self.w_gate, self.w_up, self.w_down))
+
+    def forward(self, x: Tensor, counts: Tensor) -> Tensor:
+        """x (M, C) grouped by expert in ascending order, counts (E_local,) int64 -> (M, C),
+        computed in `compute_dtype(x)`."""
+        n_local = _local(self.w_gate).shape[0]
+        if len(counts) != n_local:
+            raise ValueError(f"{len(counts)} expert counts for {n_local} local experts")
+        x = x.to(self.compute_dtype(x)).contiguous()
+        w_gate, w_up, w_down = self._weights(x.dtype)
+        impl = self.choose(x.device.type, x.dtype, x.shape[0], counts)
+        if impl == "grouped_mm" and not _aligned(x, w_gate, w_down):
+            impl = "loop"
         if impl == "padded_bmm":
-            return self._padded_bmm(x, counts, w_gate, w_up, w_down)
+            return self._padded_bmm(x, counts)
         if impl == "grouped_mm":
             mm = functools.partial(grouped_mm, offsets=counts.cumsum(0).to(torch.int32))
         else:
@@ -135,28 +142,32 @@ class GroupedExperts(nn.Module):
         h = self.activation(mm(x, w_gate)) * mm(x, w_up)  # (M, F)
         return mm(h, w_down)
 
-    def _padded_bmm(
-        self, x: Tensor, counts: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor
-    ) -> Tensor:
+    def padded_forward(self, padded: Tensor) -> Tensor:
+        """padded (E_local, capacity, C) in the compute dtype, each expert's rows first and any
+        rows after them ignored -> (E_local, capacity, C), one batched GEMM per projection."""
+        w_gate, w_up, w_down = self._weights(padded.dtype)
+        h = self.activation(torch.bmm(padded, w_gate)) * torch.bmm(padded, w_up)  # (E, cap, F)
+        return torch.bmm(h, w_down)
+
+    def _padded_bmm(self, x: Tensor, counts: Tensor) -> Tensor:
         E, (M, C) = counts.numel(), x.shape
         capacity = int(counts.max()) if M else 0
         rows = padded_rows(counts, M, capacity)  # (M,)
         padded = x.new_zeros(E * capacity, C).index_copy_(0, rows, x).view(E, capacity, C)
-        h = self.activation(torch.bmm(padded, w_gate)) * torch.bmm(padded, w_up)  # (E, cap, F)
-        return torch.bmm(h, w_down).view(E * capacity, C).index_select(0, rows)
+        return self.padded_forward(padded).view(E * capacity, C).index_select(0, rows)
 
-    def _choose(self, x: Tensor, counts: Tensor, w_in: Tensor, w_out: Tensor) -> str:
+    def choose(self, device_type: str, dtype: torch.dtype, n_rows: int, counts: Tensor) -> str:
+        """The impl for `n_rows` rows of `dtype` (the compute dtype) with these per-expert counts
+        ("grouped_mm" also needs 16-byte aligned rows, which `forward` checks, else it loops)."""
         if self.impl not in IMPLS:
             raise ValueError(
                 f"GroupedExperts.impl={self.impl!r}; choose one of: {', '.join(IMPLS)}"
             )
         if self.impl != "auto":
             return self.impl
-        if x.device.type == "cpu" and counts.numel() * int(counts.max()) <= PAD_LIMIT * x.shape[0]:
+        if device_type == "cpu" and counts.numel() * int(counts.max()) <= PAD_LIMIT * n_rows:
             return "padded_bmm"
-        if grouped_mm_supported(x.device.type, x.dtype) and _aligned(x, w_in, w_out):
-            return "grouped_mm"
-        return "loop"
+        return "grouped_mm" if grouped_mm_supported(device_type, dtype) else "loop"
 
     def init_weights(self, stds: InitStds) -> None:
         trunc_normal_(self.w_gate, stds.value)

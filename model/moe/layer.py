@@ -34,7 +34,9 @@ from model.init import InitStds, init_linear
 from model.moe.buffers import Fp32Buffers
 from model.moe.experts import GroupedExperts
 from model.moe.losses import router_z_loss, sequence_balance_loss, switch_balance_loss
+from model.moe.padded import padded_route
 from model.moe.router import Router, Routing
+from model.moe.slots import SortTokens, combine_slots, slot_rows
 from model.registry import FFNS
 
 Dispatch = Callable[[Tensor, Tensor, GroupedExperts], Tensor]
@@ -54,56 +56,6 @@ def local_dispatch(x_sorted: Tensor, counts: Tensor, experts: GroupedExperts) ->
 def in_recompute() -> bool:
     """True while autograd runs a backward pass, i.e. when a forward is a checkpoint recompute."""
     return torch._C._current_graph_task_id() != -1
-
-
-def _inverse(order: Tensor, n_slots: int) -> Tensor:
-    """(N k,) the sorted row that holds each slot, or M (one past the rows) for a dropped slot."""
-    M = order.numel()
-    inverse = torch.full((n_slots,), M, dtype=order.dtype, device=order.device)
-    inverse[order] = torch.arange(M, device=order.device)
-    return inverse
-
-
-def _rows_or_zero(t: Tensor, index: Tensor) -> Tensor:
-    """t[index] where index == len(t) reads a zero row."""
-    if index.numel() > t.shape[0]:  # more slots than rows: some slots were dropped
-        t = torch.cat([t, t.new_zeros(1, t.shape[1])])
-    return t.index_select(0, index)
-
-
-class _SortTokens(torch.autograd.Function):
-    """flat (N, C) -> its rows in sorted slot order (M, C). Backward: each slot's row gradient is
-    gathered back to slot order and summed over the token's k slots (no scatter-add: faster on
-    CPU and deterministic on GPU)."""
-
-    @staticmethod
-    def forward(ctx, flat: Tensor, order: Tensor, inverse: Tensor, k: int) -> Tensor:  # type: ignore[override]
-        ctx.save_for_backward(inverse)
-        ctx.k = k
-        return flat.index_select(0, order // k)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        (inverse,) = ctx.saved_tensors
-        per_slot = _rows_or_zero(grad.contiguous(), inverse)  # (N k, C)
-        return per_slot.view(-1, ctx.k, grad.shape[1]).sum(dim=1), None, None, None
-
-
-class _Combine(torch.autograd.Function):
-    """y_sorted (M, C) -> (N, C): each token's k slot rows summed (dropped slots add nothing).
-    Forward gathers the rows back to slot order; backward gathers each row's token gradient."""
-
-    @staticmethod
-    def forward(ctx, y_sorted: Tensor, order: Tensor, inverse: Tensor, k: int) -> Tensor:  # type: ignore[override]
-        ctx.save_for_backward(order)
-        ctx.k = k
-        slots = _rows_or_zero(y_sorted, inverse)  # (N k, C)
-        return slots.view(-1, k, y_sorted.shape[1]).sum(dim=1)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        (order,) = ctx.saved_tensors
-        return grad.index_select(0, order // ctx.k), None, None, None
 
 
 class MoE(Fp32Buffers):
@@ -148,19 +100,44 @@ class MoE(Fp32Buffers):
         dropped = counts.new_zeros(())
         if self.cfg.capacity_factor > 0:
             order, counts, dropped = self._drop_over_capacity(slot_expert, order, counts, N)
-        inverse = _inverse(order, N * k)  # (N k,) sorted row of each slot; M for dropped slots
-        x_sorted = _SortTokens.apply(flat, order, inverse, k)  # (M, C)
+        if self._routes_padded(flat, order, counts):
+            out = padded_route(flat, order, counts, routing.topk_weight, self.experts)
+            return self._finish(out, flat, routing, counts, dropped, B, out_dtype)
+        inverse = slot_rows(order, N * k)  # (N k,) sorted row of each slot; M for dropped slots
+        x_sorted = SortTokens.apply(flat, order, inverse, k)  # (M, C)
         y_sorted = self.dispatch(x_sorted, counts, self.experts)  # (M, C)
-        weights = routing.topk_weight.flatten().index_select(0, order)  # (M,) fp32
-        y_sorted = y_sorted * weights.to(y_sorted.dtype)[:, None]
-        out = _Combine.apply(y_sorted, order, inverse, k)  # (N, C)
+        kept = (inverse < order.numel()).view(N, k) if order.numel() < N * k else None
+        slot_row = inverse.view(N, k) if kept is None else torch.where(kept, inverse.view(N, k), 0)
+        out = combine_slots(y_sorted, slot_row, routing.topk_weight, kept)  # (N, C)
+        return self._finish(out, flat, routing, counts, dropped, B, out_dtype)
+
+    def _routes_padded(self, flat: Tensor, order: Tensor, counts: Tensor) -> bool:
+        """Whether the direct padded route applies: every expert local (no expert-parallel
+        dispatch), nothing dropped, and the experts would pad (model/moe/padded.py)."""
+        if self.dispatch is not local_dispatch or self.cfg.capacity_factor > 0:
+            return False
+        dtype = self.experts.compute_dtype(flat)
+        impl = self.experts.choose(flat.device.type, dtype, order.numel(), counts)
+        return impl == "padded_bmm"
+
+    def _finish(
+        self,
+        out: Tensor,
+        flat: Tensor,
+        routing: Routing,
+        counts: Tensor,
+        dropped: Tensor,
+        batch: int,
+        out_dtype: torch.dtype,
+    ) -> Tensor:
+        """The routed output (N, C) plus the shared experts, as (B, T, C) in `out_dtype`."""
         if self.shared is not None:
             shared = self.shared(flat)
             if self.shared_gate is not None:
                 shared = shared * torch.sigmoid(self.shared_gate(flat))
             out = out + shared
-        self._account(routing, counts, dropped, B)
-        return out.view(B, T, C).to(out_dtype)
+        self._account(routing, counts, dropped, batch)
+        return out.view(batch, -1, flat.shape[1]).to(out_dtype)
 
     def _drop_over_capacity(
         self, slot_expert: Tensor, order: Tensor, counts: Tensor, N: int

@@ -245,9 +245,17 @@ def test_capacity_dropping_matches_the_reference_and_counts_the_drops(capacity_f
     layer.router.expert_bias[2] = 0.5  # a popular expert, so some slots overflow
     x = inputs().requires_grad_()
     y = layer(x)
+    g = torch.randn(x.shape)
+    (y * g).sum().backward()
     params = double_params(layer)
-    want = ref_moe(layer, x.detach().double(), params)
+    xd = x.detach().double().requires_grad_()
+    want = ref_moe(layer, xd, params)
+    (want * g.double()).sum().backward()
     torch.testing.assert_close(y.double(), want, atol=ATOL, rtol=RTOL)
+    # a dropped slot adds nothing: no gradient to its token, its expert or its routing weight
+    torch.testing.assert_close(x.grad.double(), xd.grad, atol=ATOL, rtol=RTOL)
+    for name, p in layer.named_parameters():
+        torch.testing.assert_close(p.grad.double(), params[name].grad, atol=ATOL, rtol=RTOL)
 
     N, k, E = 24, 2, 8
     capacity = math.ceil(capacity_factor * N * k / E)

@@ -1,0 +1,67 @@
+"""Token slots between token order, expert-sorted order and the weighted combine.
+
+Shapes: N tokens, k slots per token (slot s = token s // k's (s % k)-th choice), M sorted rows
+(N k, fewer when capacity dropping removed some), C d_model. `order` (M,) lists the kept slots
+grouped by expert; `inverse` (N k,) is the sorted row of each slot, M for a dropped one.
+
+Every move is a gather, forward and backward (no scatter-add: faster on CPU and deterministic on
+GPU), and the combine one fused gather-and-weighted-sum.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def slot_rows(order: Tensor, n_slots: int) -> Tensor:
+    """(N k,) the sorted row that holds each slot, or M (one past the rows) for a dropped slot."""
+    M = order.numel()
+    inverse = torch.full((n_slots,), M, dtype=order.dtype, device=order.device)
+    inverse[order] = torch.arange(M, device=order.device)
+    return inverse
+
+
+def _rows_or_zero(t: Tensor, index: Tensor) -> Tensor:
+    """t[index] where index == len(t) reads a zero row."""
+    if index.numel() > t.shape[0]:  # more slots than rows: some slots were dropped
+        t = torch.cat([t, t.new_zeros(1, t.shape[1])])
+    return t.index_select(0, index)
+
+
+class SortTokens(torch.autograd.Function):
+    """flat (N, C) -> its rows in sorted slot order (M, C). Backward: each slot's row gradient is
+    gathered back to slot order and summed over the token's k slots."""
+
+    @staticmethod
+    def forward(ctx, flat: Tensor, order: Tensor, inverse: Tensor, k: int) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(inverse)
+        ctx.k = k
+        return flat.index_select(0, order // k)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        (inverse,) = ctx.saved_tensors
+        per_slot = _rows_or_zero(grad.contiguous(), inverse)  # (N k, C)
+        return per_slot.view(-1, ctx.k, grad.shape[1]).sum(dim=1), None, None, None
+
+
+def combine_slots(rows: Tensor, slot_row: Tensor, weights: Tensor, kept: Tensor | None) -> Tensor:
+    """rows (R, C) expert outputs, slot_row (N, k) the row of each slot, weights (N, k) fp32,
+    kept (N, k) bool or None (all kept) -> (N, C) in rows' dtype:
+
+        out[t] = sum over kept j of weights[t, j] rows[slot_row[t, j]]
+
+    One `embedding_bag` (a gather fused with the weighted sum; its backward hands each row its
+    weighted gradient and each weight its dot product): on CPU 28 ms against 45 ms for a gather
+    and a batched product, and 72-90 ms for a gather, a multiply and a sum (N = 4096, k = 8,
+    C = 512, bf16, forward + backward). A dropped slot's row may be any row: its weight and the
+    weight's gradient are zeroed by `kept`."""
+    if weights.shape[0] == 0:
+        return rows.new_zeros(0, rows.shape[1])
+    per_slot = weights.to(rows.dtype)
+    if kept is not None:
+        per_slot = per_slot * kept
+    with torch.autocast(rows.device.type, enabled=False):  # the rows' dtype, not autocast's
+        return F.embedding_bag(slot_row, rows, per_sample_weights=per_slot, mode="sum")
