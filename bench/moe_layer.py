@@ -22,7 +22,7 @@ speed relative to the dense FFN of the same round (parameter gradients cleared e
 optimizer would). Outputs are checked against ours (relative Frobenius error), so a fast wrong
 variant would show. The process keeps freed memory for reuse as the trainer does on CPU
 (--malloc keep; trainer/cpu_malloc.py): with glibc's defaults every large activation here is
-fresh pages, and all variants ran 27-40% slower.
+fresh pages, and ours and the dense FFN ran 16-21% slower.
 
     python bench/moe_layer.py [--tokens 4096] [--experts 64] [--top-k 8] [--d-model 512]
                               [--hidden 256] [--repeats 9] [--device cpu] [--malloc keep]

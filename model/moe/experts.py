@@ -122,9 +122,14 @@ class GroupedExperts(nn.Module):
         """(w_gate, w_up, w_down) of the local experts in `dtype`."""
         return tuple(_local(w).to(dtype) for w in (self.w_gate, self.w_up, self.w_down))
 
-    def forward(self, x: Tensor, counts: Tensor) -> Tensor:
+    def forward(self, x: Tensor, counts: Tensor | None) -> Tensor:
         """x (M, C) grouped by expert in ascending order, counts (E_local,) int64 -> (M, C),
-        computed in `compute_dtype(x)`."""
+        computed in `compute_dtype(x)`. counts None: x is already the padded (E_local,
+        capacity, C) block in the compute dtype (`padded_forward`). Callers go through here,
+        not the methods, so that engines hooking module calls (DeepSpeed ZeRO-3 gathers each
+        module's weights around its forward) see the experts used."""
+        if counts is None:
+            return self.padded_forward(x)
         n_local = _local(self.w_gate).shape[0]
         if len(counts) != n_local:
             raise ValueError(f"{len(counts)} expert counts for {n_local} local experts")

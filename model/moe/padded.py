@@ -79,5 +79,5 @@ def padded_route(
     dtype = experts.compute_dtype(flat)
     padded = _TokensToPadded.apply(flat, layout.token_at_row, layout.row_of_slot, k, dtype)
     E = counts.numel()
-    y = experts.padded_forward(padded.view(E, layout.capacity, C)).view(-1, C)  # (P, C)
+    y = experts(padded.view(E, layout.capacity, C), None).view(-1, C)  # (P, C), padded_forward
     return combine_slots(y, layout.row_of_slot.view(-1, k), weights, None)  # (N, C)

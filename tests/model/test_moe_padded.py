@@ -74,14 +74,37 @@ def test_the_layout_puts_every_slot_in_its_experts_rows():
     assert layout.token_at_row.tolist() == [0, 2, 3, 1, 3, 3, 0, 1, 2, 3, 3, 3]  # 3: zero row
 
 
-@pytest.mark.parametrize("case", ["capacity_dropping", "expert_parallel_dispatch", "grouped_mm"])
+@pytest.mark.parametrize("case", ["capacity_dropping", "expert_parallel_dispatch", "loop_impl"])
 def test_the_general_route_stays_where_the_padded_one_does_not_apply(case, monkeypatch):
     layer = make_layer(capacity_factor=1.0 if case == "capacity_dropping" else 0.0)
     if case == "expert_parallel_dispatch":
         layer.dispatch = lambda x_sorted, counts, experts: local_dispatch(x_sorted, counts, experts)
-    if case == "grouped_mm":
+    if case == "loop_impl":
         layer.experts.impl = "loop"
     monkeypatch.setattr(
         "model.moe.layer.padded_route", lambda *a: pytest.fail("padded route taken")
     )
     layer(inputs())
+
+
+def test_the_padded_route_calls_the_experts_module():
+    """Engines that gather a module's weights around its call (DeepSpeed ZeRO-3) must see the
+    experts called, not a method of theirs."""
+    layer = make_layer()
+    layer.experts.impl = "padded_bmm"
+    calls = []
+    layer.experts.register_forward_pre_hook(lambda module, args: calls.append(args[1]))
+    layer(inputs())
+    assert calls == [None]  # one call, with the padded block (no counts)
+
+
+@pytest.mark.parametrize("capacity_factor", [0.0, 1.0])
+def test_an_empty_batch_keeps_the_graph(capacity_factor):
+    """No tokens (an empty micro-batch): an empty output still wired to the experts, so engines
+    that run collectives in backward (expert parallelism's all-to-all) still run them."""
+    layer = make_layer(capacity_factor=capacity_factor)
+    x = torch.zeros(2, 0, 32, requires_grad=True)
+    y = layer(x)
+    assert y.shape == (2, 0, 32) and y.requires_grad
+    y.sum().backward()
+    assert x.grad.shape == x.shape
