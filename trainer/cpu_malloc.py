@@ -3,8 +3,8 @@
 glibc serves a large allocation with fresh pages from mmap and unmaps them on free (above its
 mmap threshold: 128 KiB, adapting up to 32 MiB). A training step allocates the same large
 activations and gradients every step, so on CPU each block above that threshold is a new mapping
-whose pages the kernel faults in and zeroes again: copying a 33 MB tensor took 13 ms with fresh
-pages and 3 ms with reused ones. Raising the mmap and trim thresholds makes glibc serve those
+whose pages the kernel faults in and zeroes again (a 33 MB copy took 13 ms on fresh pages and 3
+ms on reused ones, timed by hand on the issue-21 machine). Raising the mmap and trim thresholds makes glibc serve those
 blocks from its heap and keep freed ones for reuse, what a GPU caching allocator does for device
 memory (bench/default_speed.py and bench/moe_layer.py measure it, see the README):
 - the tiny default model gains nothing measurable (its largest blocks, the 512-token loss chunks

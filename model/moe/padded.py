@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from model.moe.experts import GroupedExperts, padded_rows
-from model.moe.slots import combine_slots
+from model.moe.slots import combine_slots, sum_over_slots
 
 
 class PaddedLayout(NamedTuple):
@@ -66,7 +66,7 @@ class _TokensToPadded(torch.autograd.Function):
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         (row_of_slot,) = ctx.saved_tensors
         per_slot = grad.contiguous().index_select(0, row_of_slot).to(ctx.flat_dtype)  # (M, C)
-        return per_slot.view(-1, ctx.k, grad.shape[1]).sum(dim=1), None, None, None, None
+        return sum_over_slots(per_slot, ctx.k), None, None, None, None
 
 
 def padded_route(

@@ -31,6 +31,11 @@ def _rows_or_zero(t: Tensor, index: Tensor) -> Tensor:
     return t.index_select(0, index)
 
 
+def sum_over_slots(per_slot: Tensor, k: int) -> Tensor:
+    """(N k, C) rows in slot order -> (N, C): each token's k slot rows summed."""
+    return per_slot.view(-1, k, per_slot.shape[1]).sum(dim=1)
+
+
 class SortTokens(torch.autograd.Function):
     """flat (N, C) -> its rows in sorted slot order (M, C). Backward: each slot's row gradient is
     gathered back to slot order and summed over the token's k slots."""
@@ -45,7 +50,7 @@ class SortTokens(torch.autograd.Function):
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         (inverse,) = ctx.saved_tensors
         per_slot = _rows_or_zero(grad.contiguous(), inverse)  # (N k, C)
-        return per_slot.view(-1, ctx.k, grad.shape[1]).sum(dim=1), None, None, None
+        return sum_over_slots(per_slot, ctx.k), None, None, None
 
 
 def combine_slots(rows: Tensor, slot_row: Tensor, weights: Tensor, kept: Tensor | None) -> Tensor:
@@ -55,10 +60,10 @@ def combine_slots(rows: Tensor, slot_row: Tensor, weights: Tensor, kept: Tensor 
         out[t] = sum over kept j of weights[t, j] rows[slot_row[t, j]]
 
     One `embedding_bag` (a gather fused with the weighted sum; its backward hands each row its
-    weighted gradient and each weight its dot product): on CPU 28 ms against 45 ms for a gather
-    and a batched product, and 72-90 ms for a gather, a multiply and a sum (N = 4096, k = 8,
-    C = 512, bf16, forward + backward). A dropped slot's row may be any row: its weight and the
-    weight's gradient are zeroed by `kept`."""
+    weighted gradient and each weight its dot product): on CPU 20-22 ms against 33-34 ms for a
+    gather, a multiply and a sum, and 35-39 ms for a gather and a batched product (N = 4096,
+    k = 8, C = 512, bf16, forward + backward; bench/moe_combine.py). A dropped slot's row may be
+    any row: its weight and the weight's gradient are zeroed by `kept`."""
     per_slot = weights.to(rows.dtype)
     if kept is not None:
         per_slot = per_slot * kept
