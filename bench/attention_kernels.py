@@ -1,7 +1,9 @@
 """Causal attention forward + backward on CPU in bf16, per sequence length, through each kernel
 the trainer can use: SDPA's default dispatch (the flash kernel for causal bf16), SDPA's math
 kernel, the plain matmul - softmax - matmul kernel (`model.attention.backend=matmul`) eager and
-under torch.compile. The tokens per batch stay fixed (B x T = --tokens); heads are the tiny
+under torch.compile, and that kernel given the causal mask as a per-row bool mask
+(`matmul_masked_fill`: scale and masked_fill passes after the GEMM, the path of document masks
+and, before issue 21, of every mask; a shared mask now enters the GEMM as baddbmm's bias). The tokens per batch stay fixed (B x T = --tokens); heads are the tiny
 preset's (4 query heads on 2 kv heads of 64). `auto` picks matmul up to
 model.attention_backend.MATMUL_MAX_KEYS keys; the last column says what this run measured.
 
@@ -46,10 +48,18 @@ def matmul(q, k, v):
     return matmul_attention(q, k, v, CAUSAL, q.shape[-1] ** -0.5, False)[0]
 
 
+def matmul_masked_fill(q, k, v):
+    B, T = q.shape[0], q.shape[2]
+    per_row = torch.ones(T, T, dtype=torch.bool).tril().expand(B, 1, T, T)
+    ctx = AttentionContext(positions=None, rope=None, mask=per_row, is_causal=False, start=0)
+    return matmul_attention(q, k, v, ctx, q.shape[-1] ** -0.5, False)[0]
+
+
 KERNELS: dict[str, Callable] = {
     "sdpa": sdpa_default,
     "sdpa_math": sdpa_math,
     "matmul": matmul,
+    "matmul_masked_fill": matmul_masked_fill,
     "matmul_compiled": torch.compile(matmul, dynamic=False),
 }
 

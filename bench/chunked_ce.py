@@ -2,7 +2,11 @@
 
 Each variant runs forward + backward of the output head and loss on (N, C) hidden states with a
 vocabulary of V, in a fresh subprocess (CPU: peak RSS growth; CUDA: max allocated), so the
-unchunked baseline is measured in the same run on the same machine.
+unchunked baseline is measured in the same run on the same machine. It also times, on one fp32
+chunk of logits, the two ways of getting the loss's normalizer and the softmax: logsumexp then a
+second exp (`two_pass`, the formula before issue 21) and one softmax whose largest entry gives
+logsumexp (`one_softmax`, model/loss.py), interleaved, at the tiny default model's chunk
+(512 x 8192) and at this run's vocabulary.
 
     python bench/chunked_ce.py [--tokens 8192] [--d-model 1024] [--vocab 128256] [--device cpu]
 Writes bench/results/chunked_ce_<device>.json.
@@ -22,7 +26,32 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from model.loss import chunked_cross_entropy
+from model.loss import chunked_cross_entropy, normalizer_and_softmax
+from trainer.cpu_malloc import keep_freed_memory
+
+
+def two_pass(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The formula before issue 21: logsumexp, then exp(logits - lse) in place."""
+    lse = torch.logsumexp(logits, dim=-1)
+    return lse, logits.sub_(lse[:, None]).exp_()
+
+
+def time_formulas(rows: int, vocab: int, repeats: int = 15) -> dict:
+    """Median ms of each formula on a (rows, vocab) fp32 chunk, interleaved, and their loss gap."""
+    torch.manual_seed(0)
+    logits = torch.randn(rows, vocab) * 3
+    formulas = {"two_pass": two_pass, "one_softmax": normalizer_and_softmax}
+    times: dict[str, list[float]] = {name: [] for name in formulas}
+    for _ in range(repeats):
+        for name, formula in formulas.items():
+            chunk = logits.clone()  # two_pass works in place
+            start = time.perf_counter()
+            formula(chunk)
+            times[name].append(time.perf_counter() - start)
+    gap = (two_pass(logits.clone())[0] - normalizer_and_softmax(logits)[0]).abs().max()
+    row = {f"{name}_ms": 1000 * sorted(t)[repeats // 2] for name, t in times.items()}
+    return row | {"rows": rows, "vocab": vocab, "max_logsumexp_difference": float(gap),
+                  "speedup": row["two_pass_ms"] / row["one_softmax_ms"]}  # fmt: skip
 
 
 def measure(tokens: int, d_model: int, vocab: int, chunk: int, device: str, repeats: int) -> dict:
@@ -79,6 +108,14 @@ def main() -> None:
             )
         )
         return
+    keep_freed_memory()  # as the trainer runs on CPU
+    formulas = [time_formulas(512, 8192), time_formulas(1024, args.vocab)]
+    for f in formulas:
+        print(
+            f"normalizer + softmax of ({f['rows']}, {f['vocab']}) fp32: two_pass "
+            f"{f['two_pass_ms']:.1f} ms, one_softmax {f['one_softmax_ms']:.1f} ms "
+            f"({f['speedup']:.2f}x); logsumexp differs by {f['max_logsumexp_difference']:.1e}"
+        )
     rows = []
     for chunk in (int(c) for c in args.chunks.split(",")):
         cmd = [
@@ -123,7 +160,11 @@ def main() -> None:
     }
     out = Path(__file__).parent / "results" / f"chunked_ce_{args.device}.json"
     out.write_text(
-        json.dumps({"machine": machine, "args": vars(args), "rows": rows}, indent=2) + "\n"
+        json.dumps(
+            {"machine": machine, "args": vars(args), "rows": rows, "formulas": formulas},
+            indent=2,
+        )
+        + "\n"
     )
     print(f"wrote {out}")
 

@@ -179,20 +179,41 @@ def matmul_attention(
     K, S = k.shape[1], k.shape[2]
     # query heads of one kv head stacked along the rows: no repeated keys or values (GQA)
     grouped = q.reshape(B, K, (H // K) * T, q.shape[-1])
-    logits = (grouped @ k.mT).view(B, H, T, S) * scale  # compute dtype, like SDPA's inputs
-    if ctx.mask is not None and ctx.mask.dtype != torch.bool:
-        logits = logits + ctx.mask.to(logits.dtype)  # ALiBi: a bias with -inf where not allowed
+    bias = _shared_bias(ctx, H // K, T, S, q)
+    if bias is not None:  # one GEMM: bias + scale q.k (for scale 2^-n equal to the path below)
+        flat_k = k.reshape(B * K, S, k.shape[-1]).mT
+        logits = torch.baddbmm(bias, grouped.reshape(B * K, -1, q.shape[-1]), flat_k, alpha=scale)
+        logits = logits.view(B, H, T, S)
     else:
-        keys = torch.arange(S, device=q.device)
-        allowed = allowed_keys(ctx.mask, ctx.is_causal, ctx.start, 0, T, keys, B, H)
-        if allowed is not None:
-            logits = logits.masked_fill(~allowed, float("-inf"))
+        logits = (grouped @ k.mT).view(B, H, T, S) * scale  # compute dtype, like SDPA's inputs
+        if ctx.mask is not None and ctx.mask.dtype != torch.bool:
+            logits = logits + ctx.mask.to(logits.dtype)  # ALiBi: a bias, -inf where not allowed
+        else:
+            keys = torch.arange(S, device=q.device)
+            allowed = allowed_keys(ctx.mask, ctx.is_causal, ctx.start, 0, T, keys, B, H)
+            if allowed is not None:
+                logits = logits.masked_fill(~allowed, float("-inf"))
     new_max = None  # the fp32 q.k scale, without ALiBi's bias, as every backend records it
     if want_max:
         new_max = max_logits_per_head(q, k, scale, ctx.mask, ctx.is_causal, ctx.start)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32).to(v.dtype)
     out = probs.view(B, K, (H // K) * T, S) @ v  # (B, K, G T, Dv)
     return out.view(B, H, T, v.shape[-1]), new_max
+
+
+def _shared_bias(ctx: AttentionContext, groups: int, T: int, S: int, q: Tensor) -> Tensor | None:
+    """(G T, S) additive mask (0 allowed, -inf not) in q's dtype when every batch row and head
+    shares one bool or causal mask (the rows of a query group repeat it G times); None for
+    per-row masks (documents), ALiBi's float bias, or no mask."""
+    mask = ctx.mask
+    if mask is None and not ctx.is_causal:
+        return None
+    if mask is not None and (mask.dtype != torch.bool or mask.shape[:2] != (1, 1)):
+        return None
+    keys = torch.arange(S, device=q.device)
+    allowed = allowed_keys(mask, ctx.is_causal, ctx.start, 0, T, keys, 1, 1)[0, 0]  # (T, S)
+    bias = torch.zeros((T, S), dtype=q.dtype, device=q.device)
+    return bias.masked_fill_(~allowed, float("-inf")).repeat(groups, 1)
 
 
 @ATTENTION_BACKENDS.register("triton")

@@ -11,9 +11,13 @@ and frees the chunk; backward only scales the stored dh, dW by the incoming grad
 memory holds one chunk of logits, there is no recomputation of the logits matmul, and no
 log-softmax backward pass.
 
-Under autocast, h and W are cast to the autocast dtype before the function (so the casts' own
-backward returns fp32 gradients to fp32 weights); inside, the matmuls run in that dtype and the
-softmax in fp32.
+One softmax pass gives both the loss and dlogits: softmax's largest entry is exp(0) / sum, so
+logsumexp = max - log(largest probability) (the largest probability is at least 1/V: no
+underflow). On a CPU this is 2.3x faster than logsumexp followed by a second exp over the chunk
+(bench/chunked_ce.py); the loss agrees with logsumexp's to fp32 rounding (tested).
+
+The matmuls run in h's dtype (under autocast: the autocast dtype, h cast before the function),
+the softmax in fp32; W is cast inside, so a fp32 W gets its fp32 gradient sum unrounded.
 """
 
 from __future__ import annotations
@@ -24,12 +28,20 @@ from torch import Tensor
 IGNORE_INDEX = -100
 
 
+def normalizer_and_softmax(logits: Tensor) -> tuple[Tensor, Tensor]:
+    """logits (n, V) fp32 -> (logsumexp (n,), softmax (n, V)) from one softmax pass."""
+    top = logits.amax(dim=-1)
+    probs = torch.softmax(logits, dim=-1)
+    return top - probs.amax(dim=-1).log(), probs
+
+
 class FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h: Tensor, weight: Tensor, targets: Tensor, chunk: int) -> Tensor:
         valid = targets != IGNORE_INDEX
         count = valid.sum().clamp(min=1)
         want_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        w = weight.to(h.dtype)  # (V, C) in the matmul dtype
         grad_h = torch.empty_like(h) if want_grad else None
         grad_w = (
             torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if want_grad else None
@@ -42,18 +54,18 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
                 targets[start : start + step],
                 valid[start : start + step],
             )
-            logits = (h_c @ weight.T).float()  # (n, V)
-            lse = torch.logsumexp(logits, dim=-1)
+            logits = (h_c @ w.T).float()  # (n, V)
             safe_t = t_c.clamp(min=0)
             target_logit = logits.gather(1, safe_t[:, None])[:, 0]
+            lse, probs = normalizer_and_softmax(logits)
+            del logits
             total += ((lse - target_logit) * v_c).sum()
             if not want_grad:
                 continue
-            probs = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
             probs[torch.arange(len(t_c), device=h.device), safe_t] -= 1.0
             d_logits = probs.to(h.dtype)  # unscaled: the row weights go on the (n, C) side
             scale = (v_c.float() / count)[:, None]  # (n, 1) fp32: 1/count, 0 where ignored
-            grad_h[start : start + step] = (d_logits @ weight).float() * scale
+            grad_h[start : start + step] = (d_logits @ w).float() * scale
             grad_w += (d_logits.T @ (h_c.float() * scale).to(h.dtype)).float()  # fp32 sum
         if want_grad:
             ctx.save_for_backward(grad_h, grad_w.to(weight.dtype))
@@ -70,9 +82,6 @@ def chunked_cross_entropy(h: Tensor, weight: Tensor, targets: Tensor, chunk_toke
     h, targets = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
     device = h.device.type
     if torch.is_autocast_enabled(device):
-        dtype = torch.get_autocast_dtype(device)
-        h, weight = h.to(dtype), weight.to(dtype)
-    elif weight.dtype != h.dtype:
-        weight = weight.to(h.dtype)
+        h = h.to(torch.get_autocast_dtype(device))
     with torch.autocast(device, enabled=False):
         return FusedLinearCrossEntropy.apply(h, weight, targets, chunk_tokens)

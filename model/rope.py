@@ -150,11 +150,15 @@ def _rotate(x1: Tensor, x2: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, T
 
 @ROPE_PAIRINGS.register("half")
 def apply_rope_half(x: Tensor, rot: Tensor) -> Tensor:
+    # x cos + (-x2, x1) sin over whole heads: bitwise what _rotate gives per half (a - b is
+    # a + (-b) in IEEE arithmetic) in fewer, larger elementwise passes (bench/rope_pairing.py)
     r = 2 * rot.shape[-1]
-    cos, sin = cos_sin(rot)
-    part, rest = x[..., :r].float(), x[..., r:]
-    a, b = _rotate(part[..., : r // 2], part[..., r // 2 :], cos, sin)
-    return torch.cat([a.to(x.dtype), b.to(x.dtype), rest], dim=-1)
+    cos, sin = cos_sin(rot)  # (B, T, 1, R/2) each
+    cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)  # (B, T, 1, R)
+    part = x[..., :r].float()
+    swapped = torch.cat([part[..., r // 2 :], part[..., : r // 2]], dim=-1)  # (x2, x1)
+    out = (part * cos + swapped * sin).to(x.dtype)
+    return out if r == x.shape[-1] else torch.cat([out, x[..., r:]], dim=-1)
 
 
 @ROPE_PAIRINGS.register("interleaved")

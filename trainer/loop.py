@@ -122,11 +122,11 @@ class Training:
     def run(self) -> int:
         tcfg = self.cfg.trainer
         tokens_per_step = tcfg.batch_size * self.cfg.data.seq_len
-        window = _Window()
         batches = iter(self.loader)
         self.phase = "the evaluation at step 0"
         if self.step == 0 and not self._evaluate():  # the starting validation loss
             return self._stop_now()
+        window = _Window()  # opened after that evaluation: it is not training time either
         with self._progress() as progress:
             task = progress.add_task("training", total=tcfg.max_steps, completed=self.step)
             while self.step < tcfg.max_steps:

@@ -67,7 +67,7 @@ def test_matmul_backend_trains_like_sdpa(variant):
     assert_trains_like_sdpa(variant, "matmul")
 
 
-@pytest.mark.parametrize("form", ["causal", "documents", "alibi"])
+@pytest.mark.parametrize("form", ["causal", "window", "documents", "alibi"])
 def test_matmul_kernel_gives_sdpa_outputs_and_the_max_logits(form):
     """The kernel alone, GQA (4 query heads on 2 kv heads): SDPA's output in fp32 and in bf16
     (to bf16's precision), and each head's max logit as SDPA's path records it (fp32 q.k scale,
@@ -79,6 +79,7 @@ def test_matmul_kernel_gives_sdpa_outputs_and_the_max_logits(form):
     slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
     mask, causal = {
         "causal": (None, True),
+        "window": build_mask(T, 0, window=5),  # one (1, 1, T, S) mask: the shared-bias GEMM
         "documents": build_mask(T, 0, doc_ids=doc_ids),
         "alibi": build_mask(T, 0, alibi_slopes=slopes),
     }[form]
@@ -93,10 +94,35 @@ def test_matmul_kernel_gives_sdpa_outputs_and_the_max_logits(form):
         # independently: fp32 q.k scale over the visible keys (ALiBi's bias left out)
         qf, kf = args[0].float(), args[1].float().repeat_interleave(H // K, dim=1)
         visible = torch.ones(T, T, dtype=torch.bool).tril()
-        if form == "documents":
+        if form in ("documents", "window"):
             visible = visible & mask
         exact = (qf @ kf.mT * 0.25).masked_fill(~visible, float("-inf")).amax(dim=(0, 2, 3))
         torch.testing.assert_close(got_max, exact, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [64, 48])
+def test_matmul_kernel_shared_mask_gemm_equals_the_masked_fill_path(head_dim):
+    """A causal mask shared by all rows goes through one baddbmm (bias + scale q.k); a per-row
+    bool mask with the same content through q.k, scale, masked_fill. bf16: bitwise equal outputs
+    and gradients for scale 1/8 (a power of two, so scaling after rounding is exact); another
+    scale rounds once instead of twice, so equal to bf16's precision."""
+    gen = torch.Generator().manual_seed(1)
+    B, H, K, T = 2, 4, 2, 32
+    q, k, v = (torch.randn(B, n, T, head_dim, generator=gen).bfloat16() for n in (H, K, K))
+    grad_out = torch.randn(B, H, T, head_dim, generator=gen).bfloat16()
+    per_row = torch.ones(T, T, dtype=torch.bool).tril().expand(B, 1, T, T)
+    results = []
+    for mask, causal in ((None, True), (per_row, False)):
+        args = [t.clone().requires_grad_() for t in (q, k, v)]
+        ctx = AttentionContext(positions=None, rope=None, mask=mask, is_causal=causal, start=0)
+        out, _ = matmul_attention(*args, ctx, head_dim**-0.5, want_max=False)
+        out.backward(grad_out)
+        results.append([out.detach()] + [a.grad for a in args])
+    for shared, masked in zip(*results):
+        if head_dim == 64:
+            assert torch.equal(shared, masked)
+        else:
+            torch.testing.assert_close(shared.float(), masked.float(), rtol=2e-2, atol=2e-2)
 
 
 def test_auto_takes_the_matmul_kernel_for_short_bf16_sequences_on_cpu(monkeypatch):

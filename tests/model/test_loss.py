@@ -80,3 +80,30 @@ def test_transformer_loss_equals_cross_entropy_of_logits(chunk, tie):
     torch.testing.assert_close(loss, want, atol=ATOL, rtol=RTOL)
     for (name, _), got_g, want_g in zip(model.named_parameters(), grads, want_grads):
         torch.testing.assert_close(got_g, want_g, atol=ATOL, rtol=RTOL, msg=name)
+
+
+def test_loss_stays_exact_where_the_target_probability_underflows():
+    """Logits spread over thousands: the targets' softmax probabilities underflow to 0 in fp32,
+    yet the loss (logsumexp from the largest probability) equals the fp64 cross-entropy."""
+    h, w, targets = inputs(seed=4)
+    w = (w.detach() * 400).requires_grad_()
+    got = chunked_cross_entropy(h, w, targets, 5)
+    want = F.cross_entropy(h.double() @ w.double().T, targets, ignore_index=-100)
+    assert torch.isfinite(got) and want > 200
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=0)
+
+
+def test_autocast_returns_the_fp32_weight_gradient_unrounded():
+    """Under bf16 autocast the head matmuls run in bf16, but the fp32 weight's gradient is the
+    fp32 sum, not a bf16-rounded one: it matches the fp64 gradient of the same bf16 inputs
+    better than bf16 rounding allows."""
+    h, w, targets = inputs(seed=5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = chunked_cross_entropy(h, w, targets, 7)
+    (grad_w,) = torch.autograd.grad(loss, (w,))
+    assert grad_w.dtype == torch.float32
+    hb, wb = h.detach().bfloat16().double(), w.detach().bfloat16().double().requires_grad_()
+    (want,) = torch.autograd.grad(F.cross_entropy(hb @ wb.T, targets, ignore_index=-100), (wb,))
+    assert not torch.equal(grad_w, grad_w.bfloat16().float())  # more bits than bf16 holds
+    # dlogits go through bf16 for the matmul (2^-9 relative each)
+    torch.testing.assert_close(grad_w.double(), want, rtol=2e-2, atol=2e-3)

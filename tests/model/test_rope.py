@@ -92,6 +92,33 @@ def test_rope_matches_reference_implementation(pairing, fraction):
     torch.testing.assert_close(got, want, atol=2e-4, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+def test_half_pairing_is_bitwise_the_per_half_rotation(dtype, fraction):
+    """The whole-head form (x cos + (-x2, x1) sin) gives bitwise the per-half formula
+    (x1 cos - x2 sin, x2 cos + x1 sin) in fp32 arithmetic, outputs and input gradients."""
+    B, T, H, D = 2, 9, 3, 16
+    R = int(D * fraction)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(B, T, H, D, generator=g).to(dtype)
+    grad = torch.randn(B, T, H, D, generator=g).to(dtype)
+    rot = rope_rotations(torch.randint(0, 500, (B, T), generator=g), base_inv_freq(500.0, R), 1.3)
+
+    def per_half(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+        cos, sin = torch.view_as_real(rot)[:, :, None].unbind(-1)  # (B, T, 1, R/2) each
+        x1, x2 = x[..., : R // 2].float(), x[..., R // 2 : R].float()
+        a, b = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+        return torch.cat([a.to(x.dtype), b.to(x.dtype), x[..., R:]], dim=-1)
+
+    results = []
+    for apply in (ROPE_PAIRINGS.get("half"), per_half):
+        leaf = x.clone().requires_grad_()
+        out = apply(leaf, rot)
+        out.backward(grad)
+        results.append((out.detach(), leaf.grad))
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
 @pytest.mark.parametrize("fraction", [1.0, 0.5])
 def test_pairing_conversion_by_permutation(fraction):
     """rope_half(P x) == P rope_interleaved(x) with P = interleaved_to_half; the inverse undoes P."""

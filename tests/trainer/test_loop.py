@@ -32,6 +32,25 @@ def test_training_lowers_the_validation_loss_and_logs_every_step(dataset, tmp_pa
     assert (tmp_path / "loss.png").stat().st_size > 1000
 
 
+def test_the_starting_evaluation_is_not_counted_as_training_time(dataset, tmp_path, monkeypatch):
+    """The first row's tokens/s measures its steps only: an evaluation made 3 s longer before
+    step 1 leaves that window well under 3 s (its one step takes milliseconds)."""
+    import time
+
+    from trainer.loop import Training
+
+    original = Training._evaluate
+
+    def slow_evaluate(self):
+        time.sleep(3.0)
+        return original(self)
+
+    monkeypatch.setattr(Training, "_evaluate", slow_evaluate)
+    assert train(small_config(dataset, max_steps=1), tmp_path, ONE) == 0
+    first = next(r for r in metric_rows(tmp_path) if "tokens_per_s" in r)
+    assert first["tokens"] / first["tokens_per_s"] < 1.5
+
+
 def nan_at(model, calls: set[int]):
     """Make the training loss NaN on the given training forward calls (1-based)."""
     original, count = model.forward, {"n": 0}
