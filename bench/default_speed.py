@@ -1,21 +1,23 @@
 """The default command's speed against transformers' eager LlamaForCausalLM, compile time
 included: `python -m trainer` (no overrides: 300 steps of 8 x 256 tokens, trainer.compile=auto,
-which keeps a run this short eager) run whole, and with trainer.compile=true from an empty
-compile cache (a first run) and again with the cache it left (every later run);
-transformers' eager step on the same model, batch and sequence length
-(bench/train_throughput.py's child) is timed before and after them, as users run it and with
-the allocator setting the trainer makes on CPU (trainer.cpu_malloc=keep); the default run is also
-repeated with trainer.cpu_malloc=system.
+which keeps a run this short eager) run whole, --default-runs times; then with
+trainer.cpu_malloc=system, and with trainer.compile=true from an empty compile cache (a first
+run) and again with the cache it left (every later run). This machine's speed drifts by 10-25%
+within minutes, so transformers' eager step on the same model, batch and sequence length
+(bench/train_throughput.py's child), as users run it and with the allocator setting the trainer
+makes on CPU (trainer.cpu_malloc=keep), is timed between every two runs: each run is compared
+with the mean of the measurements just before and just after it.
 
-A run's training time is the sum of its logged windows (evaluation and checkpoints excluded,
+A run's training time is the sum of its logged windows (evaluations and checkpoints excluded,
 the first steps' compilation included); its tokens/s are all its tokens over that time.
 
-    python bench/default_speed.py
+    python bench/default_speed.py [--default-runs 3]
 Writes bench/results/default_speed_cpu.json.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -30,8 +32,9 @@ sys.path.insert(0, str(ROOT))
 from bench.machine import machine
 
 BATCH, SEQ_LEN = 8, 256  # conf/trainer/default.yaml, conf/data/default.yaml
-RUNS = {  # name -> (overrides, compile cache: "fresh" or "reused": the first run's)
-    "python -m trainer (default)": ([], "fresh"),
+DEFAULT_RUN = "python -m trainer (default)"  # run --default-runs times
+KEEP = "transformers_malloc_keep"
+RUNS = {  # name -> (overrides, compile cache: "fresh" or "reused": the previous run's)
     "trainer.cpu_malloc=system (glibc's defaults)": (["trainer.cpu_malloc=system"], "fresh"),
     "trainer.compile=true, first run (empty compile cache)": (["trainer.compile=true"], "fresh"),
     "trainer.compile=true, later runs (cache on disk)": (["trainer.compile=true"], "reused"),
@@ -79,47 +82,65 @@ def run_trainer(overrides: list[str], cache: Path) -> dict:
     }
 
 
+def transformers_pair() -> dict[str, float]:
+    """transformers' eager tokens/s as users run it, and with the trainer's allocator setting."""
+    return {"plain": transformers_tokens_per_s(), "keep": transformers_tokens_per_s(KEEP)}
+
+
 def main() -> None:
-    before = transformers_tokens_per_s()
-    keep_before = transformers_tokens_per_s("transformers_malloc_keep")
-    rows = {}
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--default-runs", type=int, default=3, help="repeats of the default run")
+    args = parser.parse_args()
+    args.default_runs = max(1, args.default_runs)
+    runs = [(DEFAULT_RUN, [], "fresh")] * args.default_runs
+    runs += [(name, overrides, cache) for name, (overrides, cache) in RUNS.items()]
+    rows = []
+    bracket = transformers_pair()  # measured before each run and after it
     with tempfile.TemporaryDirectory() as caches:
         previous = Path(caches) / "none"
-        for i, (name, (overrides, cache)) in enumerate(RUNS.items()):
+        for i, (name, overrides, cache) in enumerate(runs):
             fresh = Path(caches) / str(i)  # no spaces: the C++ compiler gets this path
-            rows[name] = run_trainer(overrides, previous if cache == "reused" else fresh)
+            row = {"run": name} | run_trainer(overrides, previous if cache == "reused" else fresh)
             previous = fresh
-            print(name, json.dumps({k: v for k, v in rows[name].items() if k != "compile"}))
-    after = transformers_tokens_per_s()
-    keep_after = transformers_tokens_per_s("transformers_malloc_keep")
-    reference, keep_reference = (before + after) / 2, (keep_before + keep_after) / 2
-    for row in rows.values():
-        row["vs_transformers_eager"] = row["tokens_per_s"] / reference
-        row["steady_vs_transformers_eager"] = row["steady_tokens_per_s"] / reference
-        row["vs_transformers_eager_same_malloc"] = row["tokens_per_s"] / keep_reference
+            after = transformers_pair()
+            plain = (bracket["plain"] + after["plain"]) / 2
+            keep = (bracket["keep"] + after["keep"]) / 2
+            row |= {
+                "transformers_tokens_per_s": {"before": bracket["plain"], "after": after["plain"]},
+                "transformers_malloc_keep_tokens_per_s": {
+                    "before": bracket["keep"], "after": after["keep"]
+                },
+                "vs_transformers_eager": row["tokens_per_s"] / plain,
+                "steady_vs_transformers_eager": row["steady_tokens_per_s"] / plain,
+                "vs_transformers_eager_same_malloc": row["tokens_per_s"] / keep,
+            }  # fmt: skip
+            bracket = after
+            rows.append(row)
+            print(name, json.dumps({k: v for k, v in row.items() if k != "compile"}))
+    defaults = [r["vs_transformers_eager"] for r in rows if r["run"] == DEFAULT_RUN]
     report = {
         "benchmark": "default_speed",
         "batch": BATCH,
         "seq_len": SEQ_LEN,
         "machine": machine(("torch", "transformers")),
-        "transformers_eager_tokens_per_s": {"before": before, "after": after},
-        # the same with glibc keeping freed blocks, as the trainer sets it (trainer/cpu_malloc.py)
-        "transformers_eager_malloc_keep_tokens_per_s": {"before": keep_before, "after": keep_after},
+        "default_run_vs_transformers_eager": {
+            "median": statistics.median(defaults), "min": min(defaults), "max": max(defaults)
+        },
         "runs": rows,
-    }
-    print(f"transformers eager: {before:.0f} tok/s before, {after:.0f} after")
-    print(f"  with malloc keep: {keep_before:.0f} tok/s before, {keep_after:.0f} after")
+    }  # fmt: skip
     print(
-        "| run | compile | training s | tokens/s | vs transformers eager | steady | "
-        "vs transformers, same malloc | wall s |"
+        "| run | compile | training s | tokens/s | transformers tok/s (before, after) | "
+        "vs transformers eager | steady | vs transformers, same malloc | peak RSS | wall s |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
-    for name, r in rows.items():
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        t = r["transformers_tokens_per_s"]
         print(
-            f"| {name} | {r['compile'].split(' (')[0]} | {r['training_seconds']:.1f} | "
-            f"{r['tokens_per_s']:.0f} | {r['vs_transformers_eager']:.2f}x | "
-            f"{r['steady_vs_transformers_eager']:.2f}x | "
-            f"{r['vs_transformers_eager_same_malloc']:.2f}x | {r['wall_seconds']:.1f} |"
+            f"| {r['run']} | {r['compile'].split(' (')[0]} | {r['training_seconds']:.1f} | "
+            f"{r['tokens_per_s']:.0f} | {t['before']:.0f}, {t['after']:.0f} | "
+            f"{r['vs_transformers_eager']:.2f}x | {r['steady_vs_transformers_eager']:.2f}x | "
+            f"{r['vs_transformers_eager_same_malloc']:.2f}x | {r['peak_rss_mib']:.0f} MiB | "
+            f"{r['wall_seconds']:.1f} |"
         )
     out = Path(__file__).parent / "results" / "default_speed_cpu.json"
     out.write_text(json.dumps(report, indent=2) + "\n")

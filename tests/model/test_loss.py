@@ -107,3 +107,16 @@ def test_autocast_returns_the_fp32_weight_gradient_unrounded():
     assert not torch.equal(grad_w, grad_w.bfloat16().float())  # more bits than bf16 holds
     # dlogits go through bf16 for the matmul (2^-9 relative each)
     torch.testing.assert_close(grad_w.double(), want, rtol=2e-2, atol=2e-3)
+
+
+def test_normalizer_from_the_largest_probability_equals_logsumexp():
+    """One dominant logit, a flat row, and a 128k-wide row: logsumexp to fp32 rounding."""
+    from model.loss import normalizer_and_softmax
+
+    g = torch.Generator().manual_seed(6)
+    rows = torch.randn(3, 128256, generator=g) * 4
+    rows[0, 17] = 300.0  # one logit dominates: the largest probability is ~1
+    rows[1] = 2.5  # flat: the largest probability is 1/V
+    lse, probs = normalizer_and_softmax(rows.clone())
+    torch.testing.assert_close(lse.double(), torch.logsumexp(rows.double(), -1), rtol=1e-6, atol=0)
+    torch.testing.assert_close(probs, torch.softmax(rows, -1), rtol=0, atol=0)
