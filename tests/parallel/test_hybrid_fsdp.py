@@ -80,5 +80,7 @@ def test_the_hybrid_under_hsdp_saves_and_resumes_in_another_layout(tmp_path) -> 
     second = run_ranks(2, train, hybrid(), {}, 2, 1, "fp32", 1.0, str(checkpoint), "")[0]
     losses = first["losses"] + second["losses"]
     torch.testing.assert_close(losses, uninterrupted["losses"], rtol=2e-5, atol=2e-6)
+    # Adam's normalized steps turn rounding-order differences of tiny gradients into weight
+    # differences of this size (issue 21's loss rounding moved one element to 1.2e-5 over 1e-5)
     for name, tensor in uninterrupted["final"].items():
-        torch.testing.assert_close(second["final"][name], tensor, rtol=1e-4, atol=1e-5, msg=name)
+        torch.testing.assert_close(second["final"][name], tensor, rtol=1e-4, atol=3e-5, msg=name)

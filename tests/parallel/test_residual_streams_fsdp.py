@@ -12,6 +12,9 @@ from tests.parallel.workers import small_model, train
 
 pytestmark = pytest.mark.distributed
 STEPS = 4
+# final weights: Adam's normalized steps turn rounding-order differences of tiny gradients (the
+# residual scales') into differences of this size (issue 21's loss rounding moved one to 5.4e-5)
+WEIGHT_ATOL = 1e-4
 
 
 def attnres(block_layers: int = 1):
@@ -32,7 +35,9 @@ def test_block_attnres_under_fsdp2_matches_one_process(single: dict, checkpointi
     # Adam turns reduction-order differences of near-zero gradient entries into ~1e-5 differences
     # of the update (observed 1.3e-5 after 4 steps; the gradient norms agree to 1e-7)
     for name, tensor in single["final"].items():
-        torch.testing.assert_close(got["final"][name], tensor, rtol=1e-4, atol=5e-5, msg=name)
+        torch.testing.assert_close(
+            got["final"][name], tensor, rtol=1e-4, atol=WEIGHT_ATOL, msg=name
+        )
     query = "layers.1.attn_residual.depth.query"
     assert got["placements"][query] == "(Shard(dim=0),)"
     for name in (query, "layers.0.ffn_residual.depth.gain", "stream.head.query"):
@@ -65,7 +70,9 @@ def test_mhc_under_fsdp2_matches_one_process(checkpointing: str) -> None:
     for name, tensor in single["final"].items():
         if name.rsplit(".", 1)[-1] in ("last_diag", "last_rms", "recorded"):
             continue  # metric buffers: each rank summarizes its own tokens
-        torch.testing.assert_close(got["final"][name], tensor, rtol=1e-4, atol=5e-5, msg=name)
+        torch.testing.assert_close(
+            got["final"][name], tensor, rtol=1e-4, atol=WEIGHT_ATOL, msg=name
+        )
     assert got["placements"]["layers.1.ffn_residual.fn"] == "(Shard(dim=0),)"
     for name in ("layers.1.ffn_residual.fn", "layers.0.attn_residual.base", "stream.head.hc_fn"):
         assert not torch.equal(single["final"][name], single["initial"][name]), name  # trained
@@ -130,5 +137,5 @@ def test_mhc_under_hsdp_resumes_in_another_layout(tmp_path) -> None:
     for name, tensor in uninterrupted["final"].items():
         if name.rsplit(".", 1)[-1] not in ("last_diag", "last_rms", "recorded"):
             torch.testing.assert_close(
-                second["final"][name], tensor, rtol=1e-4, atol=5e-5, msg=name
+                second["final"][name], tensor, rtol=1e-4, atol=WEIGHT_ATOL, msg=name
             )
