@@ -180,9 +180,8 @@ def matmul_attention(
     # query heads of one kv head stacked along the rows: no repeated keys or values (GQA)
     grouped = q.reshape(B, K, (H // K) * T, q.shape[-1])
     bias = _shared_bias(ctx, H // K, T, S, q)
-    if (
-        bias is not None
-    ):  # one GEMM: bias + scale q.k (scale 2^-n: bitwise the path below on CPU, tested)
+    # a shared mask: one GEMM, bias + scale q.k (scale 2^-n: bitwise the path below on CPU)
+    if bias is not None:
         flat_k = k.reshape(B * K, S, k.shape[-1]).mT
         logits = torch.baddbmm(bias, grouped.reshape(B * K, -1, q.shape[-1]), flat_k, alpha=scale)
         logits = logits.view(B, H, T, S)
