@@ -20,6 +20,37 @@ def wide_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+class RMSNormFunction(torch.autograd.Function):
+    """y = x rstd w with rstd = 1 / sqrt(mean(x^2) + eps), in the wide dtype, y in x's dtype.
+
+    Its backward is the closed form (x^ = x rstd, g = dy w):
+        dx = rstd (g - x^ mean(g x^)),   dw = sum over rows of dy x^
+    in four elementwise passes, a row sum and a matrix-vector product, where autograd through
+    F.rms_norm and the weight's product replays each forward op's backward (pow, mean, rsqrt,
+    two products, a sum). Saved for backward: x (kept alive anyway as the residual stream) and
+    rstd (..., 1); autograd's form also kept the normalized x in fp32 (bench/rms_norm.py).
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        wide = x.to(wide_dtype(x.dtype))
+        rstd = torch.rsqrt(wide.square().mean(dim=-1, keepdim=True) + eps)  # (..., 1)
+        ctx.save_for_backward(x, weight, rstd)
+        return (wide * rstd * weight.to(wide.dtype)).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        x, weight, rstd = ctx.saved_tensors  # x (..., C), weight (C,), rstd (..., 1) wide
+        w = weight.to(rstd.dtype)
+        scaled = dy * rstd  # dy rstd, wide: x^ is never formed
+        rows = (scaled * x).reshape(-1, x.shape[-1])  # (N, C) = dy x^
+        dw = rows.sum(dim=0)
+        # dx = rstd (g - x^ mean(g x^)) = dy rstd w - x rstd^2 mean(dy x^ w)
+        coef = (rows @ w).view_as(rstd) * rstd.square() / -x.shape[-1]  # (..., 1)
+        dx = torch.addcmul(scaled * w, x, coef)
+        return dx.to(x.dtype), dw.to(weight.dtype), None
+
+
 @NORMS.register("rms")
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, computed in fp32 and cast back to the input dtype."""
@@ -40,9 +71,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if self.kernel == "triton":
             return rms_norm(x, self.weight, self.eps)
-        wide = wide_dtype(x.dtype)  # fp32 (fp64 stays fp64)
-        y = F.rms_norm(x.to(wide), (x.shape[-1],), eps=self.eps)
-        return (y * self.weight.to(wide)).to(x.dtype)
+        return RMSNormFunction.apply(x, self.weight, self.eps)
 
     def add_and_normalize(self, x: Tensor, residual: Tensor) -> Tensor:
         """norm(x + residual): one pass with the fused kernel, else the add then the norm."""

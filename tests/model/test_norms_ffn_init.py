@@ -57,6 +57,32 @@ def test_rms_norm_formula(eps):
     torch.testing.assert_close(got.double(), want_b, atol=1e-6, rtol=2**-8)
 
 
+def test_rms_norm_gradients_match_autograd_of_the_formula():
+    """The closed-form backward (model/norms.py RMSNormFunction) against autograd through the
+    plain formula in fp64: gradcheck in fp64; fp32 within fp32 rounding; a bf16 input (dx comes
+    back in bf16, dw in the weight's fp32) within one bf16 rounding, at the bf16-rounded input."""
+    norm = RMSNorm(24, 1e-5).double()
+    with torch.no_grad():
+        norm.weight.copy_(randn(24, seed=1))
+    x = randn(3, 5, 24) * 3
+    assert torch.autograd.gradcheck(norm, (x.double().requires_grad_(),))
+
+    def formula_grads(x: Tensor, dy: Tensor) -> tuple[Tensor, ...]:
+        xd, w = x.detach().double().requires_grad_(), norm.weight.detach().requires_grad_()
+        y = xd / torch.sqrt(xd.square().mean(-1, keepdim=True) + 1e-5) * w
+        return torch.autograd.grad(y, (xd, w), dy.double())
+
+    norm32 = RMSNorm(24, 1e-5)
+    norm32.load_state_dict(norm.state_dict())
+    dy = randn(3, 5, 24, seed=3)
+    for dtype, rtol in ((torch.float32, RTOL), (torch.bfloat16, 2**-7)):
+        xi, dyi = x.to(dtype).requires_grad_(), dy.to(dtype)
+        got = torch.autograd.grad(norm32(xi), (xi, norm32.weight), dyi)
+        assert got[0].dtype == dtype and got[1].dtype == torch.float32
+        for g, want in zip(got, formula_grads(xi, dyi)):
+            torch.testing.assert_close(g.double(), want, atol=rtol * want.abs().max().item(), rtol=rtol)
+
+
 def test_layer_norm_matches_torch():
     norm = LayerNorm(24, 1e-5)
     with torch.no_grad():
