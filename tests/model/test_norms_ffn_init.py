@@ -80,7 +80,9 @@ def test_rms_norm_gradients_match_autograd_of_the_formula():
         got = torch.autograd.grad(norm32(xi), (xi, norm32.weight), dyi)
         assert got[0].dtype == dtype and got[1].dtype == torch.float32
         for g, want in zip(got, formula_grads(xi, dyi)):
-            torch.testing.assert_close(g.double(), want, atol=rtol * want.abs().max().item(), rtol=rtol)
+            torch.testing.assert_close(
+                g.double(), want, atol=rtol * want.abs().max().item(), rtol=rtol
+            )
 
 
 def test_layer_norm_matches_torch():
