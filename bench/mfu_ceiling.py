@@ -12,9 +12,11 @@ achievable MFU.
 
 In the same run, the trainer's own step (engine and step function, bf16 autocast, AdamW, as
 `python -m trainer` runs it) is timed eager with `model.attention.backend` auto and sdpa, and
-with `trainer.compile=true`: its ratio to the bound is what the framework adds.
+with `trainer.compile=true`: its ratio to the bound is what the framework adds. This machine's
+speed drifts by 10-25% within minutes, so the bound and the steps are measured in --rounds
+rounds, each ratio within its round, and the median and range of the rounds are reported.
 
-    python bench/mfu_ceiling.py [--batch 16] [--seq-len 256]
+    python bench/mfu_ceiling.py [--batch 16] [--seq-len 256] [--rounds 5]
 Writes bench/results/mfu_ceiling_cpu_<batch>x<seq_len>.json.
 """
 
@@ -60,6 +62,19 @@ def median_seconds(fn: Callable[[], object], repeats: int = 7) -> float:
     return statistics.median(times)
 
 
+def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median seconds of each callable, timed in turns (a, b, c, a, b, c, ...) after one
+    untimed turn, so that a drift of the machine's speed falls on all of them alike."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for turn in range(repeats + 1):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            if turn:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def linear_seconds(tokens: int, d_in: int, d_out: int) -> float:
     """Forward + both backward GEMMs of y = x W^T with x (tokens, d_in), W (d_out, d_in)."""
     x = torch.randn(tokens, d_in, dtype=BF16)
@@ -71,9 +86,16 @@ def linear_seconds(tokens: int, d_in: int, d_out: int) -> float:
     return forward + grad_input + grad_weight
 
 
-def trainer_step_seconds(batch: int, seq_len: int, backend: str, compile: bool) -> float:
-    """Median seconds of the trainer's own training step on the tiny preset (bf16 autocast,
-    AdamW, gradient clipping), after warm-up (compilation included there)."""
+STEP_CONFIGS = {  # name -> (attention backend, compile)
+    "auto": ("auto", False),
+    "sdpa": ("sdpa", False),
+    "auto_compiled": ("auto", True),
+}
+
+
+def trainer_step(batch: int, seq_len: int, backend: str, compile: bool) -> Callable[[], object]:
+    """One training step of the trainer's own engine on the tiny preset (bf16 autocast, AdamW,
+    gradient clipping), as a callable; compiled engines compile on their first call."""
     cfg = load_preset("tiny", {"attention.backend": backend})
     tcfg = TrainerConfig(batch_size=batch, compile=compile)
     dims = ParallelDims.resolve(ParallelConfig(), 1)
@@ -83,16 +105,12 @@ def trainer_step_seconds(batch: int, seq_len: int, backend: str, compile: bool) 
     tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1))
     data = Batch(tokens[:, :-1], tokens[:, 1:], torch.zeros_like(tokens[:, 1:]))
     tracker, settings = LossTracker(0.0), StepSettings(grad_clip=1.0)
-    return median_seconds(lambda: train_step(engine, data, settings, tracker), repeats=5)
+    return lambda: train_step(engine, data, settings, tracker)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--seq-len", type=int, default=256)
-    args = parser.parse_args()
+def bound_seconds(args: argparse.Namespace) -> dict:
+    """The lower bound's parts: every projection and head GEMM alone, attention's kernels."""
     cfg = load_preset("tiny")
-    model = build_model(cfg, device="meta")
     tokens = args.batch * args.seq_len
     C, H, K, D = cfg.d_model, cfg.attention.n_heads, cfg.n_kv_heads, cfg.head_dim
     layer_shapes = [(C, H * D), (C, K * D), (C, K * D), (H * D, C)]  # q, k, v, o
@@ -102,41 +120,63 @@ def main() -> None:
     head = (tokens // chunk) * linear_seconds(chunk, C, cfg.vocab_size)
     kernels = kernel_seconds(args.batch, H, K, args.seq_len, D)
     fastest = min(kernels, key=kernels.get)
-    attention = kernels[fastest]
-    gemm_time = cfg.n_layers * per_layer + head
-    step_time = gemm_time + cfg.n_layers * attention
-    flops = training_flops_per_token(model, args.seq_len).total * tokens
+    seconds = {
+        "projection_gemms_all_layers": cfg.n_layers * per_layer,
+        "head_gemms": head,
+        "attention_all_layers": cfg.n_layers * kernels[fastest],
+    }
+    seconds["lower_bound_step"] = sum(seconds.values())
+    return {"seconds": seconds, "attention_kernel_seconds_per_layer": kernels, "fastest": fastest}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=5, help="bound + steps measured this often")
+    args = parser.parse_args()
+    cfg = load_preset("tiny")
+    model = build_model(cfg, device="meta")
+    flops = training_flops_per_token(model, args.seq_len).total * args.batch * args.seq_len
     peak = measure_matmul_peak(torch.device("cpu"), BF16, seconds=2.0)
     steps = {
-        f"{backend}{'_compiled' if compile else ''}": trainer_step_seconds(
-            args.batch, args.seq_len, backend, compile
-        )
-        for backend, compile in (("auto", False), ("sdpa", False), ("auto", True))
+        name: trainer_step(args.batch, args.seq_len, *how) for name, how in STEP_CONFIGS.items()
     }
+    for step in steps.values():
+        step()  # compiles the compiled engine (cached on disk after the first run)
+    rounds = []
+    for index in range(args.rounds):  # the machine drifts: each round's ratios are its own
+        bound = bound_seconds(args)
+        times = interleaved_medians(steps, repeats=7)
+        limit = bound["seconds"]["lower_bound_step"]
+        rounds.append(bound | {"trainer_step_seconds": times,
+                               "trainer_step_over_bound": {n: t / limit for n, t in times.items()}})  # fmt: skip
+        ratios = ", ".join(f"{n} {t * 1e3:.1f} ms = {t / limit:.2f}x" for n, t in times.items())
+        print(f"round {index}: bound {limit * 1e3:.1f} ms; {ratios}")
+    over = {n: [r["trainer_step_over_bound"][n] for r in rounds] for n in STEP_CONFIGS}
+    last = rounds[-1]
+    gemm_time = last["seconds"]["projection_gemms_all_layers"] + last["seconds"]["head_gemms"]
     report = {
         "benchmark": "mfu_ceiling",
         "args": vars(args),
         "machine": machine(torch_threads=torch.get_num_threads()),
         "bf16_matmul_peak_flops": peak,
         "step_flops": flops,
-        "seconds": {
-            "projection_gemms_all_layers": cfg.n_layers * per_layer,
-            "head_gemms": head,
-            "attention_all_layers": cfg.n_layers * attention,
-            "lower_bound_step": step_time,
+        "rounds": rounds,
+        "trainer_step_over_bound": {
+            n: {"median": statistics.median(v), "min": min(v), "max": max(v)}
+            for n, v in over.items()
         },
-        "attention_kernel_seconds_per_layer": kernels,
-        "attention_kernel_of_the_bound": fastest,
-        "trainer_step_seconds": steps,
-        "trainer_step_over_bound": {name: t / step_time for name, t in steps.items()},
         "mfu_ceiling_gemms_only": flops / gemm_time / peak,
-        "mfu_ceiling_gemms_and_attention": flops / step_time / peak,
+        "mfu_ceiling_gemms_and_attention": flops / last["seconds"]["lower_bound_step"] / peak,
     }
-    for key, value in report["seconds"].items():
-        print(f"{key:32s} {value * 1e3:8.1f} ms")
+    for key, value in last["seconds"].items():
+        print(f"{key:32s} {value * 1e3:8.1f} ms (last round)")
+    kernels = last["attention_kernel_seconds_per_layer"]
     print(f"attention per layer: { {k: round(v * 1e3, 1) for k, v in kernels.items()} } ms")
-    for name, t in steps.items():
-        print(f"trainer step ({name}) {t * 1e3:8.1f} ms = {t / step_time:.2f}x the bound")
+    for name, stats in report["trainer_step_over_bound"].items():
+        print(f"trainer step ({name}) over the bound: median {stats['median']:.2f}x "
+              f"({stats['min']:.2f}-{stats['max']:.2f}x over {args.rounds} rounds)")  # fmt: skip
     print(f"bf16 matmul peak {peak / 1e12:.2f} TFLOP/s; step {flops / 1e9:.1f} GFLOP")
     print(f"MFU ceiling, GEMMs alone:            {100 * report['mfu_ceiling_gemms_only']:.1f}%")
     print(f"MFU ceiling, GEMMs + attention: {100 * report['mfu_ceiling_gemms_and_attention']:.1f}%")
