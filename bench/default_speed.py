@@ -11,8 +11,9 @@ with the mean of the measurements just before and just after it.
 A run's training time is the sum of its logged windows (evaluations and checkpoints excluded,
 the first steps' compilation included); its tokens/s are all its tokens over that time.
 
-    python bench/default_speed.py [--default-runs 3]
-Writes bench/results/default_speed_cpu.json.
+    python bench/default_speed.py [--default-runs 3] [--transformers-steps 8] [--default-only]
+Writes bench/results/default_speed_cpu.json (--default-only: the default runs alone, into
+default_speed_cpu_default_only.json).
 """
 
 from __future__ import annotations
@@ -41,11 +42,21 @@ RUNS = {  # name -> (overrides, compile cache: "fresh" or "reused": the previous
 }
 
 
-def transformers_tokens_per_s(variant: str = "transformers") -> float:
-    """Steady-state tokens/s of transformers' eager Llama on the default batch (8 timed steps);
-    variant "transformers_malloc_keep": with the trainer's CPU allocator setting."""
+def transformers_tokens_per_s(variant: str = "transformers", steps: int = 8) -> float:
+    """Steady-state tokens/s of transformers' eager Llama on the default batch (the median of
+    `steps` timed steps); variant "transformers_malloc_keep": with the trainer's CPU allocator
+    setting."""
     cmd = [sys.executable, str(ROOT / "bench" / "train_throughput.py"), "--child", variant]
-    cmd += ["--batch", str(BATCH), "--seq-len", str(SEQ_LEN), "--steps", "8", "--warmup", "3"]
+    cmd += [
+        "--batch",
+        str(BATCH),
+        "--seq-len",
+        str(SEQ_LEN),
+        "--steps",
+        str(steps),
+        "--warmup",
+        "3",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT)
     return json.loads(out.stdout.strip().splitlines()[-1])["tokens_per_s"]
 
@@ -82,27 +93,35 @@ def run_trainer(overrides: list[str], cache: Path) -> dict:
     }
 
 
-def transformers_pair() -> dict[str, float]:
+def transformers_pair(steps: int) -> dict[str, float]:
     """transformers' eager tokens/s as users run it, and with the trainer's allocator setting."""
-    return {"plain": transformers_tokens_per_s(), "keep": transformers_tokens_per_s(KEEP)}
+    return {
+        "plain": transformers_tokens_per_s(steps=steps),
+        "keep": transformers_tokens_per_s(KEEP, steps=steps),
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--default-runs", type=int, default=3, help="repeats of the default run")
+    parser.add_argument("--transformers-steps", type=int, default=8, help="timed, per bracket")
+    parser.add_argument(
+        "--default-only", action="store_true", help="only the default runs (a separate JSON)"
+    )
     args = parser.parse_args()
     args.default_runs = max(1, args.default_runs)
     runs = [(DEFAULT_RUN, [], "fresh")] * args.default_runs
-    runs += [(name, overrides, cache) for name, (overrides, cache) in RUNS.items()]
+    if not args.default_only:
+        runs += [(name, overrides, cache) for name, (overrides, cache) in RUNS.items()]
     rows = []
-    bracket = transformers_pair()  # measured before each run and after it
+    bracket = transformers_pair(args.transformers_steps)  # measured before each run and after it
     with tempfile.TemporaryDirectory() as caches:
         previous = Path(caches) / "none"
         for i, (name, overrides, cache) in enumerate(runs):
             fresh = Path(caches) / str(i)  # no spaces: the C++ compiler gets this path
             row = {"run": name} | run_trainer(overrides, previous if cache == "reused" else fresh)
             previous = fresh
-            after = transformers_pair()
+            after = transformers_pair(args.transformers_steps)
             plain = (bracket["plain"] + after["plain"]) / 2
             keep = (bracket["keep"] + after["keep"]) / 2
             row |= {
@@ -120,6 +139,7 @@ def main() -> None:
     defaults = [r["vs_transformers_eager"] for r in rows if r["run"] == DEFAULT_RUN]
     report = {
         "benchmark": "default_speed",
+        "args": vars(args),
         "batch": BATCH,
         "seq_len": SEQ_LEN,
         "machine": machine(("torch", "transformers")),
@@ -142,7 +162,8 @@ def main() -> None:
             f"{r['vs_transformers_eager_same_malloc']:.2f}x | {r['peak_rss_mib']:.0f} MiB | "
             f"{r['wall_seconds']:.1f} |"
         )
-    out = Path(__file__).parent / "results" / "default_speed_cpu.json"
+    name = "default_speed_cpu_default_only.json" if args.default_only else "default_speed_cpu.json"
+    out = Path(__file__).parent / "results" / name
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {out}")
 
