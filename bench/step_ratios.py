@@ -1,8 +1,9 @@
 """Steady-state training-step ratios against transformers' eager LlamaForCausalLM, with the
 machine's drift cancelled: each variant (bench/train_throughput.py's `build`: the same tiny
 model, batch, AdamW and clipping) lives in its own process for the whole run, and the processes
-take turns, a few steps each, round after round (the order rotating), so that a change of the
-machine's speed falls on all of them alike. Each round's ratios come from that round's medians.
+take turns, a few steps each, round after round (the order rotating, after one untimed turn
+each), so that a change of the machine's speed falls on all of them alike. Each round's ratios
+come from that round's medians.
 
 Variants: transformers as users run it (glibc's allocator defaults), transformers with the
 allocator setting the trainer makes on CPU (trainer.cpu_malloc=keep), the trainer's eager step
@@ -62,13 +63,25 @@ def start(variant: str, args: argparse.Namespace) -> subprocess.Popen:
     child = subprocess.Popen(
         cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1
     )
-    json.loads(child.stdout.readline())  # waits for its warm-up (one at a time: no contention)
+    ready = child.stdout.readline()  # waits for its warm-up (one at a time: no contention)
+    if json.loads(ready or "{}").get("ready") != variant:
+        raise SystemExit(f"{variant}: the child did not start (exit {child.wait()}): {ready!r}")
     return child
 
 
 def turn(child: subprocess.Popen, steps: int) -> list[float]:
     child.stdin.write(f"{steps}\n")
-    return json.loads(child.stdout.readline())
+    answer = child.stdout.readline()
+    if not answer:
+        raise SystemExit(f"a child stopped (exit {child.wait()}): see its output above")
+    return json.loads(answer)
+
+
+def stop(child: subprocess.Popen) -> None:
+    if child.poll() is None:
+        child.stdin.write("quit\n")
+        child.stdin.close()
+    child.wait()
 
 
 def summary(values: list[float]) -> dict:
@@ -86,9 +99,13 @@ def main() -> None:
     if args.serve:
         serve(args.serve, args.batch, args.seq_len)
         return
-    children = {variant: start(variant, args) for variant in VARIANTS}
+    children: dict[str, subprocess.Popen] = {}
     rounds = []
     try:
+        for variant in VARIANTS:
+            children[variant] = start(variant, args)
+        for child in children.values():  # an untimed turn each: the first ones waited longest
+            turn(child, 1)
         for index in range(args.rounds):
             order = VARIANTS[index % len(VARIANTS) :] + VARIANTS[: index % len(VARIANTS)]
             medians = {v: statistics.median(turn(children[v], args.steps_per_turn)) for v in order}
@@ -98,9 +115,7 @@ def main() -> None:
             )
     finally:
         for child in children.values():
-            child.stdin.write("quit\n")
-            child.stdin.close()
-            child.wait()
+            stop(child)
     ours = [v for v in VARIANTS if v.startswith("lmforge")]
     ratios = {
         f"{v}_vs_{base}": summary([r[base] / r[v] for r in rounds])

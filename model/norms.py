@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 
 from model import roles
 from model.config import KernelsConfig
@@ -25,10 +26,11 @@ class RMSNormFunction(torch.autograd.Function):
 
     Its backward is the closed form (x^ = x rstd, g = dy w):
         dx = rstd (g - x^ mean(g x^)),   dw = sum over rows of dy x^
-    in four elementwise passes, a row sum and a matrix-vector product, where autograd through
-    F.rms_norm and the weight's product replays each forward op's backward (pow, mean, rsqrt,
-    two products, a sum). Saved for backward: x (kept alive anyway as the residual stream) and
-    rstd (..., 1); autograd's form also kept the normalized x in fp32 (bench/rms_norm.py).
+    in four elementwise passes, a row sum and a matrix-vector product. On CPU, F.rms_norm has no
+    fused kernel: autograd replays each of its pieces' backward (pow, mean, rsqrt, two products,
+    a sum), 1.18-1.50x slower, and also keeps the normalized x in fp32 (bench/rms_norm.py); this
+    keeps x (alive anyway as the residual stream) and rstd (..., 1). CUDA has fused F.rms_norm
+    kernels, so RMSNorm uses this on CPU only. No double backward (rstd is saved as a constant).
     """
 
     @staticmethod
@@ -39,16 +41,20 @@ class RMSNormFunction(torch.autograd.Function):
         return (wide * rstd * weight.to(wide.dtype)).to(x.dtype)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dy: Tensor):
         x, weight, rstd = ctx.saved_tensors  # x (..., C), weight (C,), rstd (..., 1) wide
-        w = weight.to(rstd.dtype)
-        scaled = dy * rstd  # dy rstd, wide: x^ is never formed
-        rows = (scaled * x).reshape(-1, x.shape[-1])  # (N, C) = dy x^
-        dw = rows.sum(dim=0)
-        # dx = rstd (g - x^ mean(g x^)) = dy rstd w - x rstd^2 mean(dy x^ w)
-        coef = (rows @ w).view_as(rstd) * rstd.square() / -x.shape[-1]  # (..., 1)
-        dx = torch.addcmul(scaled * w, x, coef)
-        return dx.to(x.dtype), dw.to(weight.dtype), None
+        want_x, want_w = ctx.needs_input_grad[:2]
+        with torch.autocast(dy.device.type, enabled=False):  # the products stay wide
+            w = weight.to(rstd.dtype)
+            scaled = dy * rstd  # dy rstd, wide: x^ is never formed
+            rows = (scaled * x).reshape(-1, x.shape[-1])  # (N, C) = dy x^
+            dw = rows.sum(dim=0).to(weight.dtype) if want_w else None
+            dx = None
+            if want_x:  # dx = rstd (g - x^ mean(g x^)) = dy rstd w - x rstd^2 mean(dy x^ w)
+                coef = (rows @ w).view_as(rstd) * rstd.square() / -x.shape[-1]  # (..., 1)
+                dx = torch.addcmul(scaled * w, x, coef).to(x.dtype)
+        return dx, dw, None
 
 
 @NORMS.register("rms")
@@ -71,7 +77,11 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if self.kernel == "triton":
             return rms_norm(x, self.weight, self.eps)
-        return RMSNormFunction.apply(x, self.weight, self.eps)
+        if x.device.type == "cpu":
+            return RMSNormFunction.apply(x, self.weight, self.eps)
+        wide = wide_dtype(x.dtype)  # fp32 (fp64 stays fp64); CUDA's fused kernels
+        y = F.rms_norm(x.to(wide), (x.shape[-1],), eps=self.eps)
+        return (y * self.weight.to(wide)).to(x.dtype)
 
     def add_and_normalize(self, x: Tensor, residual: Tensor) -> Tensor:
         """norm(x + residual): one pass with the fused kernel, else the add then the norm."""

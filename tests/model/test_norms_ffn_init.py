@@ -57,32 +57,55 @@ def test_rms_norm_formula(eps):
     torch.testing.assert_close(got.double(), want_b, atol=1e-6, rtol=2**-8)
 
 
-def test_rms_norm_gradients_match_autograd_of_the_formula():
-    """The closed-form backward (model/norms.py RMSNormFunction) against autograd through the
-    plain formula in fp64: gradcheck in fp64; fp32 within fp32 rounding; a bf16 input (dx comes
-    back in bf16, dw in the weight's fp32) within one bf16 rounding, at the bf16-rounded input."""
-    norm = RMSNorm(24, 1e-5).double()
+@pytest.mark.parametrize("eps, scale", [(1e-5, 3.0), (1e-2, 0.1)])  # eps matters in the second
+def test_rms_norm_gradients_match_autograd_of_the_formula(eps, scale):
+    """The closed-form backward (model/norms.py RMSNormFunction, RMSNorm's CPU path) against
+    autograd through the plain formula in fp64: gradcheck in fp64; fp32 within fp32 rounding,
+    also for a non-contiguous input; a bf16 input (dx comes back in bf16, dw in the weight's
+    fp32) within one bf16 rounding at the bf16-rounded input; a bf16 weight gets a bf16 dw."""
+    norm = RMSNorm(24, eps).double()
     with torch.no_grad():
         norm.weight.copy_(randn(24, seed=1))
-    x = randn(3, 5, 24) * 3
+    x = randn(3, 5, 24) * scale
     assert torch.autograd.gradcheck(norm, (x.double().requires_grad_(),))
 
-    def formula_grads(x: Tensor, dy: Tensor) -> tuple[Tensor, ...]:
-        xd, w = x.detach().double().requires_grad_(), norm.weight.detach().requires_grad_()
-        y = xd / torch.sqrt(xd.square().mean(-1, keepdim=True) + 1e-5) * w
+    def formula_grads(x: Tensor, dy: Tensor, weight: Tensor) -> tuple[Tensor, ...]:
+        xd, w = x.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+        y = xd / torch.sqrt(xd.square().mean(-1, keepdim=True) + eps) * w
         return torch.autograd.grad(y, (xd, w), dy.double())
 
-    norm32 = RMSNorm(24, 1e-5)
+    norm32 = RMSNorm(24, eps)
     norm32.load_state_dict(norm.state_dict())
     dy = randn(3, 5, 24, seed=3)
-    for dtype, rtol in ((torch.float32, RTOL), (torch.bfloat16, 2**-7)):
-        xi, dyi = x.to(dtype).requires_grad_(), dy.to(dtype)
+    cases = [  # (input, gradient, tolerance relative to the largest entry)
+        (x, dy, RTOL),
+        (x.transpose(0, 1).contiguous().transpose(0, 1), dy, RTOL),  # non-contiguous
+        (x.bfloat16(), dy.bfloat16(), 2**-7),
+    ]
+    for xi, dyi, rtol in cases:
+        xi = xi.detach().requires_grad_()
         got = torch.autograd.grad(norm32(xi), (xi, norm32.weight), dyi)
-        assert got[0].dtype == dtype and got[1].dtype == torch.float32
-        for g, want in zip(got, formula_grads(xi, dyi)):
+        assert got[0].dtype == xi.dtype and got[1].dtype == torch.float32
+        for g, want in zip(got, formula_grads(xi, dyi, norm32.weight)):
             torch.testing.assert_close(
                 g.double(), want, atol=rtol * want.abs().max().item(), rtol=rtol
             )
+    norm16 = RMSNorm(24, eps).bfloat16()
+    norm16.load_state_dict(norm.state_dict())
+    xi = x.requires_grad_()
+    grad_w = torch.autograd.grad(norm16(xi), norm16.weight, dy)[0]
+    want = formula_grads(xi, dy, norm16.weight)[1]
+    assert grad_w.dtype == torch.bfloat16
+    torch.testing.assert_close(grad_w.double(), want, atol=0, rtol=2**-8)
+
+
+def test_rms_norm_refuses_double_backward():
+    """rstd is saved as a constant: a second derivative would be wrong, so it is an error."""
+    norm = RMSNorm(8, 1e-5)
+    x = randn(2, 8).requires_grad_()
+    (grad,) = torch.autograd.grad(norm(x).square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|does not require grad"):
+        grad.sum().backward()
 
 
 def test_layer_norm_matches_torch():

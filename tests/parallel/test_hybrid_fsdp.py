@@ -32,9 +32,9 @@ def test_the_hybrid_under_fsdp2_matches_one_process(single: dict, checkpointing:
     got = run_ranks(2, train, hybrid(), layout, STEPS, 1, "fp32", 1.0, "", "", "muonclip", 5.0)[0]
     for name, tensor in single["initial"].items():
         assert torch.equal(got["initial"][name], tensor), name
-    # the tolerances of tests/parallel/test_muon_fsdp.py: Muon's bf16 Newton-Schulz turns
-    # reduction-order differences of the gradients into ~1e-4 differences of the update, and the
-    # losses after it drift by up to 1.5e-5 relative by step 3 (7e-5 measured; AdamW: 1e-7)
+    # Muon's bf16 Newton-Schulz turns reduction-order differences of the gradients into ~1e-4
+    # differences of the update (as in tests/parallel/test_muon_fsdp.py), and the losses after
+    # it drift: 7e-5 absolute (1.5e-5 relative) by step 3 measured; with AdamW 1e-7
     torch.testing.assert_close(got["losses"], single["losses"], rtol=5e-5, atol=1e-5)
     for name, tensor in single["final"].items():
         torch.testing.assert_close(got["final"][name], tensor, rtol=0, atol=5e-4, msg=name)
