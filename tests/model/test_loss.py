@@ -120,3 +120,29 @@ def test_normalizer_from_the_largest_probability_equals_logsumexp():
     lse, probs = normalizer_and_softmax(rows.clone())
     torch.testing.assert_close(lse.double(), torch.logsumexp(rows.double(), -1), rtol=1e-6, atol=0)
     torch.testing.assert_close(probs, torch.softmax(rows, -1), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("chunk", [0, 4])
+def test_evaluation_computes_the_loss_without_its_gradients(chunk, monkeypatch):
+    """Under no_grad the loss is the training forward's, bitwise, and no gradient is built: an
+    autograd Function's needs_input_grad follows requires_grad even under no_grad, so going
+    through it cost every evaluation two extra head GEMMs per chunk."""
+    import model.loss as loss_module
+
+    h, w, targets = inputs()
+    training = chunked_cross_entropy(h, w, targets, chunk)
+    built = []
+    real = loss_module.chunked_loss
+
+    def recording(*args, want_grad):
+        built.append(want_grad)
+        return real(*args, want_grad=want_grad)
+
+    monkeypatch.setattr(loss_module, "chunked_loss", recording)
+    with torch.no_grad():
+        evaluation = chunked_cross_entropy(h, w, targets, chunk)
+    assert built == [False]
+    assert torch.equal(evaluation, training.detach())
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        chunked_cross_entropy(h, w, targets, chunk)
+    assert built == [False, False]
