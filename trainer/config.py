@@ -30,6 +30,11 @@ COMPILE_CHOICES = ("auto", "true", "false")
 # default 300-step run was slower compiled the first time (bench/default_speed.py), so it
 # stays eager; runs of thousands of steps (any real one, on any device) compile
 COMPILE_MIN_STEPS = 1000
+# a compiled run evaluates eagerly unless it evaluates at least this many batches over the run:
+# the no-grad graphs' cold compile took 22 s on CPU and saved 45 ms per 8 x 256 batch, paying
+# back after ~490 batches (bench/eval_speed.py); samples are always eager (5.6 s to compile,
+# 0.05 s saved each)
+EVAL_COMPILE_MIN_BATCHES = 500
 
 
 def _require(ok: bool, message: str) -> None:
@@ -103,6 +108,22 @@ def compiles(trainer: TrainerConfig) -> bool:
     if trainer.compile == "auto":
         return trainer.max_steps >= COMPILE_MIN_STEPS
     return trainer.compile == "true"
+
+
+def evaluated_batches(trainer: TrainerConfig, batches_per_evaluation: int) -> int:
+    """Batches the run's evaluations forward: one evaluation at step 0, every eval_every, at
+    the end."""
+    every = trainer.eval_every
+    evaluations = 1 + (-(-trainer.max_steps // every) if every else 1)
+    return evaluations * batches_per_evaluation
+
+
+def compiles_evaluation(trainer: TrainerConfig, batches_per_evaluation: int) -> bool:
+    """Whether a compiled run also runs its evaluation forwards compiled (else eagerly, with
+    no inference compile): when they are enough to pay the compile back
+    (EVAL_COMPILE_MIN_BATCHES)."""
+    enough = evaluated_batches(trainer, batches_per_evaluation) >= EVAL_COMPILE_MIN_BATCHES
+    return compiles(trainer) and enough
 
 
 @dataclass(kw_only=True)

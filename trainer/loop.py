@@ -7,12 +7,14 @@ many bad steps).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import signal
 import time
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +29,7 @@ from parallel.collective import from_main
 from parallel.engine import TrainingEngine
 from trainer.checkpoint import Checkpointer
 from trainer.checkpoint_record import protect
-from trainer.config import RootConfig
+from trainer.config import RootConfig, compiles, compiles_evaluation
 from trainer.console import console
 from trainer.evaluate import perplexity, sample_text, validation_loss
 from trainer.metrics import MetricsFile, memory_bytes
@@ -294,25 +296,38 @@ class Training:
         """Validation loss (+ sample, plot); False when a stop signal interrupted it."""
         self.model.eval()
         try:
-            if self.loader.val_batches and not self._validate():
-                return False
+            with self._eager_stance(validation=True):
+                if self.loader.val_batches and not self._validate():
+                    return False
             # every rank samples (the same tokens, from the same seed): under FSDP or expert
             # parallelism each forward is collective, so rank 0 cannot run it alone
             if self.cfg.trainer.sample_tokens:
-                text = sample_text(
-                    self.engine,
-                    self.loader.tokenizer,
-                    self.cfg.trainer.sample_prompt,
-                    self.cfg.trainer.sample_tokens,
-                    self.device,
-                    seed=self.cfg.seed + self.step,
-                )
+                with self._eager_stance(validation=False):
+                    text = sample_text(
+                        self.engine,
+                        self.loader.tokenizer,
+                        self.cfg.trainer.sample_prompt,
+                        self.cfg.trainer.sample_tokens,
+                        self.device,
+                        seed=self.cfg.seed + self.step,
+                    )
                 log.info("sample at step %d: %r", self.step, text)
         finally:
             self.model.train()
         if self.ranks.is_main:
             plot_losses(self.metrics.rows(), self.run_dir / "loss.png")
         return True
+
+    def _eager_stance(self, validation: bool) -> AbstractContextManager:
+        """In a compiled run, validation forwards (unless their compile pays back:
+        trainer.config.compiles_evaluation) and samples run eagerly: no inference or decode
+        compile. FlexAttention is itself a compiled function: its layers keep compiling."""
+        trainer, data = self.cfg.trainer, self.cfg.data
+        pays_back = compiles_evaluation(trainer, data.val_batches + data.train_eval_batches)
+        flex = self.model_cfg.attention.backend == "flex"
+        if not compiles(trainer) or flex or (validation and pays_back):
+            return contextlib.nullcontext()
+        return torch.compiler.set_stance("force_eager")
 
     def _validate(self) -> bool:
         """One evaluation row (validation loss, and the loss on the fixed training sample) and
