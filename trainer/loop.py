@@ -332,6 +332,7 @@ class Training:
     def _validate(self) -> bool:
         """One evaluation row (validation loss, and the loss on the fixed training sample) and
         its log line; False when a stop signal interrupted it."""
+        started = time.perf_counter()
         val = self._sample_loss(self.loader.validation())
         if val is None:
             return False
@@ -349,6 +350,7 @@ class Training:
                 return False
             row["train_eval_loss"] = train
             line += f"  (training sample {train:.4f})"
+        row["eval_s"] = time.perf_counter() - started  # both losses' forwards
         self._emit(row)
         log.info("%s", line)
         return True

@@ -198,5 +198,6 @@ def test_evaluation_rows_say_what_was_evaluated_and_add_a_training_sample(
     for row in rows:
         assert row["val_windows"] == 4 and row["val_tokens"] == 4 * 32
         assert 1 <= row["val_documents"] <= 6 and row["train_eval_loss"] > 0
+        assert 0 < row["eval_s"] < 60
     assert "validation: 4 windows (128 tokens) spread over the whole split" in caplog.text
     assert "the validation split holds only 6 documents" in caplog.text  # with the fix named
