@@ -1,6 +1,7 @@
 """How much of an eager training step is GEMMs, measured inside the step: transformers' eager
 LlamaForCausalLM and the trainer's eager step (bench/train_throughput.py's `build`: the default
-tiny model, 8 x 256, bf16 autocast, AdamW, clipping), both with the trainer's allocator setting.
+tiny model, 8 x 256, bf16 autocast, AdamW, clipping), both with the trainer's allocator setting;
+the trainer's compiled step (trainer.compile=true) is timed alongside, whole.
 
 Each round times a few plain steps, then a few steps under a TorchDispatchMode that times every
 mm / bmm / baddbmm / addmm call with perf_counter (the mode slows the other ops, not the GEMMs
@@ -41,7 +42,13 @@ GEMMS = {
     torch.ops.aten.addmm.default,
 }
 BATCHED = {torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default}
-VARIANTS = {"transformers": "transformers_malloc_keep", "trainer": "lmforge"}
+VARIANTS = {
+    "transformers": "transformers_malloc_keep",
+    "trainer": "lmforge",
+    "trainer_compiled": "lmforge_compiled",  # plain steps only: its GEMMs run inside Inductor
+}
+COMPILED = "trainer_compiled"
+EAGER = [name for name in VARIANTS if name != COMPILED]
 
 
 class GemmTimer(TorchDispatchMode):
@@ -101,6 +108,8 @@ def main() -> None:
                 start = time.perf_counter()
                 step(x, y)
                 plain[name].append(time.perf_counter() - start)
+            if name == COMPILED:
+                continue
             for _ in range(args.steps):
                 timer = GemmTimer()
                 with timer:
@@ -113,7 +122,7 @@ def main() -> None:
     peak = measure_matmul_peak(torch.device("cpu"), torch.bfloat16, seconds=2.0)
     result: dict = {"benchmark": "step_gemm_share", "machine": machine(), "args": vars(args)}
     result["bf16_matmul_peak_flops"] = peak
-    for name in steps:
+    for name in EAGER:
         step_s, gemm_s = statistics.median(plain[name]), statistics.median(gemm[name])
         result[name] = {
             "step_seconds": step_s,
@@ -125,6 +134,14 @@ def main() -> None:
             "step_seconds_all": plain[name],
             "gemm_seconds_all": gemm[name],
         }
+    compiled = statistics.median(plain[COMPILED])
+    result[COMPILED] = {
+        "step_seconds": compiled,
+        # an estimate: the compiled step's GEMMs taken as the eager step's (both call aten's mm)
+        "other_seconds_if_its_gemms_take_the_eager_time": compiled
+        - result["trainer"]["gemm_seconds_in_step"],
+        "step_seconds_all": plain[COMPILED],
+    }
     target = result["transformers"]["step_seconds"] / args.speedup
     result["target"] = {
         "speedup": args.speedup,
@@ -136,12 +153,13 @@ def main() -> None:
     }
     out = ROOT / "bench" / "results" / "step_gemm_share_cpu.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
-    for name in steps:
+    for name in EAGER:
         r = result[name]
         print(
             f"{name}: step {1e3 * r['step_seconds']:.0f} ms = GEMMs {1e3 * r['gemm_seconds_in_step']:.0f}"
             f" (alone {1e3 * r['gemm_seconds_isolated']:.0f}) + other {1e3 * r['other_seconds']:.0f}"
         )
+    print(json.dumps(result[COMPILED] | {"step_seconds_all": None}, indent=2))
     print(json.dumps(result["target"], indent=2))
     print(f"wrote {out.relative_to(ROOT)}")
 
