@@ -39,15 +39,7 @@ from trainer.build import (
 )
 from trainer.checkpoint import Checkpointer, resume, set_aside
 from trainer.checkpoint_weights import init_weights_reader, resumes_its_own
-from trainer.config import (
-    COMPILE_MIN_STEPS,
-    EVAL_COMPILE_MIN_BATCHES,
-    RootConfig,
-    TrainerConfig,
-    compiles,
-    compiles_evaluation,
-    evaluated_batches,
-)
+from trainer.config import COMPILE_MIN_STEPS, RootConfig, TrainerConfig, compiles
 from trainer.cpu_malloc import keep_freed_memory
 from trainer.distributed import is_collective_timeout
 from trainer.evaluate import describe_evaluation
@@ -188,9 +180,7 @@ def _log_model_and_data(
         loader.manifest.tokenizer.short(),
     )
     log.info("layers: %s", model_cfg.layout_summary())
-    eval_batches = cfg.data.val_batches + cfg.data.train_eval_batches
-    flex = model_cfg.attention.backend == "flex"
-    log.info("torch.compile: %s", compile_summary(cfg.trainer, eval_batches, flex))
+    log.info("torch.compile: %s", compile_summary(cfg.trainer))
     log.info(
         "data: %s, %d training windows of %d tokens; %d micro-batch(es) of %d per step",
         loader.manifest.root,
@@ -201,31 +191,15 @@ def _log_model_and_data(
     )
 
 
-def compile_summary(trainer: TrainerConfig, batches_per_evaluation: int, flex: bool) -> str:
-    """The compile decision in words (with auto's reason, and the evaluations' choice: see
-    trainer.loop's _eager_stance)."""
+def compile_summary(trainer: TrainerConfig) -> str:
+    """The compile decision in words (with auto's reason)."""
     on = "on, every block and the head + loss" if compiles(trainer) else "off (eager)"
     if trainer.compile != "auto":
-        line = f"{on} (trainer.compile={trainer.compile})"
-    else:
-        comparison = ">=" if compiles(trainer) else "<"
-        line = (
-            f"{on} (trainer.compile=auto: {trainer.max_steps} steps {comparison} "
-            f"{COMPILE_MIN_STEPS}; set trainer.compile=true or false to choose)"
-        )
-    if not compiles(trainer):
-        return line
-    if flex:
-        return f"{line}; evaluations and samples compiled (FlexAttention is compiled anyway)"
-    batches = evaluated_batches(trainer, batches_per_evaluation)
-    if compiles_evaluation(trainer, batches_per_evaluation):
-        return (
-            f"{line}; evaluations compiled ({batches} batches >= {EVAL_COMPILE_MIN_BATCHES}), "
-            "samples eager"
-        )
+        return f"{on} (trainer.compile={trainer.compile})"
+    comparison = ">=" if compiles(trainer) else "<"
     return (
-        f"{line}; evaluations and samples eager ({batches} evaluation batches < "
-        f"{EVAL_COMPILE_MIN_BATCHES}: their compile would not pay back)"
+        f"{on} (trainer.compile=auto: {trainer.max_steps} steps {comparison} {COMPILE_MIN_STEPS}; "
+        "set trainer.compile=true or false to choose)"
     )
 
 

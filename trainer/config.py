@@ -30,11 +30,15 @@ COMPILE_CHOICES = ("auto", "true", "false")
 # default 300-step run was slower compiled the first time (bench/default_speed.py), so it
 # stays eager; runs of thousands of steps (any real one, on any device) compile
 COMPILE_MIN_STEPS = 1000
-# a compiled run evaluates eagerly unless it evaluates at least this many batches over the run:
-# the no-grad graphs' cold compile took 22 s on CPU and saved 45 ms per 8 x 256 batch, paying
-# back after ~490 batches (bench/eval_speed.py); samples are always eager (5.6 s to compile,
-# 0.05 s saved each)
-EVAL_COMPILE_MIN_BATCHES = 500
+COMPILE_EVAL_CHOICES = ("auto", "true", "false")
+# trainer.compile_eval=auto: a compiled run compiles its validation forwards when this process's
+# evaluations forward at least this many batches. Measured on the README's 2-core CPU with the
+# tiny preset at 8 x 256 (bench/eval_speed.py): after the training graphs, the no-grad graphs'
+# compile took 13 s from an empty cache (1.2 s from the cache on disk) and saved 47 ms a batch,
+# paying back after ~280 batches on a first run. Other devices and models differ (on a GPU a
+# larger model saves more per batch): set true or false to choose. Samples are always eager: a
+# few dozen tokens, whose compile (7.7 s; one graph per decoding shape) saves ~0.08 s a sample
+EVAL_COMPILE_MIN_BATCHES = 300
 
 
 def _require(ok: bool, message: str) -> None:
@@ -58,6 +62,9 @@ class TrainerConfig:
     # the next run): true | false | auto (compile runs of at least COMPILE_MIN_STEPS steps).
     # `python -m trainer` defaults to auto (conf/trainer/default.yaml); built from Python, false
     compile: str = "false"
+    # a compiled run's validation forwards: auto (compiled from EVAL_COMPILE_MIN_BATCHES
+    # evaluation batches in the run, else eager) | true | false; samples are always eager
+    compile_eval: str = "auto"
     doc_mask: bool = False  # attention within documents, positions restart at each (packed data)
     device: str = "auto"  # auto (cuda when available) | cpu | cuda
     max_bad_steps: int = 5  # consecutive skipped steps (non-finite or spiking) before stopping
@@ -92,6 +99,11 @@ class TrainerConfig:
             self.compile in COMPILE_CHOICES,
             f"trainer.compile={self.compile!r} is not one of {COMPILE_CHOICES}",
         )
+        self.compile_eval = str(self.compile_eval).lower()
+        _require(
+            self.compile_eval in COMPILE_EVAL_CHOICES,
+            f"trainer.compile_eval={self.compile_eval!r} is not one of {COMPILE_EVAL_CHOICES}",
+        )
         _require(
             self.max_bad_steps >= 1, f"trainer.max_bad_steps={self.max_bad_steps} must be >= 1"
         )
@@ -110,20 +122,24 @@ def compiles(trainer: TrainerConfig) -> bool:
     return trainer.compile == "true"
 
 
-def evaluated_batches(trainer: TrainerConfig, batches_per_evaluation: int) -> int:
-    """Batches the run's evaluations forward: one evaluation at step 0, every eval_every, at
-    the end."""
+def evaluations_left(trainer: TrainerConfig, start_step: int) -> int:
+    """Evaluations a process starting at `start_step` runs (trainer/loop.py): at step 0 when
+    the run is fresh, at every multiple of eval_every after the start, and at the last step."""
+    if start_step >= trainer.max_steps:
+        return 0
     every = trainer.eval_every
-    evaluations = 1 + (-(-trainer.max_steps // every) if every else 1)
-    return evaluations * batches_per_evaluation
+    multiples = trainer.max_steps // every - start_step // every if every else 0
+    last = 1 if not every or trainer.max_steps % every else 0
+    return (start_step == 0) + multiples + last
 
 
-def compiles_evaluation(trainer: TrainerConfig, batches_per_evaluation: int) -> bool:
-    """Whether a compiled run also runs its evaluation forwards compiled (else eagerly, with
-    no inference compile): when they are enough to pay the compile back
-    (EVAL_COMPILE_MIN_BATCHES)."""
-    enough = evaluated_batches(trainer, batches_per_evaluation) >= EVAL_COMPILE_MIN_BATCHES
-    return compiles(trainer) and enough
+def compiles_evaluation(trainer: TrainerConfig, batches: int) -> bool:
+    """Whether a compiled run's validation forwards run compiled (else eagerly, with no
+    inference compile): trainer.compile_eval; auto when this process's evaluations forward at
+    least EVAL_COMPILE_MIN_BATCHES batches."""
+    if not compiles(trainer) or trainer.compile_eval == "false":
+        return False
+    return trainer.compile_eval == "true" or batches >= EVAL_COMPILE_MIN_BATCHES
 
 
 @dataclass(kw_only=True)

@@ -29,7 +29,13 @@ from parallel.collective import from_main
 from parallel.engine import TrainingEngine
 from trainer.checkpoint import Checkpointer
 from trainer.checkpoint_record import protect
-from trainer.config import RootConfig, compiles, compiles_evaluation
+from trainer.config import (
+    EVAL_COMPILE_MIN_BATCHES,
+    RootConfig,
+    compiles,
+    compiles_evaluation,
+    evaluations_left,
+)
 from trainer.console import console
 from trainer.evaluate import perplexity, sample_text, validation_loss
 from trainer.metrics import MetricsFile, memory_bytes
@@ -70,6 +76,7 @@ class Training:
     phase: str = "start-up"  # what the loop is doing (named when a collective times out)
     restored_step: int = -1  # the step of the checkpoint this run resumed from
     eval_coverage: dict[str, int] = field(default_factory=dict)  # val_windows, val_tokens, ...
+    compiled_evaluation: bool = False  # validation forwards compiled (a compiled run's choice)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -125,6 +132,7 @@ class Training:
         tcfg = self.cfg.trainer
         tokens_per_step = tcfg.batch_size * self.cfg.data.seq_len
         batches = iter(self.loader)
+        self._decide_evaluation_compile()
         self.phase = "the evaluation at step 0"
         if self.step == 0 and not self._evaluate():  # the starting validation loss
             return self._stop_now()
@@ -318,14 +326,33 @@ class Training:
             plot_losses(self.metrics.rows(), self.run_dir / "loss.png")
         return True
 
+    def _decide_evaluation_compile(self) -> None:
+        """In a compiled run, whether this process's validation forwards run compiled
+        (trainer.config.compiles_evaluation, from the batches they will forward); logged."""
+        trainer = self.cfg.trainer
+        per_evaluation = 0
+        if self.loader.val_batches:  # no validation split: no evaluation forwards at all
+            per_evaluation = self.loader.val_batches + self.loader.train_sample.batches
+        batches = evaluations_left(trainer, self.step) * per_evaluation
+        # FlexAttention is itself a compiled function: its models keep compiled validation
+        flex = self.model_cfg.attention.backend == "flex" and compiles(trainer)
+        self.compiled_evaluation = compiles_evaluation(trainer, batches) or flex
+        if not compiles(trainer):
+            return
+        how = "compiled" if self.compiled_evaluation else "eager"
+        log.info(
+            "evaluation forwards %s (%s: %d evaluation batches left, auto compiles from %d); "
+            "samples eager",
+            how,
+            "FlexAttention" if flex else f"trainer.compile_eval={trainer.compile_eval}",
+            batches,
+            EVAL_COMPILE_MIN_BATCHES,
+        )
+
     def _eager_stance(self, validation: bool) -> AbstractContextManager:
-        """In a compiled run, validation forwards (unless their compile pays back:
-        trainer.config.compiles_evaluation) and samples run eagerly: no inference or decode
-        compile. FlexAttention is itself a compiled function: its layers keep compiling."""
-        trainer, data = self.cfg.trainer, self.cfg.data
-        pays_back = compiles_evaluation(trainer, data.val_batches + data.train_eval_batches)
-        flex = self.model_cfg.attention.backend == "flex"
-        if not compiles(trainer) or flex or (validation and pays_back):
+        """In a compiled run, samples and (unless _decide_evaluation_compile chose otherwise)
+        validation forwards run eagerly: no inference or decoding compile."""
+        if not compiles(self.cfg.trainer) or (validation and self.compiled_evaluation):
             return contextlib.nullcontext()
         return torch.compiler.set_stance("force_eager")
 
@@ -350,7 +377,7 @@ class Training:
                 return False
             row["train_eval_loss"] = train
             line += f"  (training sample {train:.4f})"
-        row["eval_s"] = time.perf_counter() - started  # both losses' forwards
+        row["eval_s"] = time.perf_counter() - started  # both losses, data included
         self._emit(row)
         log.info("%s", line)
         return True

@@ -143,6 +143,9 @@ def test_evaluation_computes_the_loss_without_its_gradients(chunk, monkeypatch):
         evaluation = chunked_cross_entropy(h, w, targets, chunk)
     assert built == [False]
     assert torch.equal(evaluation, training.detach())
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        chunked_cross_entropy(h, w, targets, chunk)
-    assert built == [False, False]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        training = chunked_cross_entropy(h, w, targets, chunk)
+        with torch.no_grad():
+            evaluation = chunked_cross_entropy(h, w, targets, chunk)
+    assert built == [False, True, False]
+    assert torch.equal(evaluation, training.detach())

@@ -21,8 +21,7 @@ from model.config import ModelConfig, config_from_dict
 from model.transformer import build_model
 from tests.commands import ROOT
 from tests.trainer.helpers import SMALL_OVERRIDES, metric_rows, run_trainer
-from trainer.app import compile_summary
-from trainer.config import COMPILE_MIN_STEPS, TrainerConfig, compiles, compiles_evaluation
+from trainer.config import COMPILE_MIN_STEPS, TrainerConfig, compiles
 
 pytestmark = pytest.mark.integration
 REQUIRED = {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu"}
@@ -209,43 +208,30 @@ def test_export_gives_a_transformers_model_with_the_same_logits(dataset, tmp_pat
     assert (out / "tokenizer" / "tokenizer.tiktoken").is_file()
 
 
-def test_a_compiled_model_trains(dataset, tmp_path):
+@pytest.mark.parametrize("compile_eval", ["auto", "true"])
+def test_a_compiled_model_trains(dataset, tmp_path, compile_eval):
     """trainer.compile=true: every block compiled (the composition path of every layout). A
-    run this short evaluates and samples eagerly: nothing compiles for them (TORCH_LOGS
-    reports every recompile; the old path recompiled every block for no_grad and decoding)."""
+    run this short evaluates and samples eagerly (auto): nothing recompiles for them (TORCH_LOGS
+    reports every recompile; the old path recompiled every block for no_grad and decoding);
+    trainer.compile_eval=true compiles the validation forwards (the training graphs then
+    recompile for grad mode)."""
     run_dir = tmp_path / "run"
+    overrides = [
+        "trainer.max_steps=3",
+        "trainer.compile=true",
+        f"trainer.compile_eval={compile_eval}",
+    ]
     result = run_trainer(
-        *small(dataset, run_dir, "trainer.max_steps=3", "trainer.compile=true"),
-        cwd=tmp_path,
-        env={"TORCH_LOGS": "recompiles"},
+        *small(dataset, run_dir, *overrides), cwd=tmp_path, env={"TORCH_LOGS": "recompiles"}
     )
     assert result.returncode == 0, result.stderr[-3000:]
     losses = [r["loss"] for r in metric_rows(run_dir) if "loss" in r]
     assert len(losses) == 3 and all(isinstance(x, float) for x in losses)
     assert [r["step"] for r in metric_rows(run_dir) if "val_loss" in r] == [0, 3]
-    assert "evaluations and samples eager (6 evaluation batches < 500" in result.stderr
-    assert "Recompiling" not in result.stderr
-
-
-@pytest.mark.parametrize(
-    ("compile_", "steps", "eval_every", "batches", "expected"),
-    [
-        ("true", 300, 50, 10, False),  # 7 evaluations of 10 batches
-        ("true", 2450, 50, 10, True),  # 50 evaluations: 500 batches
-        ("auto", 2400, 50, 10, False),
-        ("true", 100_000, 0, 10, False),  # evaluations at the start and the end only
-        ("false", 100_000, 50, 10, False),
-    ],
-)
-def test_evaluation_compiles_when_its_compile_pays_back(
-    compile_, steps, eval_every, batches, expected
-):
-    trainer = TrainerConfig(compile=compile_, max_steps=steps, eval_every=eval_every)
-    assert compiles_evaluation(trainer, batches) is expected
-    summary = compile_summary(trainer, batches, flex=False)
-    if compiles(trainer):
-        assert ("evaluations compiled" in summary) is expected
-        assert "FlexAttention" in compile_summary(trainer, batches, flex=True)
+    how = "eager" if compile_eval == "auto" else "compiled"
+    line = f"evaluation forwards {how} (trainer.compile_eval={compile_eval}: 6 evaluation batches"
+    assert line in result.stderr
+    assert ("Recompiling" in result.stderr) is (compile_eval == "true")
 
 
 def test_world_size_without_a_rendezvous_is_a_clear_error(dataset, tmp_path):
