@@ -14,7 +14,6 @@ import os
 import signal
 import time
 from collections.abc import Iterator
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -330,15 +329,15 @@ class Training:
         """In a compiled run, whether this process's validation forwards run compiled
         (trainer.config.compiles_evaluation, from the batches they will forward); logged."""
         trainer = self.cfg.trainer
+        if not compiles(trainer):
+            return  # compiled_evaluation stays False: nothing is compiled
         per_evaluation = 0
         if self.loader.val_batches:  # no validation split: no evaluation forwards at all
             per_evaluation = self.loader.val_batches + self.loader.train_sample.batches
         batches = evaluations_left(trainer, self.step) * per_evaluation
         # FlexAttention is itself a compiled function: its models keep compiled validation
-        flex = self.model_cfg.attention.backend == "flex" and compiles(trainer)
+        flex = self.model_cfg.attention.backend == "flex"
         self.compiled_evaluation = compiles_evaluation(trainer, batches) or flex
-        if not compiles(trainer):
-            return
         how = "compiled" if self.compiled_evaluation else "eager"
         log.info(
             "evaluation forwards %s (%s: %d evaluation batches left, auto compiles from %d); "
@@ -349,7 +348,7 @@ class Training:
             EVAL_COMPILE_MIN_BATCHES,
         )
 
-    def _eager_stance(self, validation: bool) -> AbstractContextManager:
+    def _eager_stance(self, validation: bool) -> contextlib.AbstractContextManager:
         """In a compiled run, samples and (unless _decide_evaluation_compile chose otherwise)
         validation forwards run eagerly: no inference or decoding compile."""
         if not compiles(self.cfg.trainer) or (validation and self.compiled_evaluation):
