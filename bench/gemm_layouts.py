@@ -14,9 +14,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -25,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from bench.machine import machine
+from bench.mfu_ceiling import median_seconds
 from bench.train_throughput import build
 
 MM, BMM = torch.ops.aten.mm.default, torch.ops.aten.bmm.default
@@ -42,16 +41,6 @@ class GemmRecorder(TorchDispatchMode):
         if func in (MM, BMM, ADDMM, BADDBMM):
             self.calls.append((func, args, kwargs or {}))
         return func(*args, **(kwargs or {}))
-
-
-def seconds(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def operands(func, args) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,9 +64,9 @@ def time_group(func, args, kwargs, repeats: int) -> dict:
     a, b = operands(func, args)
     ac, bc = a.contiguous(), b.contiguous()
     flops = 2 * a.shape[-2] * a.shape[-1] * b.shape[-1] * (a.shape[0] if a.dim() == 3 else 1)
-    as_called = seconds(lambda: func(*args, **kwargs), repeats)
-    contiguous = seconds(lambda: torch.matmul(ac, bc), repeats)
-    flipped = seconds(lambda: transposed_product(a, b), repeats)
+    as_called = median_seconds(lambda: func(*args, **kwargs), repeats)
+    contiguous = median_seconds(lambda: torch.matmul(ac, bc), repeats)
+    flipped = median_seconds(lambda: transposed_product(a, b), repeats)
     return {
         "op": str(func).split(".")[-2],
         "a": list(a.shape),
