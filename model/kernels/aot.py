@@ -3,8 +3,9 @@ needed: Triton's front end, LLVM and ptxas run on the CPU). The interpreter that
 tests on CPU executes the kernels as Python, so it never sees what only the compiler checks
 (tuples of constexprs, dtype rules of tl.dot, shared memory): this does.
 
-    python -m model.kernels.aot [--arch 90]     one JSON line per kernel variant; exit 1 if one
-                                                needs more shared memory than an sm_90 block has
+    python -m model.kernels.aot [--arch 90] [--workers N]
+        one JSON line per kernel variant (compiled in N processes, default one per core);
+        exit 1 if one needs more shared memory than an sm_90 block has
 
 Run it with TRITON_INTERPRET unset (the interpreter replaces the compiled kernels).
 """
@@ -12,9 +13,12 @@ Run it with TRITON_INTERPRET unset (the interpreter replaces the compiled kernel
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
+import multiprocessing
 import os
 import time
+from concurrent.futures import ProcessPoolExecutor
 
 from model.kernels.flash_attention import DKV_CONFIGS, DQ_CONFIGS, FORWARD_CONFIGS
 
@@ -90,18 +94,38 @@ def attention_constants(variant: tuple, block_m: int, block_n: int) -> dict:
     )  # fmt: skip
 
 
-def compile_all(arch: int):
-    """Yields one result per kernel variant."""
-    from model.kernels import flash_attention_triton as fa
-    from model.kernels import fused_triton
-
+def kernel_jobs(arch: int) -> list[tuple]:
+    """(module, kernel name, constexprs, dtype, warps, stages, arch) for every kernel variant."""
+    jobs = []
     for name, candidates in CANDIDATES.items():
         for which, variant in ATTENTION_VARIANTS:
             block_m, block_n, warps, stages = candidates[which]
             constants = attention_constants(variant, block_m, block_n)
-            yield compile_kernel(getattr(fa, name), constants, variant[0], warps, stages, arch)
+            jobs.append(
+                ("flash_attention_triton", name, constants, variant[0], warps, stages, arch)
+            )
     for name, constants in FUSED_KERNELS:
-        yield compile_kernel(getattr(fused_triton, name), constants, "bf16", 4, 1, arch)
+        jobs.append(("fused_triton", name, constants, "bf16", 4, 1, arch))
+    return jobs
+
+
+def compile_job(job: tuple) -> dict:
+    module, name, constants, dtype, warps, stages, arch = job
+    fn = getattr(importlib.import_module(f"model.kernels.{module}"), name)
+    return compile_kernel(fn, constants, dtype, warps, stages, arch)
+
+
+def compile_all(arch: int, workers: int = 1):
+    """Yields one result per kernel variant, in kernel_jobs' order; with workers > 1 the
+    variants compile in that many processes (each compile is single-threaded: the fp32
+    forward alone takes ~27 s on a 2-core AMD EPYC)."""
+    jobs = kernel_jobs(arch)
+    if workers <= 1:
+        yield from map(compile_job, jobs)
+        return
+    context = multiprocessing.get_context("spawn")  # no state shared with the parent
+    with ProcessPoolExecutor(workers, mp_context=context) as pool:
+        yield from pool.map(compile_job, jobs)
 
 
 def main() -> None:
@@ -109,11 +133,14 @@ def main() -> None:
     parser.add_argument(
         "--arch", type=int, default=90, help="compute capability x 10 (90: H100/H200)"
     )
+    parser.add_argument(
+        "--workers", type=int, default=os.cpu_count() or 1, help="compile in this many processes"
+    )
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("unset TRITON_INTERPRET: the interpreter replaces the compiled kernels")
     too_large = 0
-    for result in compile_all(args.arch):
+    for result in compile_all(args.arch, max(1, args.workers)):
         result["fits"] = result["shared_bytes"] <= HOPPER_SHARED_BYTES
         too_large += not result["fits"]
         print(json.dumps(result), flush=True)

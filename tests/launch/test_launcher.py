@@ -39,7 +39,11 @@ def test_the_printed_command_is_standalone_or_c10d(tmp_path: Path) -> None:
         assert part in two.stdout
 
 
-def test_bad_launches_are_refused_before_anything_starts(tmp_path: Path) -> None:
+def test_bad_launches_are_refused_before_anything_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    from launch.torchrun import main
+
     job = {"SLURM_JOB_ID": "77", "SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "0"}
     step = job | {"SLURM_STEP_NUM_NODES": "1", "SLURM_STEP_NUM_TASKS": "1"}
     refusals = [
@@ -49,9 +53,19 @@ def test_bad_launches_are_refused_before_anything_starts(tmp_path: Path) -> None
         (["--nnodes=2"], {}, "needs the rendezvous address"),
         (["--nnodes=2", "--master-addr=h", "--master-port=1"], {}, "needs --rdzv-id"),
     ]
-    for args, env, message in refusals:
-        result = launch("--dry-run", *args, cwd=tmp_path, env=env)
-        assert result.returncode == 2 and message in result.stderr, (args, result.stderr)
+    for args, env, message in refusals:  # in this process (each command costs ~4 s to start)
+        with monkeypatch.context() as patch:
+            for name in [n for n in os.environ if n.startswith(("SLURM_", "MASTER_"))]:
+                patch.delenv(name)
+            for name, value in env.items():
+                patch.setenv(name, value)
+            patch.chdir(tmp_path)
+            code = main(["--dry-run", *args])
+        stderr = capsys.readouterr().err
+        assert code == 2 and message in stderr, (args, stderr)
+    # the command itself refuses too (one line, exit status 2)
+    result = launch("--dry-run", *refusals[0][0], cwd=tmp_path, env=refusals[0][1])
+    assert result.returncode == 2 and refusals[0][2] in result.stderr, result.stderr
     with socket.socket() as busy:
         busy.bind(("", 0))
         busy.listen()

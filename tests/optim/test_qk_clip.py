@@ -96,10 +96,14 @@ def test_qk_norm_models_are_refused() -> None:
 
 
 def _run(
-    tau: float, steps: int = 30, backend: str = "sdpa", stats: list | None = None
+    tau: float,
+    steps: int = 30,
+    backend: str = "sdpa",
+    stats: list | None = None,
+    rows: int = 8,
 ) -> list[float]:
     """Each step's pre-clip max logit of a high-learning-rate MuonClip run (`stats` collects the
-    steps' whole QK-clip statistics)."""
+    steps' whole QK-clip statistics), on batches of `rows` sequences of 32 tokens."""
     from data.loader import Batch
     from parallel.engine import FSDP2Engine
     from trainer.step import LossTracker, StepSettings, train_step
@@ -109,7 +113,7 @@ def _run(
     enable_qk_clip(model)
     opt = build_optimizer(OptimConfig(name="muonclip", lr=0.08, weight_decay=0.0), model)
     gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, cfg.vocab_size, (8, 33), generator=gen)
+    tokens = torch.randint(0, cfg.vocab_size, (rows, 33), generator=gen)
     batch = Batch(tokens[:, :-1], tokens[:, 1:], torch.zeros_like(tokens[:, 1:]))
     engine = FSDP2Engine(model, opt, "fp32", torch.device("cpu"))
     peaks = []
@@ -149,11 +153,12 @@ def test_muonclip_on_the_triton_kernel_clips_the_heads_sdpa_clips(monkeypatch) -
 
     monkeypatch.setattr(trainer.step, "apply_qk_clip", recording_apply)
     sdpa_stats: list[dict] = []
-    _run(0.3, steps=5, stats=sdpa_stats)  # max logits 0.11, 0.21, 0.45, ...: clips from step 3
+    # max logits 0.11, 0.22, 0.33, ...: clips from step 3
+    _run(0.3, steps=5, stats=sdpa_stats, rows=4)
     sdpa_clipped, clipped = clipped, []
     monkeypatch.setattr(backends, "max_logits_per_head", None)  # any call would fail
     kernel_stats: list[dict] = []
-    _run(0.3, steps=5, backend="triton", stats=kernel_stats)
+    _run(0.3, steps=5, backend="triton", stats=kernel_stats, rows=4)  # interpreted: ~15 s
     assert sum(s["qk/clipped_heads"] for s in sdpa_stats) >= 8
     for step, (got, want) in enumerate(zip(clipped, sdpa_clipped, strict=True)):
         assert torch.equal(got, want), step
