@@ -4,7 +4,7 @@ tests on CPU executes the kernels as Python, so it never sees what only the comp
 (tuples of constexprs, dtype rules of tl.dot, shared memory): this does.
 
     python -m model.kernels.aot [--arch 90] [--workers N]
-        one JSON line per kernel variant (compiled in N processes, default one per core);
+        one JSON line per kernel variant (compiled in N processes, default one per usable core);
         exit 1 if one needs more shared memory than an sm_90 block has
 
 Run it with TRITON_INTERPRET unset (the interpreter replaces the compiled kernels).
@@ -124,8 +124,14 @@ def compile_all(arch: int, workers: int = 1):
         yield from map(compile_job, jobs)
         return
     context = multiprocessing.get_context("spawn")  # no state shared with the parent
-    with ProcessPoolExecutor(workers, mp_context=context) as pool:
+    with ProcessPoolExecutor(min(workers, len(jobs)), mp_context=context) as pool:
         yield from pool.map(compile_job, jobs)
+
+
+def usable_cores() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))  # the cores this process may run on
+    return os.cpu_count() or 1
 
 
 def main() -> None:
@@ -133,9 +139,7 @@ def main() -> None:
     parser.add_argument(
         "--arch", type=int, default=90, help="compute capability x 10 (90: H100/H200)"
     )
-    parser.add_argument(
-        "--workers", type=int, default=os.cpu_count() or 1, help="compile in this many processes"
-    )
+    parser.add_argument("--workers", type=int, default=usable_cores(), help="compile processes")
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("unset TRITON_INTERPRET: the interpreter replaces the compiled kernels")
