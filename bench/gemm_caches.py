@@ -31,10 +31,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from bench.gemm_layouts import BADDBMM, BMM, GemmRecorder
+from bench.gemm_layouts import BADDBMM, BMM, GemmRecorder, warm_default_step
 from bench.machine import machine
 from bench.step_gemm_share import GemmTimer
-from bench.train_throughput import build
 from trainer.mfu import measure_matmul_peak
 
 FLUSH = torch.ones(32 * 2**20)  # 128 MiB of fp32: 4x the L3
@@ -103,11 +102,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    step = build("lmforge")
-    x = torch.randint(0, 8192, (8, 256))
-    y = torch.randint(0, 8192, (8, 256))
-    for _ in range(3):
-        step(x, y)
+    step, x, y = warm_default_step(3)
     rounds = []
     for index in range(args.rounds):
         rounds.append(one_round(step, x, y, args.repeats))

@@ -81,15 +81,22 @@ def time_group(func, args, kwargs, repeats: int) -> dict:
     }
 
 
+def warm_default_step(warmups: int):
+    """The trainer's eager step of the default model (8 x 256) and its batch, after `warmups`
+    untimed steps."""
+    step = build("lmforge")
+    x = torch.randint(0, 8192, (8, 256))
+    y = torch.randint(0, 8192, (8, 256))
+    for _ in range(warmups):
+        step(x, y)
+    return step, x, y
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
-    step = build("lmforge")
-    x = torch.randint(0, 8192, (8, 256))
-    y = torch.randint(0, 8192, (8, 256))
-    for _ in range(2):
-        step(x, y)
+    step, x, y = warm_default_step(2)
     recorder = GemmRecorder()
     with recorder:
         step(x, y)
