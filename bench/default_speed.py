@@ -1,12 +1,12 @@
 """The default command's speed against transformers' eager LlamaForCausalLM, compile time
-included: `python -m trainer` (no overrides: 300 steps of 8 x 256 tokens, trainer.compile=auto,
-which keeps a run this short eager) run whole, --default-runs times; then with
-trainer.cpu_malloc=system, and with trainer.compile=true from an empty compile cache (a first
-run) and again with the cache it left (every later run). This machine's speed drifts by 10-25%
-within minutes, so transformers' eager step on the same model, batch and sequence length
-(bench/train_throughput.py's child), as users run it and with the allocator setting the trainer
-makes on CPU (trainer.cpu_malloc=keep), is timed between every two runs: each run is compared
-with the mean of the measurements just before and just after it.
+included: `python -m trainer` (no overrides: 300 steps of 8 x 256 tokens, trainer.compile=auto)
+run whole from an empty compile cache (a first run on a new machine), taking turns with the
+same run eager (trainer.compile=false), --default-runs times each; then once more with the
+compile cache the last run left (every later run on that machine). This machine's speed drifts
+by 10-25% within minutes, so transformers' eager step on the same model, batch and sequence
+length (bench/train_throughput.py's child), as users run it and with the allocator setting the
+trainer makes on CPU (trainer.cpu_malloc=keep), is timed between every two runs: each run is
+compared with the mean of the measurements just before and just after it.
 
 A run's training time is the sum of its logged windows (evaluations and checkpoints excluded,
 the first steps' compilation included); its tokens/s are all its tokens over that time.
@@ -33,13 +33,10 @@ sys.path.insert(0, str(ROOT))
 from bench.machine import machine
 
 BATCH, SEQ_LEN = 8, 256  # conf/trainer/default.yaml, conf/data/default.yaml
-DEFAULT_RUN = "python -m trainer (default)"  # run --default-runs times
+DEFAULT_RUN = "python -m trainer (default)"  # run --default-runs times, from an empty cache
 KEEP = "transformers_malloc_keep"
-RUNS = {  # name -> (overrides, compile cache: "fresh" or "reused": the previous run's)
-    "trainer.cpu_malloc=system (glibc's defaults)": (["trainer.cpu_malloc=system"], "fresh"),
-    "trainer.compile=true, first run (empty compile cache)": (["trainer.compile=true"], "fresh"),
-    "trainer.compile=true, later runs (cache on disk)": (["trainer.compile=true"], "reused"),
-}
+EAGER_RUN = ("trainer.compile=false (eager)", ["trainer.compile=false"], "fresh")
+LATER_RUN = ("python -m trainer, a later run (the compile cache on disk)", [], "reused")
 
 
 def transformers_tokens_per_s(variant: str = "transformers", steps: int = 8) -> float:
@@ -110,9 +107,11 @@ def main() -> None:
     )
     args = parser.parse_args()
     args.default_runs = max(1, args.default_runs)
-    runs = [(DEFAULT_RUN, [], "fresh")] * args.default_runs
-    if not args.default_only:
-        runs += [(name, overrides, cache) for name, (overrides, cache) in RUNS.items()]
+    if args.default_only:
+        runs = [(DEFAULT_RUN, [], "fresh")] * args.default_runs
+    else:  # taking turns with eager runs, then a run with the last default run's cache
+        runs = [(DEFAULT_RUN, [], "fresh"), EAGER_RUN] * args.default_runs
+        runs = [*runs[:-1], LATER_RUN, EAGER_RUN]
     rows = []
     bracket = transformers_pair(args.transformers_steps)  # measured before each run and after it
     with tempfile.TemporaryDirectory() as caches:

@@ -61,7 +61,9 @@ def through_the_function(h, weight, targets, chunk):
     h, targets = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
     h = h.to(torch.get_autocast_dtype("cpu"))
     with torch.autocast("cpu", enabled=False):
-        return loss_module.FusedLinearCrossEntropy.apply(h, weight, targets, chunk)
+        return loss_module.FusedLinearCrossEntropy.apply(
+            h, weight, targets, chunk, loss_module.loss_chunk
+        )
 
 
 def take_turns(variants: dict, rounds: int) -> dict[str, list[float]]:

@@ -78,7 +78,7 @@ def build(
     if optim_name == "muonclip":
         enable_qk_clip(model)
     if compile_blocks:
-        compile_model(model)
+        compile_model(model, device.type)
     opt = build_optimizer(OptimConfig(name=optim_name, lr=1e-4), model)
     engine = FSDP2Engine(model, opt, "bf16", device)
     gen = torch.Generator(device=device).manual_seed(0)

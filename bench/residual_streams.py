@@ -71,7 +71,7 @@ def measure_step(name: str, repeats: int) -> dict:
     if name.endswith("compiled"):
         from parallel.activation import compile_model
 
-        compile_model(model)  # per block, as trainer.compile=true does
+        compile_model(model, "cpu")  # per block, as trainer.compile=true does
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     tokens = torch.randint(0, model.cfg.vocab_size, (8, 257))
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

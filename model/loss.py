@@ -25,6 +25,8 @@ V = 128k, C = 4096) where it was bf16, once per loss call (MTP: once per depth).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -38,45 +40,77 @@ def normalizer_and_softmax(logits: Tensor) -> tuple[Tensor, Tensor]:
     return top - probs.amax(dim=-1).log(), probs
 
 
-def chunked_loss(
-    h: Tensor, weight: Tensor, targets: Tensor, chunk: int, want_grad: bool
+def loss_chunk(
+    h_c: Tensor, w: Tensor, t_c: Tensor, v_c: Tensor, count: Tensor, want_grad: bool
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """Mean loss over non-ignored targets, chunk by chunk; with want_grad also its gradients
-    (grad_h like h, grad_w fp32 like weight's shape), else None, None (no extra GEMMs)."""
+    """One chunk of n tokens: (the sum of its losses, fp32 0-d; with want_grad its share of the
+    gradients: grad_h (n, C) fp32 and grad_w (V, C) in w's dtype, else None, None).
+    h_c (n, C) and w (V, C) in the matmul dtype; t_c (n,) targets; v_c (n,) bool, the targets that
+    count; count: how many count over all chunks (0-d, at least 1). A function of its inputs alone,
+    so `torch.compile` makes one graph that serves every chunk of every step
+    (parallel/activation.py)."""
+    logits = (h_c @ w.T).float()  # (n, V)
+    safe_t = t_c.clamp(min=0)
+    target_logit = logits.gather(1, safe_t[:, None])[:, 0]
+    lse, probs = normalizer_and_softmax(logits)
+    del logits
+    loss_sum = ((lse - target_logit) * v_c).sum()
+    if not want_grad:
+        return loss_sum, None, None
+    probs[torch.arange(len(t_c), device=h_c.device), safe_t] -= 1.0
+    d_logits = probs.to(h_c.dtype)  # unscaled: the row weights go on the (n, C) side
+    scale = (v_c.float() / count)[:, None]  # (n, 1) fp32: 1/count, 0 where ignored
+    grad_h = (d_logits @ w) * scale  # fp32: the bf16 product times an fp32 scale, exactly
+    grad_w = d_logits.T @ (h_c.float() * scale).to(h_c.dtype)
+    return loss_sum, grad_h, grad_w
+
+
+ChunkFn = Callable[..., tuple[Tensor, Tensor | None, Tensor | None]]  # loss_chunk's signature
+
+
+def chunked_loss(
+    h: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    chunk: int,
+    chunk_fn: ChunkFn = loss_chunk,
+    *,
+    want_grad: bool,
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """Mean loss over non-ignored targets, chunk by chunk (each through chunk_fn: loss_chunk or
+    its compiled form); with want_grad also its gradients (grad_h like h, grad_w fp32 like
+    weight's shape), else None, None (no extra GEMMs)."""
     valid = targets != IGNORE_INDEX
     count = valid.sum().clamp(min=1)
     w = weight.to(h.dtype)  # (V, C) in the matmul dtype
     grad_h = torch.empty_like(h) if want_grad else None
-    grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if want_grad else None
+    grad_w = None
     total = torch.zeros((), dtype=torch.float32, device=h.device)
     step = chunk if 0 < chunk < h.shape[0] else h.shape[0]
     for start in range(0, h.shape[0], step):
-        h_c, t_c, v_c = (
-            h[start : start + step],
-            targets[start : start + step],
-            valid[start : start + step],
+        part = slice(start, start + step)
+        loss_sum, grad_h_c, grad_w_c = chunk_fn(
+            h[part], w, targets[part], valid[part], count, want_grad
         )
-        logits = (h_c @ w.T).float()  # (n, V)
-        safe_t = t_c.clamp(min=0)
-        target_logit = logits.gather(1, safe_t[:, None])[:, 0]
-        lse, probs = normalizer_and_softmax(logits)
-        del logits
-        total += ((lse - target_logit) * v_c).sum()
-        if not want_grad:
-            continue
-        probs[torch.arange(len(t_c), device=h.device), safe_t] -= 1.0
-        d_logits = probs.to(h.dtype)  # unscaled: the row weights go on the (n, C) side
-        scale = (v_c.float() / count)[:, None]  # (n, 1) fp32: 1/count, 0 where ignored
-        grad_h[start : start + step] = (d_logits @ w).float() * scale
-        grad_w += (d_logits.T @ (h_c.float() * scale).to(h.dtype)).float()  # fp32 sum
+        total += loss_sum
+        if want_grad:
+            grad_h[part] = grad_h_c
+            if grad_w is None:  # an fp32 sum (W's gradient unrounded), added to in place
+                grad_w = grad_w_c.float()
+            else:
+                grad_w += grad_w_c  # fp32 += bf16: the bf16 term widened exactly
     return total / count, grad_h, grad_w
 
 
 class FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h: Tensor, weight: Tensor, targets: Tensor, chunk: int) -> Tensor:
+    def forward(
+        ctx, h: Tensor, weight: Tensor, targets: Tensor, chunk: int, chunk_fn: ChunkFn
+    ) -> Tensor:
         want_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        loss, grad_h, grad_w = chunked_loss(h, weight, targets, chunk, want_grad=want_grad)
+        loss, grad_h, grad_w = chunked_loss(
+            h, weight, targets, chunk, chunk_fn, want_grad=want_grad
+        )
         if want_grad:
             ctx.save_for_backward(grad_h, grad_w.to(weight.dtype))
         return loss
@@ -84,19 +118,23 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         grad_h, grad_w = ctx.saved_tensors
-        return grad_h * grad_out.to(grad_h.dtype), grad_w * grad_out.to(grad_w.dtype), None, None
+        scaled_h, scaled_w = grad_h * grad_out.to(grad_h.dtype), grad_w * grad_out.to(grad_w.dtype)
+        return scaled_h, scaled_w, None, None, None
 
 
-def chunked_cross_entropy(h: Tensor, weight: Tensor, targets: Tensor, chunk_tokens: int) -> Tensor:
-    """Mean cross-entropy of `targets` under logits h @ W^T; chunk_tokens=0 computes it in one go."""
+def chunked_cross_entropy(
+    h: Tensor, weight: Tensor, targets: Tensor, chunk_tokens: int, chunk_fn: ChunkFn = loss_chunk
+) -> Tensor:
+    """Mean cross-entropy of `targets` under logits h @ W^T; chunk_tokens=0 computes it in one go.
+    chunk_fn: what computes each chunk (loss_chunk, or a compiled loss_chunk)."""
     h, targets = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
     device = h.device.type
     if torch.is_autocast_enabled(device):
         h = h.to(torch.get_autocast_dtype(device))
     with torch.autocast(device, enabled=False):
         if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
-            return FusedLinearCrossEntropy.apply(h, weight, targets, chunk_tokens)
+            return FusedLinearCrossEntropy.apply(h, weight, targets, chunk_tokens, chunk_fn)
         # evaluation: the loss alone. (An autograd Function's needs_input_grad follows the
         # inputs' requires_grad even under no_grad: it would compute both gradients, 3x the
         # head GEMMs, for nothing.)
-        return chunked_loss(h, weight, targets, chunk_tokens, want_grad=False)[0]
+        return chunked_loss(h, weight, targets, chunk_tokens, chunk_fn, want_grad=False)[0]

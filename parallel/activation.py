@@ -21,6 +21,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from model.loss import chunked_cross_entropy, loss_chunk
 from model.transformer import Transformer
 
 _aten = torch.ops.aten
@@ -61,18 +62,38 @@ def apply_activation_checkpointing(model: Transformer, mode: str) -> None:
         block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False, **extra)
 
 
-def compile_model(model: Transformer) -> None:
+# Inductor's settings for CPU graphs, which it builds with the C++ compiler. Measured on the
+# README's 2-core CPU, tiny preset, empty caches (bench/compile_cost.py): 73-90 s to the first
+# compiled step by default, 33-34 s with all three, the same step time within the noise.
+CPU_INDUCTOR_OPTIONS = {
+    # one C++ file per graph (its kernels and the code that calls them) instead of a file per
+    # kernel and a Python caller: 4 compiler runs for the tiny model instead of 39
+    "cpp_wrapper": True,
+    # with that few files, precompiling the common header (6-7 s) saves less than it costs
+    "cpp_cache_precompile_headers": False,
+    # take the CPU's vector extensions from its feature flags instead of compiling a test
+    # program for each (AVX2, AVX512: 8 s on a fresh cache)
+    "cpp.vec_isa_ok": True,
+}
+
+
+def compile_model(model: Transformer, device_type: str) -> None:
     """Compile each block on its own (FSDP2's gather/reduce hooks run between blocks; or its two
-    sublayers, for residual streams that ask for it), and the
-    fused head + cross-entropy as a function (inside the root's forward, so under FSDP2 too).
+    sublayers, for residual streams that ask for it), and each chunk of the fused head +
+    cross-entropy (model.loss.loss_chunk: inside the root's forward, so under FSDP2 too).
     On one CPU process this matches compiling the whole model as one graph (bench/
-    train_throughput.py: *_compiled vs *_compiled_whole_model)."""
+    train_throughput.py: *_compiled vs *_compiled_whole_model). device_type: where the model
+    will run ("cpu" takes CPU_INDUCTOR_OPTIONS)."""
+    options = CPU_INDUCTOR_OPTIONS if device_type == "cpu" else None
     whole = model.stream.compile_whole_blocks
     for block in model.blocks():
         assert isinstance(block, nn.Module)
         if whole:
-            block.compile()
+            block.compile(options=options)
         else:  # the stream's connections stay eager (model/residual.py: compile_whole_blocks)
-            block.attn.compile()
-            block.ffn.compile()
-    model.loss_fn = torch.compile(model.loss_fn)
+            block.attn.compile(options=options)
+            block.ffn.compile(options=options)
+    # the loss compiles per chunk (under no_grad, inside its autograd Function: no backward
+    # graph), one graph for every chunk and batch size instead of one per number of chunks
+    compiled_chunk = torch.compile(loss_chunk, options=options)
+    model.loss_fn = functools.partial(chunked_cross_entropy, chunk_fn=compiled_chunk)

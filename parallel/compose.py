@@ -38,15 +38,17 @@ def parallelize(
     cfg: ParallelConfig,
     param_dtype: torch.dtype,
     compile: bool,
+    device_type: str,
 ) -> None:
-    """Rewrite `model` (on the meta device) in place for the mesh (None: one process)."""
+    """Rewrite `model` (on the meta device) in place for the mesh (None: one process) and the
+    device it will run on (device_type: "cpu", "cuda")."""
     if meshes is not None and meshes.ep is not None:
         from parallel.expert_parallel import apply_expert_parallel
 
         apply_expert_parallel(model, meshes.ep)
     apply_activation_checkpointing(model, cfg.activation_checkpoint)
     if compile:
-        compile_model(model)
+        compile_model(model, device_type)
     if meshes is not None:
         apply_fsdp(
             model,
@@ -65,7 +67,7 @@ def build_model_for(request: EngineRequest) -> tuple[Transformer, MasterWeights 
     with torch.device("meta"):
         model = Transformer(request.model_cfg)
     param_dtype = fsdp_param_dtype(request.parallel, request.precision)
-    parallelize(model, meshes, request.parallel, param_dtype, request.compile)
+    parallelize(model, meshes, request.parallel, param_dtype, request.compile, device.type)
     model.to_empty(device=device)
     init_like_single_process(model, device, request.seed)
     if request.initial_weights is not None:

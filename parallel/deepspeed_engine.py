@@ -498,7 +498,7 @@ def build_deepspeed(request: EngineRequest) -> DeepSpeedEngine:
         localize_experts(model, ep)
     apply_activation_checkpointing(model, request.parallel.activation_checkpoint)
     if request.compile:
-        compile_model(model)
+        compile_model(model, request.device.type)
     config = deepspeed_config(request)
     tables = None
     if request.model_cfg.engram.enabled:  # out of ZeRO, with an optimizer of their own

@@ -26,12 +26,13 @@ DEVICES = ("auto", "cpu", "cuda")
 CPU_MALLOC_CHOICES = ("keep", "system")  # trainer/cpu_malloc.py
 COMPILE_CHOICES = ("auto", "true", "false")
 # trainer.compile=auto compiles runs of at least this many steps. On the README's 2-core CPU
-# the tiny preset's first compile took 80-90 s on a fresh machine (30-65 s with TMPDIR kept) and
-# 6-7 s from the cache on disk, and saved 0.02-0.1 s a step (bench/compile_cost.py,
-# bench/default_speed.py): the default 300-step run is no faster compiled, so it stays eager;
-# a first run pays back after 1,000-4,000 steps there, a later one after 150-300, and a GPU
-# (Triton kernels, no g++) much sooner: runs of thousands of steps (any real one) compile
-COMPILE_MIN_STEPS = 1000
+# the tiny preset's first compile took 22-28 s on a fresh machine (Inductor's CPU options in
+# parallel/activation.py) and 2.5-4 s from the cache on disk, and saved 0.03-0.08 s a step
+# (bench/compile_cost.py, bench/default_speed.py): a first run pays back after 230-900 steps,
+# a later one after 30-130. From 300 steps (the default run) a first run is level with eager
+# within this machine's noise and every later run is faster; a GPU (Triton kernels, no C++
+# compiler) pays back sooner
+COMPILE_MIN_STEPS = 300
 COMPILE_EVAL_CHOICES = ("auto", "true", "false")
 # trainer.compile_eval=auto: a compiled run compiles its validation forwards when this process's
 # evaluations forward at least this many batches. Measured on the README's 2-core CPU with the
@@ -61,7 +62,7 @@ class TrainerConfig:
     precision: str = "bf16"  # bf16 (autocast over fp32 weights) | bf16_master (bf16 weights,
     # fp32 master weights in the optimizer) | fp32
     # torch.compile every block and the fused head + loss (tiny on the README's 2-core CPU:
-    # 80-90 s on a fresh machine, mostly g++; 6-7 s from the cache on disk, bench/compile_cost.py):
+    # 22-28 s on a fresh machine, 2.5-4 s from the cache on disk, bench/compile_cost.py):
     # true | false | auto (compile runs of at least COMPILE_MIN_STEPS steps).
     # `python -m trainer` defaults to auto (conf/trainer/default.yaml); built from Python, false
     compile: str = "false"

@@ -224,7 +224,7 @@ def test_compiled_sublayers_match_eager_with_more_blocks_than_dynamos_recompile_
             if name.endswith(".query"):
                 p.copy_(torch.randn_like(p))
                 q.copy_(p)
-    compile_model(compiled)
+    compile_model(compiled, "cpu")
     gen = torch.Generator().manual_seed(5)
     tokens, targets = (torch.randint(0, 64, (2, 16), generator=gen) for _ in range(2))
     torch._dynamo.reset()

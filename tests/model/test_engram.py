@@ -355,7 +355,7 @@ def test_compiled_blocks_match_eager_with_sparse_table_gradients():
     from parallel.activation import compile_model
 
     eager, compiled = engram_model(), engram_model()
-    compile_model(compiled)
+    compile_model(compiled, "cpu")
     tokens = torch.randint(0, V, (2, 16), generator=torch.Generator().manual_seed(6))
     a, b = eager(tokens, tokens), compiled(tokens, tokens)
     a.backward()

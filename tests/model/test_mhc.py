@@ -198,7 +198,7 @@ def test_compiled_blocks_match_eager_and_keep_the_metrics():
     from parallel.activation import compile_model
 
     eager, compiled = (build_model(cfg(n_layers=2), seed=0) for _ in range(2))
-    compile_model(compiled)
+    compile_model(compiled, "cpu")
     gen = torch.Generator().manual_seed(9)
     tokens, targets = (torch.randint(0, 64, (2, 16), generator=gen) for _ in range(2))
     a, b = eager(tokens, targets), compiled(tokens, targets)

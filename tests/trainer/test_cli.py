@@ -56,7 +56,7 @@ def test_the_default_run_writes_the_run_directory_contract(tmp_path):
     log = (run_dir / "train.log").read_text()
     assert (run_dir / "loss.png").is_file() and "validation loss" in log
     # the default trainer.compile=auto: a 2-step run stays eager, and says why
-    assert "torch.compile: off (eager) (trainer.compile=auto: 2 steps < 1000" in log
+    assert f"torch.compile: off (eager) (trainer.compile=auto: 2 steps < {COMPILE_MIN_STEPS}" in log
     assert "CPU allocator: " in log  # trainer.cpu_malloc=keep: what it did is logged
     assert (
         tmp_path / "data" / "stdlib-py{}.{}-bpe8192".format(*sys.version_info[:2]) / "manifest.json"
