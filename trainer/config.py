@@ -37,10 +37,11 @@ COMPILE_EVAL_CHOICES = ("auto", "true", "false")
 # trainer.compile_eval=auto: a compiled run compiles its validation forwards when this process's
 # evaluations forward at least this many batches. Measured on the README's 2-core CPU with the
 # tiny preset at 8 x 256 (bench/eval_speed.py): after the training graphs, the no-grad graphs'
-# compile took 13 s from an empty cache (1.2 s from the cache on disk) and saved 47 ms a batch,
-# paying back after ~280 batches on a first run. Other devices and models differ (on a GPU a
-# larger model saves more per batch): set true or false to choose. Samples are always eager: a
-# few dozen tokens, whose compile (7.7 s; one graph per decoding shape) saves ~0.08 s a sample
+# compile took 12-13 s from an empty cache (0.3-1.2 s from the cache on disk) and saved 33-47 ms
+# a batch, paying back after 280-360 batches on a first run. Other devices and models differ (on
+# a GPU a larger model saves more per batch): set true or false to choose. Samples are always
+# eager: a few dozen tokens, whose compile (8-11 s; one graph per decoding shape) saves ~0.08 s
+# a sample
 EVAL_COMPILE_MIN_BATCHES = 300
 
 
