@@ -56,6 +56,20 @@ def test_fsdp_gradient_accumulation_matches_one_process(single: dict) -> None:
     _assert_same_run(results[0], single)
 
 
+def test_compiled_blocks_and_loss_under_fsdp_match_one_eager_process(single: dict) -> None:
+    """trainer.compile=true on 2 ranks: FSDP2's hooks between compiled blocks (Inductor's CPU
+    options: C++ graphs), the loss compiled per chunk. fp32: within Inductor's reordering."""
+    results = run_ranks(
+        2, train, small_model(), {}, STEPS, 1, "fp32", 1.0, "", "", "adamw", 0.0, True
+    )
+    torch.testing.assert_close(results[0]["losses"], single["losses"], rtol=1e-4, atol=1e-5)
+    for name, tensor in single["final"].items():
+        torch.testing.assert_close(
+            results[0]["final"][name], tensor, rtol=1e-3, atol=1e-4, msg=name
+        )
+    assert results[0]["losses"] == results[1]["losses"]
+
+
 def test_activation_checkpointing_changes_nothing(single: dict) -> None:
     for mode in ("full", "selective"):
         got = train(0, small_model(), {"activation_checkpoint": mode}, STEPS)

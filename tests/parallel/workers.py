@@ -74,6 +74,7 @@ def train(
     save_to: str = "",
     optimizer_name: str = "adamw",
     qk_clip_tau: float = 0.0,
+    compile: bool = False,
 ) -> dict[str, Any]:
     """Train `steps` steps; returns losses, grad norms, the initial and final full weights.
 
@@ -81,7 +82,7 @@ def train(
     continues on the global batches after its step. save_to: checkpoint root to save into at the
     end."""
     optim_cfg = OptimConfig(name=optimizer_name, lr=3e-3, warmup_steps=0, schedule="constant")
-    engine = engine_for(model_cfg, layout, precision, optim_cfg)
+    engine = engine_for(model_cfg, layout, precision, optim_cfg, compile)
     model = engine.model
     initial = full_state(model)
     distributed_muon.work.clear()
