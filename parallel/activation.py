@@ -64,10 +64,12 @@ def apply_activation_checkpointing(model: Transformer, mode: str) -> None:
 
 # Inductor's settings for CPU graphs, which it builds with the C++ compiler. Measured on the
 # README's 2-core CPU, tiny preset, empty caches (bench/compile_cost.py): 73-90 s to the first
-# compiled step by default, 33-34 s with all three, the same step time within the noise.
+# compiled step by default, 32-34 s with all three, 22-28 s with the loss compiled per chunk
+# (below); the same step time within the noise.
 CPU_INDUCTOR_OPTIONS = {
     # one C++ file per graph (its kernels and the code that calls them) instead of a file per
-    # kernel and a Python caller: 4 compiler runs for the tiny model instead of 39
+    # kernel and a Python caller: 3 compiler runs for the tiny model (block forward and
+    # backward, a loss chunk) instead of 39
     "cpp_wrapper": True,
     # with that few files, precompiling the common header (6-7 s) saves less than it costs
     "cpp_cache_precompile_headers": False,

@@ -31,7 +31,7 @@ SMALL_OVERRIDES = [f"model.{k}={v}" for k, v in SMALL_MODEL.items()] + [
     "trainer.log_every=1",
     "trainer.sample_tokens=8",
     "trainer.threads=1",
-    "trainer.compile=false",  # long test runs stay eager (auto compiles from 1000 steps)
+    "trainer.compile=false",  # long test runs stay eager (auto compiles from 300 steps)
     "optim.warmup_steps=2",
     "logging.progress=false",
 ]
