@@ -4,12 +4,12 @@ means for the default 300-step command: the limit on target 1 of issue 21 (the d
 
 Each round runs three fresh processes on the default tiny model (8 x 256 tokens, bf16 autocast,
 the trainer's engine and train_step), one after another:
-  * cold: TMPDIR and TORCHINDUCTOR_CACHE_DIR empty, as on a new machine (Inductor keeps its
-    precompiled C++ header under TMPDIR, outside TORCHINDUCTOR_CACHE_DIR, so both are fresh);
+  * cold: TMPDIR and TORCHINDUCTOR_CACHE_DIR empty, as on a new machine (with Inductor's
+    default options it keeps a precompiled C++ header under TMPDIR, outside its cache);
   * warm: the same directories again (every later run on that machine);
   * eager: trainer.compile=false.
 The C++ compiler Inductor calls is a logging wrapper (CXX), so each g++ call's wall time is
-recorded: the precompiled header, the kernels, and the time at least one compiler ran.
+recorded (kernels or graphs, a precompiled header if any) and the time at least one ran.
 Transformers' eager step (as users run it) is timed between rounds.
 
 Derived per round: compile seconds = first step - the median later step; the steps after

@@ -123,7 +123,8 @@ def corpus_run(preset: str, lr: float, tmp: Path, overrides: list[str] = (), tag
     """`python -m trainer model=<preset> optim.lr=<lr> <overrides>` in a run dir under `tmp`."""
     run_dir = tmp / run_dir_name(tag or f"{preset}_{lr:g}")
     env = os.environ | {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
-    command = [sys.executable, "-m", "trainer", f"model={preset}", f"optim.lr={lr}", *overrides]
+    command = [sys.executable, "-m", "trainer", f"model={preset}", f"optim.lr={lr}"]
+    command += ["trainer.compile=false", *overrides]  # eager as in the README (auto compiles)
     command.append(f"hydra.run.dir={run_dir}")
     start = time.perf_counter()
     subprocess.run(command, cwd=ROOT, env=env, check=True, capture_output=True)

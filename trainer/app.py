@@ -39,7 +39,13 @@ from trainer.build import (
 )
 from trainer.checkpoint import Checkpointer, resume, set_aside
 from trainer.checkpoint_weights import init_weights_reader, resumes_its_own
-from trainer.config import COMPILE_MIN_STEPS, RootConfig, TrainerConfig, compiles
+from trainer.config import (
+    COMPILE_MIN_STEPS,
+    RootConfig,
+    TrainerConfig,
+    compiles,
+    cpp_compiler,
+)
 from trainer.cpu_malloc import keep_freed_memory
 from trainer.distributed import is_collective_timeout
 from trainer.evaluate import describe_evaluation
@@ -196,11 +202,12 @@ def compile_summary(trainer: TrainerConfig) -> str:
     on = "on, every block and the head + loss" if compiles(trainer) else "off (eager)"
     if trainer.compile != "auto":
         return f"{on} (trainer.compile={trainer.compile})"
-    comparison = ">=" if compiles(trainer) else "<"
-    return (
-        f"{on} (trainer.compile=auto: {trainer.max_steps} steps {comparison} {COMPILE_MIN_STEPS}; "
-        "set trainer.compile=true or false to choose)"
-    )
+    long_enough = trainer.max_steps >= COMPILE_MIN_STEPS
+    comparison = ">=" if long_enough else "<"
+    reason = f"{trainer.max_steps} steps {comparison} {COMPILE_MIN_STEPS}"
+    if long_enough and not compiles(trainer):
+        reason += f", but no C++ compiler ({cpp_compiler()}) to compile with"
+    return f"{on} (trainer.compile=auto: {reason}; set trainer.compile=true or false to choose)"
 
 
 def token_compression(

@@ -8,6 +8,9 @@ process group or file is touched; `check_cross_fields` then checks the rules tha
 
 from __future__ import annotations
 
+import os
+import shutil
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -119,11 +122,18 @@ class TrainerConfig:
         )
 
 
+def cpp_compiler() -> str:
+    """The C++ compiler torch.compile builds with (Inductor's CPU kernels, Triton's launchers):
+    $CXX, else g++ (clang++ on macOS, cl on Windows)."""
+    default = {"darwin": "clang++", "win32": "cl"}.get(sys.platform, "g++")
+    return os.environ.get("CXX", default)
+
+
 def compiles(trainer: TrainerConfig) -> bool:
     """Whether the run compiles its blocks: trainer.compile, with auto resolved by the run's
-    length (COMPILE_MIN_STEPS)."""
+    length (COMPILE_MIN_STEPS) and whether there is a C++ compiler to compile with."""
     if trainer.compile == "auto":
-        return trainer.max_steps >= COMPILE_MIN_STEPS
+        return trainer.max_steps >= COMPILE_MIN_STEPS and shutil.which(cpp_compiler()) is not None
     return trainer.compile == "true"
 
 

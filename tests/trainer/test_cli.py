@@ -291,3 +291,15 @@ def test_compile_auto_compiles_runs_long_enough_to_pay_back(value, steps, expect
     from Python or YAML is accepted as true / false."""
     trainer = TrainerConfig(compile=value, max_steps=steps)
     assert trainer.compile in ("auto", "true", "false") and compiles(trainer) is expected
+
+
+def test_compile_auto_stays_eager_without_a_cpp_compiler(monkeypatch):
+    """auto on a machine without the C++ compiler torch.compile needs: eager, and the log line
+    says why; an explicit true still compiles (and fails in Inductor, as asked)."""
+    from trainer.app import compile_summary
+
+    monkeypatch.setenv("CXX", "no-such-compiler++")
+    trainer = TrainerConfig(compile="auto", max_steps=COMPILE_MIN_STEPS)
+    assert not compiles(trainer)
+    assert "no C++ compiler (no-such-compiler++)" in compile_summary(trainer)
+    assert compiles(TrainerConfig(compile="true", max_steps=2))

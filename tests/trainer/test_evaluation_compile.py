@@ -7,6 +7,7 @@ import pytest
 
 from model.errors import ConfigError
 from trainer.config import (
+    COMPILE_MIN_STEPS,
     EVAL_COMPILE_MIN_BATCHES,
     TrainerConfig,
     compiles_evaluation,
@@ -41,11 +42,12 @@ def test_evaluations_left_follows_the_loops_schedule(max_steps, eval_every, star
         ("true", "true", 1, True),
         ("true", "false", 10**6, False),
         ("false", "true", 10**6, False),  # eager runs compile nothing
-        ("auto", "auto", 10**6, False),  # 300 steps: auto keeps the run eager
+        ("auto", "auto", 10**6, False),  # a run shorter than COMPILE_MIN_STEPS stays eager
     ],
 )
 def test_compiles_evaluation(compile_, compile_eval, batches, expected):
-    trainer = TrainerConfig(compile=compile_, compile_eval=compile_eval)
+    steps = COMPILE_MIN_STEPS - 1
+    trainer = TrainerConfig(compile=compile_, compile_eval=compile_eval, max_steps=steps)
     assert compiles_evaluation(trainer, batches) is expected
 
 
