@@ -7,8 +7,8 @@ come from that round's medians.
 
 Variants: transformers as users run it (glibc's allocator defaults), transformers with the
 allocator setting the trainer makes on CPU (trainer.cpu_malloc=keep), the trainer's eager step
-(what the default `python -m trainer` runs) and its compiled step (trainer.compile=true, after
-compilation). Separate processes because the allocator setting is per process.
+(trainer.compile=false) and its compiled step (trainer.compile=true, what the default 300-step
+`python -m trainer` runs, after compilation). Separate processes because the allocator setting is per process.
 
     python bench/step_ratios.py [--batch 8] [--seq-len 256] [--rounds 12] [--steps-per-turn 3]
 Writes bench/results/step_ratios_cpu_<batch>x<seq_len>.json.
