@@ -83,8 +83,9 @@ def compile_model(model: Transformer, device_type: str) -> None:
     """Compile each block on its own (FSDP2's gather/reduce hooks run between blocks; or its two
     sublayers, for residual streams that ask for it), and each chunk of the fused head +
     cross-entropy (model.loss.loss_chunk: inside the root's forward, so under FSDP2 too).
-    On one CPU process this matches compiling the whole model as one graph (bench/
-    train_throughput.py: *_compiled vs *_compiled_whole_model). device_type: where the model
+    On one CPU process this matched compiling the whole model as one graph (bench/
+    train_throughput.py: *_compiled vs *_compiled_whole_model, with Inductor's default options).
+    device_type: where the model
     will run ("cpu" takes CPU_INDUCTOR_OPTIONS)."""
     options = CPU_INDUCTOR_OPTIONS if device_type == "cpu" else None
     whole = model.stream.compile_whole_blocks
