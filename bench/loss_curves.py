@@ -7,7 +7,7 @@
 distributed cases) with a fixed seed and writes every logged train and validation loss;
 `compare` re-runs the cases and reports, per case, whether every number is bitwise equal (exit 1
 if any differs). Cases cover the default model in fp32 and bf16, MLA, MoE, the residual styles,
-Muon and MuonClip, activation checkpointing, and FSDP2 / expert parallelism on 2 gloo ranks.
+Muon and MuonClip, activation checkpointing, `trainer.compile=true`, and FSDP2 / expert parallelism on 2 gloo ranks.
 """
 
 from __future__ import annotations
@@ -42,6 +42,10 @@ CASES: dict[str, tuple[int, list[str]]] = {  # name -> (ranks, overrides)
         1,
         ["trainer.precision=bf16_master", "parallel.activation_checkpoint=selective"],
     ),
+    # trainer.compile=true: the compiled blocks and the compiled loss chunk (model.loss's
+    # loss_chunk_fusable) differ from eager in rounding, so compare these with their own record
+    "tiny_fp32_compiled": (1, [*FP32, "trainer.compile=true"]),
+    "default_bf16_compiled": (1, ["trainer.compile=true"]),
     "fsdp2_fp32": (2, [*FP32, "parallel.activation_checkpoint=full"]),
     "ep2_moe_fp32": (2, [*FP32, "model=tiny_moe", "parallel.ep=2"]),
 }

@@ -21,7 +21,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from model.loss import chunked_cross_entropy, loss_chunk
+from model.loss import chunked_cross_entropy, loss_chunk_fusable
 from model.transformer import Transformer
 
 _aten = torch.ops.aten
@@ -82,7 +82,7 @@ CPU_INDUCTOR_OPTIONS = {
 def compile_model(model: Transformer, device_type: str) -> None:
     """Compile each block on its own (FSDP2's gather/reduce hooks run between blocks; or its two
     sublayers, for residual streams that ask for it), and each chunk of the fused head +
-    cross-entropy (model.loss.loss_chunk: inside the root's forward, so under FSDP2 too).
+    cross-entropy (model.loss.loss_chunk_fusable: inside the root's forward, so under FSDP2 too).
     On one CPU process this matched compiling the whole model as one graph (bench/
     train_throughput.py: *_compiled vs *_compiled_whole_model, with Inductor's default options).
     device_type: where the model
@@ -97,6 +97,7 @@ def compile_model(model: Transformer, device_type: str) -> None:
             block.attn.compile(options=options)
             block.ffn.compile(options=options)
     # the loss compiles per chunk (under no_grad, inside its autograd Function: no backward
-    # graph), one graph for every chunk and batch size instead of one per number of chunks
-    compiled_chunk = torch.compile(loss_chunk, options=options)
+    # graph), one graph for every chunk and batch size instead of one per number of chunks;
+    # in the form Inductor fuses into one pass over the logits (model.loss.loss_chunk_fusable)
+    compiled_chunk = torch.compile(loss_chunk_fusable, options=options)
     model.loss_fn = functools.partial(chunked_cross_entropy, chunk_fn=compiled_chunk)

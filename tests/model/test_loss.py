@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model.loss import IGNORE_INDEX, chunked_cross_entropy
+from model.loss import IGNORE_INDEX, chunked_cross_entropy, loss_chunk, loss_chunk_fusable
 from tests.model.helpers import tiny_config, tiny_model
 
 # fp32 sums over <= 23 tokens and a 37-way softmax; the two sides differ only by summation order
@@ -24,10 +24,14 @@ def inputs(seed: int = 0):
     return h, w, targets
 
 
+CHUNK_FNS = pytest.mark.parametrize("chunk_fn", [loss_chunk, loss_chunk_fusable])
+
+
+@CHUNK_FNS
 @pytest.mark.parametrize("chunk", [0, 1, 4, 5, 7, 23, 64])  # 4, 7 do not divide 23
-def test_chunked_cross_entropy_matches_torch(chunk):
+def test_chunked_cross_entropy_matches_torch(chunk, chunk_fn):
     h, w, targets = inputs()
-    loss = chunked_cross_entropy(h, w, targets, chunk)
+    loss = chunked_cross_entropy(h, w, targets, chunk, chunk_fn)
     gh, gw = torch.autograd.grad(loss, (h, w))
 
     h2, w2 = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
@@ -82,12 +86,14 @@ def test_transformer_loss_equals_cross_entropy_of_logits(chunk, tie):
         torch.testing.assert_close(got_g, want_g, atol=ATOL, rtol=RTOL, msg=name)
 
 
-def test_loss_stays_exact_where_the_target_probability_underflows():
+@CHUNK_FNS
+def test_loss_stays_exact_where_the_target_probability_underflows(chunk_fn):
     """Logits spread over thousands: the targets' softmax probabilities underflow to 0 in fp32,
-    yet the loss (logsumexp from the largest probability) equals the fp64 cross-entropy."""
+    yet the loss (logsumexp from the largest probability, or from the max and the sum of
+    exponentials) equals the fp64 cross-entropy."""
     h, w, targets = inputs(seed=4)
     w = (w.detach() * 400).requires_grad_()
-    got = chunked_cross_entropy(h, w, targets, 5)
+    got = chunked_cross_entropy(h, w, targets, 5, chunk_fn)
     want = F.cross_entropy(h.double() @ w.double().T, targets, ignore_index=-100)
     assert torch.isfinite(got) and want > 200
     torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=0)
@@ -107,6 +113,27 @@ def test_autocast_returns_the_fp32_weight_gradient_unrounded():
     assert not torch.equal(grad_w, grad_w.bfloat16().float())  # more bits than bf16 holds
     # dlogits go through bf16 for the matmul (2^-9 relative each)
     torch.testing.assert_close(grad_w.double(), want, rtol=2e-2, atol=2e-3)
+
+
+def test_the_fusable_chunk_equals_loss_chunk_in_bf16():
+    """The compiled form against the eager one on bf16 inputs (the matmul dtype under
+    autocast), a (64, 1000) chunk with ignored targets: the loss to fp32 rounding, dlogits (and
+    so both gradients) within one bf16 rounding of softmax's own, ignored rows zero in both."""
+    g = torch.Generator().manual_seed(7)
+    h = torch.randn(64, 32, generator=g).bfloat16()
+    w = (torch.randn(1000, 32, generator=g) * 0.5).bfloat16()
+    t = torch.randint(0, 1000, (64,), generator=g)
+    t[[3, 40]] = IGNORE_INDEX
+    valid, count = t != IGNORE_INDEX, torch.tensor(62)
+    loss, gh, gw = loss_chunk(h, w, t, valid, count, True)
+    loss2, gh2, gw2 = loss_chunk_fusable(h, w, t, valid, count, True)
+    torch.testing.assert_close(loss2, loss, rtol=1e-6, atol=0)
+    torch.testing.assert_close(gh2, gh, rtol=1e-2, atol=1e-5)
+    torch.testing.assert_close(gw2.float(), gw.float(), rtol=1e-2, atol=1e-5)
+    assert torch.equal(gh2[[3, 40]], torch.zeros(2, 32))
+    assert not torch.equal(gh2, torch.zeros_like(gh2))
+    no_grad = loss_chunk_fusable(h, w, t, valid, count, False)
+    assert torch.equal(no_grad[0], loss2) and no_grad[1:] == (None, None)
 
 
 def test_normalizer_from_the_largest_probability_equals_logsumexp():
