@@ -15,7 +15,10 @@ One softmax pass gives both the loss and dlogits: softmax's largest entry is exp
 logsumexp = max - log(largest probability) (the largest probability is at least 1/V: no
 underflow). On a CPU this is 2.4x faster than logsumexp followed by a second exp over a
 (512, 8192) chunk and 2.9x over (1024, 128256) (bench/chunked_ce.py, chunked_ce_cpu.json's
-"formulas"); the loss agrees with logsumexp's to fp32 rounding (tested).
+"formulas"); the loss agrees with logsumexp's to fp32 rounding (tested). That is the eager
+form. Compiled, Inductor fuses max, sum of exponentials, the second exp, the -1 at the target
+and the cast into one kernel over the logits when the one-hot is a comparison rather than an
+indexed write (loss_chunk_fusable, what parallel.activation.compile_model compiles).
 
 The matmuls run in h's dtype (under autocast: the autocast dtype, h cast before the function),
 the softmax in fp32; W is cast inside, so a fp32 W gets its fp32 gradient sum unrounded. The
