@@ -7,7 +7,8 @@
 distributed cases) with a fixed seed and writes every logged train and validation loss;
 `compare` re-runs the cases and reports, per case, whether every number is bitwise equal (exit 1
 if any differs). Cases cover the default model in fp32 and bf16, MLA, MoE, the residual styles,
-Muon and MuonClip, activation checkpointing, `trainer.compile=true`, and FSDP2 / expert parallelism on 2 gloo ranks.
+Muon and MuonClip, activation checkpointing, `trainer.compile=true` (fp32 and bf16), and FSDP2 /
+expert parallelism on 2 gloo ranks.
 """
 
 from __future__ import annotations
