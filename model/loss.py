@@ -49,9 +49,9 @@ def loss_chunk(
     """One chunk of n tokens: (the sum of its losses, fp32 0-d; with want_grad its share of the
     gradients: grad_h (n, C) fp32 and grad_w (V, C) in w's dtype, else None, None).
     h_c (n, C) and w (V, C) in the matmul dtype; t_c (n,) targets; v_c (n,) bool, the targets that
-    count; count: how many count over all chunks (0-d, at least 1). A function of its inputs alone,
-    so `torch.compile` makes one graph that serves every chunk of every step
-    (parallel/activation.py)."""
+    count; count: how many count over all chunks (0-d, at least 1). A function of its inputs alone
+    (as is loss_chunk_fusable, the form compiled), so `torch.compile` makes one graph that serves
+    every chunk of every step (parallel/activation.py)."""
     logits = (h_c @ w.T).float()  # (n, V)
     safe_t = t_c.clamp(min=0)
     target_logit = logits.gather(1, safe_t[:, None])[:, 0]
@@ -62,10 +62,18 @@ def loss_chunk(
         return loss_sum, None, None
     probs[torch.arange(len(t_c), device=h_c.device), safe_t] -= 1.0
     d_logits = probs.to(h_c.dtype)  # unscaled: the row weights go on the (n, C) side
-    scale = (v_c.float() / count)[:, None]  # (n, 1) fp32: 1/count, 0 where ignored
+    return loss_sum, *chunk_gradients(d_logits, h_c, w, v_c, count)
+
+
+def chunk_gradients(
+    d_logits: Tensor, h_c: Tensor, w: Tensor, v_c: Tensor, count: Tensor
+) -> tuple[Tensor, Tensor]:
+    """A chunk's (grad_h (n, C) fp32, grad_w (V, C) in the matmul dtype) from its unscaled
+    d_logits (n, V) in the matmul dtype: each row weighted by 1/count, 0 where ignored."""
+    scale = (v_c.float() / count)[:, None]  # (n, 1) fp32
     grad_h = (d_logits @ w) * scale  # fp32: the bf16 product times an fp32 scale, exactly
     grad_w = d_logits.T @ (h_c.float() * scale).to(h_c.dtype)
-    return loss_sum, grad_h, grad_w
+    return grad_h, grad_w
 
 
 def loss_chunk_fusable(
@@ -88,10 +96,7 @@ def loss_chunk_fusable(
     if not want_grad:
         return loss_sum, None, None
     d_logits = ((logits - lse).exp() - hit.float()).to(h_c.dtype)  # unscaled, as loss_chunk's
-    scale = (v_c.float() / count)[:, None]  # (n, 1) fp32: 1/count, 0 where ignored
-    grad_h = (d_logits @ w) * scale
-    grad_w = d_logits.T @ (h_c.float() * scale).to(h_c.dtype)
-    return loss_sum, grad_h, grad_w
+    return loss_sum, *chunk_gradients(d_logits, h_c, w, v_c, count)
 
 
 ChunkFn = Callable[..., tuple[Tensor, Tensor | None, Tensor | None]]  # loss_chunk's signature
@@ -106,8 +111,8 @@ def chunked_loss(
     *,
     want_grad: bool,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """Mean loss over non-ignored targets, chunk by chunk (each through chunk_fn: loss_chunk or
-    its compiled form); with want_grad also its gradients (grad_h like h, grad_w fp32 like
+    """Mean loss over non-ignored targets, chunk by chunk (each through chunk_fn: loss_chunk, or
+    loss_chunk_fusable compiled); with want_grad also its gradients (grad_h like h, grad_w fp32 like
     weight's shape), else None, None (no extra GEMMs)."""
     valid = targets != IGNORE_INDEX
     count = valid.sum().clamp(min=1)
@@ -155,7 +160,7 @@ def chunked_cross_entropy(
     h: Tensor, weight: Tensor, targets: Tensor, chunk_tokens: int, chunk_fn: ChunkFn = loss_chunk
 ) -> Tensor:
     """Mean cross-entropy of `targets` under logits h @ W^T; chunk_tokens=0 computes it in one go.
-    chunk_fn: what computes each chunk (loss_chunk, or a compiled loss_chunk)."""
+    chunk_fn: what computes each chunk (loss_chunk, or loss_chunk_fusable compiled)."""
     h, targets = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
     device = h.device.type
     if torch.is_autocast_enabled(device):
