@@ -1,8 +1,13 @@
 """RoPE's half pairing on the tiny default model's queries and keys (8 x 256 tokens, 4 query and
-2 kv heads of 64, bf16), forward + backward: the whole-head form model/rope.py uses
-(x cos + (-x2, x1) sin) against the per-half formula it replaced (x1 cos - x2 sin,
-x2 cos + x1 sin), interleaved in one process; both give bitwise the same numbers (checked here
-and in tests/model/test_rope.py).
+2 kv heads of 64, bf16), forward + backward, eager and compiled (Inductor, the trainer's CPU
+options), in three forms that give bitwise the same numbers (checked here and in
+tests/model/test_rope.py):
+  * per_half: x1 cos - x2 sin, x2 cos + x1 sin, concatenated (before issue 21);
+  * whole_head_cat: x cos + (-x2, x1) sin over whole heads, (x2, x1) and cos, sin concatenated
+    (issue 21's first eager change);
+  * paired_halves: each head viewed as its two halves, x cos + swap(x) (-sin, sin), cos and sin
+    made contiguous first (model/rope.py's apply_rope_half now).
+Interleaved in one process, each timing the median of 15 rounds of 5 calls.
 
     python bench/rope_pairing.py
 Writes bench/results/rope_pairing_cpu.json.
@@ -10,6 +15,7 @@ Writes bench/results/rope_pairing_cpu.json.
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 import sys
@@ -22,6 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from bench.machine import machine
 from model.rope import apply_rope_half, base_inv_freq, cos_sin, rope_rotations
+from parallel.activation import CPU_INDUCTOR_OPTIONS
 from trainer.cpu_malloc import keep_freed_memory
 
 
@@ -34,32 +41,56 @@ def per_half(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
     return torch.cat([a.to(x.dtype), b.to(x.dtype), x[..., r:]], dim=-1)
 
 
+def whole_head_cat(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+    """Issue 21's first form: whole heads, with (x2, x1) and the cos, sin rows concatenated."""
+    r = 2 * rot.shape[-1]
+    cos, sin = cos_sin(rot)  # (B, T, 1, R/2) each
+    cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)  # (B, T, 1, R)
+    part = x[..., :r].float()
+    swapped = torch.cat([part[..., r // 2 :], part[..., : r // 2]], dim=-1)  # (x2, x1)
+    out = (part * cos + swapped * sin).to(x.dtype)
+    return out if r == x.shape[-1] else torch.cat([out, x[..., r:]], dim=-1)
+
+
+FORMS = {"per_half": per_half, "whole_head_cat": whole_head_cat, "paired_halves": apply_rope_half}
+
+
+def forward_backward(fn, x: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    leaf = x.clone().requires_grad_()
+    out = fn(leaf)
+    out.backward(grad)
+    return out.detach(), leaf.grad
+
+
 def main() -> None:
     keep_freed_memory()  # as the trainer runs on CPU
     B, T, D = 8, 256, 64
     rot = rope_rotations(torch.arange(T).expand(B, T), base_inv_freq(10000.0, D), 1.0)
-    forms = {"per_half": per_half, "whole_head": apply_rope_half}
+    fns = {}
+    for name, form in FORMS.items():
+        fns[f"{name}_eager"] = functools.partial(form, rot=rot)
+        fns[f"{name}_compiled"] = torch.compile(
+            functools.partial(form, rot=rot), options=CPU_INDUCTOR_OPTIONS
+        )
     rows = []
     for heads in (4, 2):  # queries, keys
         gen = torch.Generator().manual_seed(heads)
         x = torch.randn(B, T, heads, D, generator=gen).bfloat16()
         grad = torch.randn(B, T, heads, D, generator=gen).bfloat16()
-        times: dict[str, list[float]] = {name: [] for name in forms}
-        results = {}
-        for _ in range(25):
-            for name, form in forms.items():
-                leaf = x.clone().requires_grad_()
+        results = {name: forward_backward(fn, x, grad) for name, fn in fns.items()}  # + compile
+        reference = results["per_half_eager"]
+        equal = all(torch.equal(a, b) for r in results.values() for a, b in zip(r, reference))
+        times: dict[str, list[float]] = {name: [] for name in fns}
+        for _ in range(15):
+            for name, fn in fns.items():
                 start = time.perf_counter()
-                out = form(leaf, rot)
-                out.backward(grad)
-                times[name].append(time.perf_counter() - start)
-                results[name] = (out.detach(), leaf.grad)
-        equal = all(torch.equal(a, b) for a, b in zip(*results.values()))
-        ms = {name: 1000 * statistics.median(t[3:]) for name, t in times.items()}
-        rows.append({"heads": heads, "ms": ms, "speedup": ms["per_half"] / ms["whole_head"],
-                     "bitwise_equal": equal})  # fmt: skip
-        print(f"{heads} heads: per_half {ms['per_half']:.3f} ms, whole_head "
-              f"{ms['whole_head']:.3f} ms ({rows[-1]['speedup']:.2f}x), bitwise equal {equal}")  # fmt: skip
+                for _ in range(5):
+                    forward_backward(fn, x, grad)
+                times[name].append((time.perf_counter() - start) / 5)
+        ms = {name: 1000 * statistics.median(t) for name, t in times.items()}
+        rows.append({"heads": heads, "ms": ms, "bitwise_equal": equal})
+        print(f"{heads} heads, bitwise equal {equal}: "
+              + ", ".join(f"{name} {t:.3f} ms" for name, t in ms.items()))  # fmt: skip
     report = {
         "benchmark": "rope_pairing",
         "machine": machine(torch_threads=torch.get_num_threads()),

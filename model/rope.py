@@ -150,14 +150,19 @@ def _rotate(x1: Tensor, x2: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, T
 
 @ROPE_PAIRINGS.register("half")
 def apply_rope_half(x: Tensor, rot: Tensor) -> Tensor:
-    # x cos + (-x2, x1) sin over whole heads: bitwise what _rotate gives per half (a - b is
-    # a + (-b) in IEEE arithmetic) in fewer, larger elementwise passes (bench/rope_pairing.py)
-    r = 2 * rot.shape[-1]
-    cos, sin = cos_sin(rot)  # (B, T, 1, R/2) each
-    cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)  # (B, T, 1, R)
-    part = x[..., :r].float()
-    swapped = torch.cat([part[..., r // 2 :], part[..., : r // 2]], dim=-1)  # (x2, x1)
-    out = (part * cos + swapped * sin).to(x.dtype)
+    # each head as its two halves (B, T, H, 2, R/2): out = x cos + swap(x) (-sin, sin), swap
+    # exchanging the halves: bitwise what _rotate gives per half (a - b is a + (-b) in IEEE
+    # arithmetic) in one pass over whole heads, with no concatenated copy of x. cos and sin are
+    # first made contiguous (view_as_real interleaves them), so compiled code loads them as
+    # vectors: Inductor makes one loop of it forward and one backward, where concatenating
+    # (x2, x1) left masked, element-by-element gathers (bench/rope_pairing.py)
+    half = rot.shape[-1]
+    r = 2 * half
+    rows = torch.view_as_real(rot).transpose(-1, -2).contiguous()  # (B, T, 2, R/2): cos; sin
+    cos, sin = rows[:, :, None, 0, None], rows[:, :, None, 1]  # (B, T, 1, 1, R/2), (B, T, 1, R/2)
+    signed_sin = torch.stack([-sin, sin], dim=-2)  # (B, T, 1, 2, R/2)
+    part = x[..., :r].float().unflatten(-1, (2, half))  # (B, T, H, 2, R/2)
+    out = (part * cos + part.flip(-2) * signed_sin).flatten(-2).to(x.dtype)
     return out if r == x.shape[-1] else torch.cat([out, x[..., r:]], dim=-1)
 
 
