@@ -7,7 +7,10 @@ tests/model/test_rope.py):
     (issue 21's first eager change);
   * paired_halves: each head viewed as its two halves, x cos + swap(x) (-sin, sin), cos and sin
     made contiguous first (model/rope.py's apply_rope_half now).
-Interleaved in one process, each timing the median of 15 rounds of 5 calls.
+Interleaved in one process, each timing the median of 15 rounds of 5 calls. Then the default
+training step (the trainer's engine and train_step, tiny preset, 8 x 256, bf16) with the
+paired-halves form and with whole_head_cat patched in: two engines in one process taking turns,
+compiled (40 pairs) and eager (30 pairs).
 
     python bench/rope_pairing.py
 Writes bench/results/rope_pairing_cpu.json.
@@ -27,9 +30,17 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from bench.machine import machine
+from data.loader import Batch
+from model.presets import load_preset
 from model.rope import apply_rope_half, base_inv_freq, cos_sin, rope_rotations
+from optim.config import OptimConfig
 from parallel.activation import CPU_INDUCTOR_OPTIONS
+from parallel.config import ParallelConfig
+from parallel.mesh import ParallelDims
+from trainer.build import build_training_engine
+from trainer.config import TrainerConfig
 from trainer.cpu_malloc import keep_freed_memory
+from trainer.step import LossTracker, StepSettings, train_step
 
 
 def per_half(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
@@ -62,15 +73,14 @@ def forward_backward(fn, x: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Ten
     return out.detach(), leaf.grad
 
 
-def main() -> None:
-    keep_freed_memory()  # as the trainer runs on CPU
-    B, T, D = 8, 256, 64
+def kernel_rows(B: int, T: int, D: int) -> list[dict]:
+    """Each form on queries (4 heads) and keys (2 heads) alone: ms per forward + backward."""
     rot = rope_rotations(torch.arange(T).expand(B, T), base_inv_freq(10000.0, D), 1.0)
     fns = {}
     for name, form in FORMS.items():
         fns[f"{name}_eager"] = functools.partial(form, rot=rot)
-        fns[f"{name}_compiled"] = torch.compile(
-            functools.partial(form, rot=rot), options=CPU_INDUCTOR_OPTIONS
+        fns[f"{name}_compiled"] = torch.compile(  # one static graph per head count, as in a block
+            functools.partial(form, rot=rot), options=CPU_INDUCTOR_OPTIONS, dynamic=False
         )
     rows = []
     for heads in (4, 2):  # queries, keys
@@ -91,11 +101,66 @@ def main() -> None:
         rows.append({"heads": heads, "ms": ms, "bitwise_equal": equal})
         print(f"{heads} heads, bitwise equal {equal}: "
               + ", ".join(f"{name} {t:.3f} ms" for name, t in ms.items()))  # fmt: skip
+    return rows
+
+
+def default_engine(compiled: bool, rope_form=None):
+    """The trainer's engine for the tiny preset (bf16 autocast, AdamW); rope_form, if given,
+    replaces every attention layer's RoPE function."""
+    torch.manual_seed(0)
+    dims = ParallelDims.resolve(ParallelConfig(), 1)
+    tcfg = TrainerConfig(precision="bf16", compile=compiled)
+    engine = build_training_engine(
+        load_preset("tiny"), tcfg, ParallelConfig(), OptimConfig(), dims, torch.device("cpu"), 0
+    )
+    if rope_form is not None:
+        for module in engine.model.modules():
+            if getattr(module, "apply_rope", None) is not None:
+                module.apply_rope = rope_form
+    return engine
+
+
+def step_ab(compiled: bool, pairs: int, B: int, T: int) -> dict:
+    """The default training step (8 x 256, clip 1.0) with model/rope.py's form and with
+    whole_head_cat in its place: two engines in one process, one step each in turn (the order
+    swapped every pair, after 3 untimed steps each); medians and the median ratio of the pairs."""
+    engines = {
+        "paired_halves": default_engine(compiled),
+        "whole_head_cat": default_engine(compiled, whole_head_cat),
+    }
+    x = torch.randint(0, 8192, (B, T))
+    batch = Batch(x, torch.roll(x, -1, 1), torch.zeros_like(x, dtype=torch.int32))
+    settings = StepSettings(grad_clip=1.0)
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    for i in range(3 + pairs):
+        order = list(engines.items()) if i % 2 == 0 else list(engines.items())[::-1]
+        for name, engine in order:
+            start = time.perf_counter()
+            train_step(engine, batch, settings, LossTracker(0.0))
+            if i >= 3:
+                times[name].append(time.perf_counter() - start)
+    ratios = [o / n for o, n in zip(times["whole_head_cat"], times["paired_halves"])]
+    row = {
+        "compiled": compiled,
+        "pairs": pairs,
+        "median_ms": {name: 1000 * statistics.median(t) for name, t in times.items()},
+        "whole_head_cat_over_paired_halves": statistics.median(ratios),
+    }
+    print(json.dumps(row))
+    return row
+
+
+def main() -> None:
+    keep_freed_memory()  # as the trainer runs on CPU
+    B, T, D = 8, 256, 64
+    rows = kernel_rows(B, T, D)
+    steps = [step_ab(True, 40, B, T), step_ab(False, 30, B, T)]
     report = {
         "benchmark": "rope_pairing",
         "machine": machine(torch_threads=torch.get_num_threads()),
         "shape": {"batch": B, "seq_len": T, "head_dim": D, "dtype": "bfloat16"},
         "rows": rows,
+        "default_step": steps,
     }
     out = ROOT / "bench" / "results" / "rope_pairing_cpu.json"
     out.write_text(json.dumps(report, indent=2) + "\n")

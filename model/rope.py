@@ -155,7 +155,7 @@ def apply_rope_half(x: Tensor, rot: Tensor) -> Tensor:
     # arithmetic) in one pass over whole heads, with no concatenated copy of x. cos and sin are
     # first made contiguous (view_as_real interleaves them), so compiled code loads them as
     # vectors; concatenating (x2, x1) instead made Inductor gather element by element through
-    # masks (bench/rope_pairing.py: 1.45-1.71x compiled, 1.16-1.22x eager)
+    # masks (bench/rope_pairing.py: 1.41-1.56x compiled, 1.08-1.15x eager)
     half = rot.shape[-1]
     r = 2 * half
     rows = torch.view_as_real(rot).transpose(-1, -2).contiguous()  # (B, T, 2, R/2): cos; sin

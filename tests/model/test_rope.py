@@ -95,8 +95,9 @@ def test_rope_matches_reference_implementation(pairing, fraction):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fraction", [1.0, 0.5])
 def test_half_pairing_is_bitwise_the_per_half_rotation(dtype, fraction):
-    """The whole-head form (x cos + (-x2, x1) sin) gives bitwise the per-half formula
-    (x1 cos - x2 sin, x2 cos + x1 sin) in fp32 arithmetic, outputs and input gradients."""
+    """The paired-halves form (each head as (2, R/2): x cos + swap(x) (-sin, sin)) gives bitwise
+    the per-half formula (x1 cos - x2 sin, x2 cos + x1 sin) in fp32 arithmetic, outputs and
+    input gradients."""
     B, T, H, D = 2, 9, 3, 16
     R = int(D * fraction)
     g = torch.Generator().manual_seed(2)
