@@ -51,23 +51,13 @@ def child(mode: str, steps: int) -> None:
     """One process: build the engine, time `steps` training steps, print one JSON line."""
     import torch
 
+    from bench.engines import tiny_cpu_engine
     from data.loader import Batch
-    from model.presets import load_preset
-    from optim.config import OptimConfig
-    from parallel.config import ParallelConfig
-    from parallel.mesh import ParallelDims
-    from trainer.build import build_training_engine
-    from trainer.config import TrainerConfig
     from trainer.cpu_malloc import keep_freed_memory
     from trainer.step import LossTracker, StepSettings, train_step
 
     keep_freed_memory()  # as `python -m trainer` on CPU
-    torch.manual_seed(0)
-    tcfg = TrainerConfig(precision="bf16", compile=mode != "eager")
-    dims = ParallelDims.resolve(ParallelConfig(), 1)
-    engine = build_training_engine(
-        load_preset("tiny"), tcfg, ParallelConfig(), OptimConfig(), dims, torch.device("cpu"), 0
-    )
+    engine = tiny_cpu_engine("bf16", compile=mode != "eager")
     x = torch.randint(0, 8192, (BATCH, SEQ_LEN))
     batch = Batch(x, torch.roll(x, -1, 1), torch.zeros_like(x, dtype=torch.int32))
     seconds = []

@@ -34,15 +34,10 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import model.loss as loss_module
+from bench.engines import tiny_cpu_engine
 from bench.machine import machine
 from data.loader import Batch
 from model.generate import generate
-from model.presets import load_preset
-from optim.config import OptimConfig
-from parallel.config import ParallelConfig
-from parallel.mesh import ParallelDims
-from trainer.build import build_training_engine
-from trainer.config import TrainerConfig
 from trainer.cpu_malloc import keep_freed_memory
 from trainer.step import LossTracker, StepSettings, train_step
 
@@ -81,12 +76,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
     keep_freed_memory()  # as `python -m trainer` on CPU
-    torch.manual_seed(0)
-    dims = ParallelDims.resolve(ParallelConfig(), 1)
-    tcfg = TrainerConfig(precision="bf16", compile=True)
-    engine = build_training_engine(
-        load_preset("tiny"), tcfg, ParallelConfig(), OptimConfig(), dims, torch.device("cpu"), 0
-    )
+    engine = tiny_cpu_engine("bf16", compile=True)
     model = engine.model
     x = torch.randint(0, 8192, (BATCH, SEQ_LEN))
     y = torch.randint(0, 8192, (BATCH, SEQ_LEN))

@@ -29,16 +29,11 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from bench.engines import tiny_cpu_engine
 from bench.machine import machine
 from data.loader import Batch
-from model.presets import load_preset
 from model.rope import apply_rope_half, base_inv_freq, cos_sin, rope_rotations
-from optim.config import OptimConfig
 from parallel.activation import CPU_INDUCTOR_OPTIONS
-from parallel.config import ParallelConfig
-from parallel.mesh import ParallelDims
-from trainer.build import build_training_engine
-from trainer.config import TrainerConfig
 from trainer.cpu_malloc import keep_freed_memory
 from trainer.step import LossTracker, StepSettings, train_step
 
@@ -107,12 +102,7 @@ def kernel_rows(B: int, T: int, D: int) -> list[dict]:
 def default_engine(compiled: bool, rope_form=None):
     """The trainer's engine for the tiny preset (bf16 autocast, AdamW); rope_form, if given,
     replaces every attention layer's RoPE function."""
-    torch.manual_seed(0)
-    dims = ParallelDims.resolve(ParallelConfig(), 1)
-    tcfg = TrainerConfig(precision="bf16", compile=compiled)
-    engine = build_training_engine(
-        load_preset("tiny"), tcfg, ParallelConfig(), OptimConfig(), dims, torch.device("cpu"), 0
-    )
+    engine = tiny_cpu_engine("bf16", compile=compiled)
     if rope_form is not None:
         for module in engine.model.modules():
             if getattr(module, "apply_rope", None) is not None:

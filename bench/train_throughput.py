@@ -25,6 +25,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from bench.engines import tiny_cpu_engine
 from bench.machine import machine
 from data.loader import Batch
 from model.accounting import training_flops_per_token
@@ -32,10 +33,6 @@ from model.hf import hf_config
 from model.presets import load_preset
 from model.transformer import build_model
 from optim.config import OptimConfig
-from parallel.config import ParallelConfig
-from parallel.mesh import ParallelDims
-from trainer.build import build_training_engine
-from trainer.config import TrainerConfig
 from trainer.cpu_malloc import keep_freed_memory
 from trainer.mfu import measure_matmul_peak
 from trainer.step import LossTracker, StepSettings, train_step
@@ -97,11 +94,7 @@ def build(variant: str):
     # the trainer's own engine and step (trainer.step.train_step), as `python -m trainer` runs it
     precision = "bf16_master" if "bf16_master" in variant else "bf16"
     per_block = variant.endswith("_compiled")
-    tcfg = TrainerConfig(precision=precision, compile=per_block)
-    dims = ParallelDims.resolve(ParallelConfig(), 1)
-    engine = build_training_engine(
-        cfg, tcfg, ParallelConfig(), OptimConfig(), dims, torch.device("cpu"), 0
-    )
+    engine = tiny_cpu_engine(precision, compile=per_block)
     if variant.endswith("compiled_whole_model"):
         engine.model.compile()
     tracker, settings = LossTracker(0.0), StepSettings(grad_clip=1.0)
