@@ -44,6 +44,24 @@ def test_chunked_cross_entropy_matches_torch(chunk, chunk_fn):
     assert torch.equal(gh[[0, 5, 6, 17, 22]], torch.zeros(5, C))  # ignored tokens: no gradient
 
 
+def test_the_gradients_follow_the_incoming_scale_and_stay_apart_from_the_saved_ones():
+    """backward scales the stored dh, dW by the incoming gradient: (loss / 3) gives a third of
+    them, exactly. A retained graph's second backward gives the same gradients again after the
+    first ones were changed in place (.grad never aliases what the graph holds)."""
+    h, w, targets = inputs()
+    loss = chunked_cross_entropy(h, w, targets, 5)
+    loss.backward(retain_graph=True)
+    gh, gw = h.grad.clone(), w.grad.clone()
+    h.grad.mul_(0.0)
+    w.grad.mul_(0.0)
+    loss.backward()
+    assert torch.equal(h.grad, gh) and torch.equal(w.grad, gw)
+    h.grad = w.grad = None
+    (chunked_cross_entropy(h, w, targets, 5) / 3).backward()
+    third = torch.ones(()) / 3
+    assert torch.equal(h.grad, gh * third) and torch.equal(w.grad, gw * third)
+
+
 def test_chunked_cross_entropy_accepts_batched_shapes():
     h, w, targets = inputs(seed=1)
     h3, t3 = h[:22].reshape(2, 11, C), targets[:22].reshape(2, 11)
@@ -125,14 +143,14 @@ def test_the_fusable_chunk_equals_loss_chunk_in_bf16():
     t = torch.randint(0, 1000, (64,), generator=g)
     t[[3, 40]] = IGNORE_INDEX
     valid, count = t != IGNORE_INDEX, torch.tensor(62)
-    loss, gh, gw = loss_chunk(h, w, t, valid, count, True)
-    loss2, gh2, gw2 = loss_chunk_fusable(h, w, t, valid, count, True)
+    loss, gh, gw = loss_chunk(h, w, t, valid, count, torch.zeros(1000, 32))
+    loss2, gh2, gw2 = loss_chunk_fusable(h, w, t, valid, count, torch.zeros(1000, 32))
     torch.testing.assert_close(loss2, loss, rtol=1e-6, atol=0)
     torch.testing.assert_close(gh2, gh, rtol=1e-2, atol=1e-5)
     torch.testing.assert_close(gw2.float(), gw.float(), rtol=1e-2, atol=1e-5)
     assert torch.equal(gh2[[3, 40]], torch.zeros(2, 32))
     assert not torch.equal(gh2, torch.zeros_like(gh2))
-    no_grad = loss_chunk_fusable(h, w, t, valid, count, False)
+    no_grad = loss_chunk_fusable(h, w, t, valid, count, None)
     assert torch.equal(no_grad[0], loss2) and no_grad[1:] == (None, None)
 
 
