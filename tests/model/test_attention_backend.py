@@ -10,7 +10,13 @@ import pytest
 import torch
 
 from model import generate
-from model.attention_backend import MATMUL_MAX_KEYS, matmul_attention, resolve_backend, sdpa
+from model.attention_backend import (
+    MATMUL_MAX_KEYS,
+    BiasedScores,
+    matmul_attention,
+    resolve_backend,
+    sdpa,
+)
 from model.errors import ConfigError
 from model.masks import AttentionContext, build_mask
 from model.presets import load_preset
@@ -123,6 +129,32 @@ def test_matmul_kernel_shared_mask_gemm_equals_the_masked_fill_path(head_dim):
             assert torch.equal(shared, masked)
         else:
             torch.testing.assert_close(shared.float(), masked.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_biased_scores_give_baddbmms_gradients_with_the_keys_in_their_own_layout(dtype):
+    """BiasedScores against baddbmm under autograd (the default model's shapes: 2 kv heads of
+    64, 2 query heads per group, 256 tokens): the same values and gradients (bitwise in bf16 on
+    this CPU, where the two GEMM orders sum alike), and dk contiguous like k, not D-major."""
+    gen = torch.Generator().manual_seed(2)
+    N, M, S, D = 4, 512, 256, 64
+    q, k = torch.randn(N, M, D, generator=gen), torch.randn(N, S, D, generator=gen)
+    bias = torch.zeros(M, S).masked_fill(torch.rand(M, S, generator=gen) < 0.3, float("-inf"))
+    grad = torch.randn(N, M, S, generator=gen).to(dtype)
+    q, k, bias = q.to(dtype), k.to(dtype), bias.to(dtype)
+    results = []
+    for scores in (lambda a, b: BiasedScores.apply(bias, a, b, 0.125),
+                   lambda a, b: torch.baddbmm(bias, a, b.mT, alpha=0.125)):  # fmt: skip
+        a, b = q.clone().requires_grad_(), k.clone().requires_grad_()
+        out = scores(a, b)
+        results.append((out.detach(), *torch.autograd.grad(out, (a, b), grad)))  # (as computed)
+    (out, dq, dk), (want_out, want_dq, want_dk) = results
+    assert dk.is_contiguous() and not want_dk.is_contiguous()
+    if dtype == torch.bfloat16:
+        assert torch.equal(out, want_out) and torch.equal(dq, want_dq) and torch.equal(dk, want_dk)
+    else:
+        for got, want in zip(results[0], results[1]):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
 def test_auto_takes_the_matmul_kernel_for_short_bf16_sequences_on_cpu(monkeypatch):
