@@ -14,11 +14,14 @@ In the same run, the trainer's own step (engine and step function, bf16 autocast
 `python -m trainer` runs it) is timed eager with `model.attention.backend` auto and sdpa, and
 with `trainer.compile=true`: its ratio to the bound is what the framework adds. This machine's
 speed drifts by 10-25% within minutes, so the bound and the steps are measured in --rounds
-rounds (the bound first, then the three steps taking turns), each ratio within its round, and
-the median and range of the rounds are reported: this narrows the drift between the bound and
-the steps to one round's length (about 10-20 s), it does not cancel it.
+rounds: the three steps taking turns between two measurements of the bound, each step against
+the mean of the bound just before and just after it, and the median and range of the rounds are
+reported. This brackets the steps as closely as the bound's own length allows (about 5 s each
+side); it narrows the machine's drift, it does not cancel it. Then, closer still, the compiled
+step takes turns with a quick pass over the same bound (quick_bound, about a second) for
+--pairs pairs, each ratio within its pair.
 
-    python bench/mfu_ceiling.py [--batch 16] [--seq-len 256] [--rounds 5]
+    python bench/mfu_ceiling.py [--batch 16] [--seq-len 256] [--rounds 5] [--pairs 30]
 Writes bench/results/mfu_ceiling_cpu_<batch>x<seq_len>.json.
 """
 
@@ -36,7 +39,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from bench.attention_kernels import kernel_seconds
+from bench.attention_kernels import KERNELS, kernel_seconds
 from bench.machine import machine
 from data.loader import Batch
 from model.accounting import training_flops_per_token
@@ -47,6 +50,7 @@ from parallel.config import ParallelConfig
 from parallel.mesh import ParallelDims
 from trainer.build import build_training_engine
 from trainer.config import TrainerConfig
+from trainer.cpu_malloc import keep_freed_memory
 from trainer.mfu import measure_matmul_peak
 from trainer.step import LossTracker, StepSettings, train_step
 
@@ -131,12 +135,79 @@ def bound_seconds(args: argparse.Namespace) -> dict:
     return {"seconds": seconds, "attention_kernel_seconds_per_layer": kernels, "fastest": fastest}
 
 
+def quick_bound(args: argparse.Namespace, attention: str) -> Callable[[], float]:
+    """The bound in one pass of about a second, to take turns with a step: every GEMM of
+    bound_seconds and the `attention` kernel (fwd + bwd), each the faster of two calls right
+    after an untimed one on the same operands (hot caches, as bound_seconds times them), times
+    its count in the step. Taking turns with bound_seconds (4 rounds of 1 and 4): 243-286 ms
+    (median 267) against 262-267 ms at 8 x 256, the same bound measured in a fifth of the time."""
+    cfg = load_preset("tiny")
+    tokens, L = args.batch * args.seq_len, cfg.n_layers
+    C, H, K, D = cfg.d_model, cfg.attention.n_heads, cfg.n_kv_heads, cfg.head_dim
+    shapes = [(L, tokens, C, H * D), (L, tokens, C, K * D), (L, tokens, C, K * D)]
+    shapes += [(L, tokens, H * D, C), (L, tokens, C, cfg.ffn_hidden)]
+    shapes += [(L, tokens, C, cfg.ffn_hidden), (L, tokens, cfg.ffn_hidden, C)]
+    chunk = cfg.loss_chunk_tokens or tokens
+    shapes.append((tokens // chunk, chunk, C, cfg.vocab_size))
+    jobs: list[tuple[int, Callable[[], object]]] = []  # (count in the step, call)
+    for count, rows, d_in, d_out in shapes:
+        x, w = torch.randn(rows, d_in, dtype=BF16), torch.randn(d_out, d_in, dtype=BF16)
+        dy = torch.randn(rows, d_out, dtype=BF16)
+        jobs += [(count, lambda x=x, w=w: x @ w.t()), (count, lambda dy=dy, w=w: dy @ w)]
+        jobs.append((count, lambda dy=dy, x=x: dy.t() @ x))
+    q = torch.randn(args.batch, H, args.seq_len, D, dtype=BF16, requires_grad=True)
+    k, v = (
+        torch.randn(args.batch, K, args.seq_len, D, dtype=BF16, requires_grad=True) for _ in "kv"
+    )
+    grad, kernel = torch.randn_like(q), KERNELS[attention]
+    jobs.append((L, lambda: kernel(q, k, v).backward(grad)))
+
+    def measure() -> float:
+        total = 0.0
+        for count, call in jobs:
+            call()
+            times = []
+            for _ in range(2):
+                start = time.perf_counter()
+                call()
+                times.append(time.perf_counter() - start)
+            total += count * min(times)
+        return total
+
+    return measure
+
+
+def paired_ratios(bound: Callable[[], float], step: Callable[[], object], pairs: int) -> dict:
+    """The step and the quick bound taking turns (the order swapped every pair, after two
+    untimed pairs): each pair's ratio within about a second of the machine's drift."""
+    ratios, bounds, steps = [], [], []
+    for index in range(pairs + 2):
+        if index % 2:
+            limit = bound()
+        start = time.perf_counter()
+        step()
+        elapsed = time.perf_counter() - start
+        if not index % 2:
+            limit = bound()
+        if index >= 2:
+            ratios.append(elapsed / limit)
+            bounds.append(limit)
+            steps.append(elapsed)
+    q1, median, q3 = statistics.quantiles(ratios, n=4)
+    return {"pairs": pairs, "step_over_bound": {"median": median, "quartiles": [q1, q3],
+            "min": min(ratios), "max": max(ratios)},
+            "bound_seconds_median": statistics.median(bounds),
+            "step_seconds_median": statistics.median(steps)}  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=5, help="bound + steps measured this often")
+    parser.add_argument("--pairs", type=int, default=30, help="compiled step / quick bound pairs")
     args = parser.parse_args()
+    keep_freed_memory()  # as python -m trainer runs on CPU (trainer.cpu_malloc=keep)
     cfg = load_preset("tiny")
     model = build_model(cfg, device="meta")
     flops = training_flops_per_token(model, args.seq_len).total * args.batch * args.seq_len
@@ -147,14 +218,21 @@ def main() -> None:
     for step in steps.values():
         step()  # compiles the compiled engine (cached on disk after the first run)
     rounds = []
+    before = bound_seconds(args)
     for index in range(args.rounds):  # the machine drifts: each round's ratios are its own
-        bound = bound_seconds(args)
         times = interleaved_medians(steps, repeats=7)
-        limit = bound["seconds"]["lower_bound_step"]
-        rounds.append(bound | {"trainer_step_seconds": times,
+        after = bound_seconds(args)  # (also the next round's bound before)
+        limits = [b["seconds"]["lower_bound_step"] for b in (before, after)]
+        limit = sum(limits) / 2  # the steps against the bound just before and just after them
+        bound = min(before, after, key=lambda b: b["seconds"]["lower_bound_step"])  # its parts
+        rounds.append(bound | {"bound_before_and_after_seconds": limits,
+                               "trainer_step_seconds": times,
                                "trainer_step_over_bound": {n: t / limit for n, t in times.items()}})  # fmt: skip
         ratios = ", ".join(f"{n} {t * 1e3:.1f} ms = {t / limit:.2f}x" for n, t in times.items())
-        print(f"round {index}: bound {limit * 1e3:.1f} ms; {ratios}")
+        print(f"round {index}: bound {limits[0] * 1e3:.1f} / {limits[1] * 1e3:.1f} ms; {ratios}")
+        before = after
+    fastest = statistics.mode(r["fastest"] for r in rounds)
+    paired = paired_ratios(quick_bound(args, fastest), steps["auto_compiled"], args.pairs)
     over = {n: [r["trainer_step_over_bound"][n] for r in rounds] for n in STEP_CONFIGS}
     last = rounds[-1]
     gemms = [
@@ -173,6 +251,7 @@ def main() -> None:
             for n, v in over.items()
         },
         # medians over the rounds, against the peak measured once before them
+        "compiled_step_paired_with_quick_bound": paired | {"attention_kernel": fastest},
         "mfu_ceiling_gemms_only": statistics.median(flops / t / peak for t in gemms),
         "mfu_ceiling_gemms_and_attention": statistics.median(flops / t / peak for t in bounds),
     }
@@ -183,6 +262,10 @@ def main() -> None:
     for name, stats in report["trainer_step_over_bound"].items():
         print(f"trainer step ({name}) over the bound: median {stats['median']:.2f}x "
               f"({stats['min']:.2f}-{stats['max']:.2f}x over {args.rounds} rounds)")  # fmt: skip
+    ratio = paired["step_over_bound"]
+    print(f"compiled step over the quick bound, {args.pairs} pairs: median {ratio['median']:.2f}x "
+          f"(quartiles {ratio['quartiles'][0]:.2f}-{ratio['quartiles'][1]:.2f}x; bound "
+          f"{paired['bound_seconds_median'] * 1e3:.1f} ms, step {paired['step_seconds_median'] * 1e3:.1f} ms)")  # fmt: skip
     print(f"bf16 matmul peak {peak / 1e12:.2f} TFLOP/s; step {flops / 1e9:.1f} GFLOP")
     print(f"MFU ceiling, GEMMs alone:            {100 * report['mfu_ceiling_gemms_only']:.1f}%")
     print(f"MFU ceiling, GEMMs + attention: {100 * report['mfu_ceiling_gemms_and_attention']:.1f}%")
