@@ -114,6 +114,14 @@ def trainer_step(batch: int, seq_len: int, backend: str, compile: bool) -> Calla
     return lambda: train_step(engine, data, settings, tracker)
 
 
+def head_chunks(tokens: int, chunk: int) -> dict[int, int]:
+    """{rows: how many chunks of that many rows} as model.loss.chunked_loss splits the head
+    (chunk 0 or at least `tokens`: one chunk; a shorter last chunk)."""
+    step = chunk if 0 < chunk < tokens else tokens
+    sizes = [min(step, tokens - start) for start in range(0, tokens, step)]
+    return {rows: sizes.count(rows) for rows in sorted(set(sizes))}
+
+
 def bound_seconds(args: argparse.Namespace) -> dict:
     """The lower bound's parts: every projection and head GEMM alone, attention's kernels."""
     cfg = load_preset("tiny")
@@ -122,8 +130,10 @@ def bound_seconds(args: argparse.Namespace) -> dict:
     layer_shapes = [(C, H * D), (C, K * D), (C, K * D), (H * D, C)]  # q, k, v, o
     layer_shapes += [(C, cfg.ffn_hidden), (C, cfg.ffn_hidden), (cfg.ffn_hidden, C)]
     per_layer = sum(linear_seconds(tokens, d_in, d_out) for d_in, d_out in layer_shapes)
-    chunk = cfg.loss_chunk_tokens or tokens
-    head = (tokens // chunk) * linear_seconds(chunk, C, cfg.vocab_size)
+    head = sum(
+        count * linear_seconds(rows, C, cfg.vocab_size)
+        for rows, count in head_chunks(tokens, cfg.loss_chunk_tokens).items()
+    )
     kernels = kernel_seconds(args.batch, H, K, args.seq_len, D)
     fastest = min(kernels, key=kernels.get)
     seconds = {
@@ -147,8 +157,10 @@ def quick_bound(args: argparse.Namespace, attention: str) -> Callable[[], float]
     shapes = [(L, tokens, C, H * D), (L, tokens, C, K * D), (L, tokens, C, K * D)]
     shapes += [(L, tokens, H * D, C), (L, tokens, C, cfg.ffn_hidden)]
     shapes += [(L, tokens, C, cfg.ffn_hidden), (L, tokens, cfg.ffn_hidden, C)]
-    chunk = cfg.loss_chunk_tokens or tokens
-    shapes.append((tokens // chunk, chunk, C, cfg.vocab_size))
+    shapes += [
+        (n, rows, C, cfg.vocab_size)
+        for rows, n in head_chunks(tokens, cfg.loss_chunk_tokens).items()
+    ]
     jobs: list[tuple[int, Callable[[], object]]] = []  # (count in the step, call)
     for count, rows, d_in, d_out in shapes:
         x, w = torch.randn(rows, d_in, dtype=BF16), torch.randn(d_out, d_in, dtype=BF16)
@@ -207,6 +219,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="bound + steps measured this often")
     parser.add_argument("--pairs", type=int, default=30, help="compiled step / quick bound pairs")
     args = parser.parse_args()
+    if args.rounds < 1 or args.pairs < 2:
+        parser.error(f"--rounds {args.rounds} --pairs {args.pairs}: need rounds >= 1, pairs >= 2")
     keep_freed_memory()  # as python -m trainer runs on CPU (trainer.cpu_malloc=keep)
     cfg = load_preset("tiny")
     model = build_model(cfg, device="meta")
@@ -250,8 +264,8 @@ def main() -> None:
             n: {"median": statistics.median(v), "min": min(v), "max": max(v)}
             for n, v in over.items()
         },
-        # medians over the rounds, against the peak measured once before them
         "compiled_step_paired_with_quick_bound": paired | {"attention_kernel": fastest},
+        # medians over the rounds, against the peak measured once before them
         "mfu_ceiling_gemms_only": statistics.median(flops / t / peak for t in gemms),
         "mfu_ceiling_gemms_and_attention": statistics.median(flops / t / peak for t in bounds),
     }

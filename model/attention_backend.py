@@ -182,6 +182,7 @@ class BiasedScores(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, bias: Tensor, q: Tensor, k: Tensor, scale: float) -> Tensor:
+        assert not ctx.needs_input_grad[0], "the mask's bias takes no gradient"
         ctx.save_for_backward(q, k)
         ctx.scale = scale
         return torch.baddbmm(bias, q, k.mT, alpha=scale)
@@ -189,7 +190,12 @@ class BiasedScores(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         q, k = ctx.saved_tensors
-        return None, grad.bmm(k) * ctx.scale, grad.mT.bmm(q) * ctx.scale, None
+        # q, k as the GEMM ran (autocast may have run it in bf16 on fp32 inputs: autograd casts
+        # the returned gradients back to the inputs' dtypes)
+        q, k = q.to(grad.dtype), k.to(grad.dtype)
+        dq = grad.bmm(k) * ctx.scale if ctx.needs_input_grad[1] else None
+        dk = grad.mT.bmm(q) * ctx.scale if ctx.needs_input_grad[2] else None
+        return None, dq, dk, None
 
 
 @ATTENTION_BACKENDS.register("matmul")

@@ -6,7 +6,9 @@ names (`layers.3.attn.q_proj.weight`) stay the same for checkpoints and export.
 
 - full: keep only each block's input; recompute the block in backward.
 - selective: also keep the outputs of matmuls and attention (the expensive ops); recompute the
-  cheap elementwise ones (norms, activations, RoPE).
+  cheap elementwise ones (norms, activations, RoPE). Ops inside an autograd Function's forward
+  run without grad mode and are recomputed: the matmul attention backend's logits GEMM
+  (model.attention_backend.BiasedScores; its probabilities' GEMM with v is kept).
 """
 
 from __future__ import annotations

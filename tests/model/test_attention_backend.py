@@ -134,8 +134,9 @@ def test_matmul_kernel_shared_mask_gemm_equals_the_masked_fill_path(head_dim):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
 def test_biased_scores_give_baddbmms_gradients_with_the_keys_in_their_own_layout(dtype):
     """BiasedScores against baddbmm under autograd (the default model's shapes: 2 kv heads of
-    64, 2 query heads per group, 256 tokens): the same values and gradients (bitwise in bf16 on
-    this CPU, where the two GEMM orders sum alike), and dk contiguous like k, not D-major."""
+    64, 2 query heads per group, 256 tokens): the same values and gradients, and dk contiguous
+    like k. In bf16 the two GEMM orders sum the same products (bitwise equal on the README's CPU,
+    as bench/loss_curves.py's bf16 cases show; here to one bf16 rounding, for other BLAS)."""
     gen = torch.Generator().manual_seed(2)
     N, M, S, D = 4, 512, 256, 64
     q, k = torch.randn(N, M, D, generator=gen), torch.randn(N, S, D, generator=gen)
@@ -148,13 +149,31 @@ def test_biased_scores_give_baddbmms_gradients_with_the_keys_in_their_own_layout
         a, b = q.clone().requires_grad_(), k.clone().requires_grad_()
         out = scores(a, b)
         results.append((out.detach(), *torch.autograd.grad(out, (a, b), grad)))  # (as computed)
-    (out, dq, dk), (want_out, want_dq, want_dk) = results
-    assert dk.is_contiguous() and not want_dk.is_contiguous()
-    if dtype == torch.bfloat16:
-        assert torch.equal(out, want_out) and torch.equal(dq, want_dq) and torch.equal(dk, want_dk)
-    else:
-        for got, want in zip(results[0], results[1]):
-            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert results[0][2].is_contiguous()
+    tol = (
+        {"rtol": 2**-8, "atol": 1e-5} if dtype == torch.bfloat16 else {"rtol": 1e-12, "atol": 1e-12}
+    )
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, **tol)
+
+
+def test_biased_scores_under_autocast_take_fp32_inputs():
+    """fp32 q, k under bf16 autocast (an explicit backend=matmul on fp32 activations): the GEMM
+    runs in bf16 and the backward casts q, k to match, as baddbmm's own would."""
+    gen = torch.Generator().manual_seed(3)
+    q, k = torch.randn(2, 8, 16, generator=gen), torch.randn(2, 6, 16, generator=gen)
+    bias = torch.zeros(8, 6)
+    grads = []
+    for scores in (lambda a, b: BiasedScores.apply(bias, a, b, 0.25),
+                   lambda a, b: torch.baddbmm(bias, a, b.mT, alpha=0.25)):  # fmt: skip
+        a, b = q.clone().requires_grad_(), k.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = scores(a, b)
+        out.float().sum().backward()
+        grads.append((a.grad, b.grad))
+    for got, want in zip(*grads):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, want, rtol=2**-7, atol=1e-2)
 
 
 def test_auto_takes_the_matmul_kernel_for_short_bf16_sequences_on_cpu(monkeypatch):
