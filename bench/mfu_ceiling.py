@@ -114,6 +114,13 @@ def trainer_step(batch: int, seq_len: int, backend: str, compile: bool) -> Calla
     return lambda: train_step(engine, data, settings, tracker)
 
 
+def layer_shapes(cfg) -> list[tuple[int, int]]:
+    """(d_in, d_out) of every projection of one layer: q, k, v, o, gate, up, down."""
+    C, H, K, D = cfg.d_model, cfg.attention.n_heads, cfg.n_kv_heads, cfg.head_dim
+    shapes = [(C, H * D), (C, K * D), (C, K * D), (H * D, C)]
+    return [*shapes, (C, cfg.ffn_hidden), (C, cfg.ffn_hidden), (cfg.ffn_hidden, C)]
+
+
 def head_chunks(tokens: int, chunk: int) -> dict[int, int]:
     """{rows: how many chunks of that many rows} as model.loss.chunked_loss splits the head
     (chunk 0 or at least `tokens`: one chunk; a shorter last chunk)."""
@@ -127,9 +134,7 @@ def bound_seconds(args: argparse.Namespace) -> dict:
     cfg = load_preset("tiny")
     tokens = args.batch * args.seq_len
     C, H, K, D = cfg.d_model, cfg.attention.n_heads, cfg.n_kv_heads, cfg.head_dim
-    layer_shapes = [(C, H * D), (C, K * D), (C, K * D), (H * D, C)]  # q, k, v, o
-    layer_shapes += [(C, cfg.ffn_hidden), (C, cfg.ffn_hidden), (cfg.ffn_hidden, C)]
-    per_layer = sum(linear_seconds(tokens, d_in, d_out) for d_in, d_out in layer_shapes)
+    per_layer = sum(linear_seconds(tokens, d_in, d_out) for d_in, d_out in layer_shapes(cfg))
     head = sum(
         count * linear_seconds(rows, C, cfg.vocab_size)
         for rows, count in head_chunks(tokens, cfg.loss_chunk_tokens).items()
@@ -154,9 +159,7 @@ def quick_bound(args: argparse.Namespace, attention: str) -> Callable[[], float]
     cfg = load_preset("tiny")
     tokens, L = args.batch * args.seq_len, cfg.n_layers
     C, H, K, D = cfg.d_model, cfg.attention.n_heads, cfg.n_kv_heads, cfg.head_dim
-    shapes = [(L, tokens, C, H * D), (L, tokens, C, K * D), (L, tokens, C, K * D)]
-    shapes += [(L, tokens, H * D, C), (L, tokens, C, cfg.ffn_hidden)]
-    shapes += [(L, tokens, C, cfg.ffn_hidden), (L, tokens, cfg.ffn_hidden, C)]
+    shapes = [(L, tokens, d_in, d_out) for d_in, d_out in layer_shapes(cfg)]
     shapes += [
         (n, rows, C, cfg.vocab_size)
         for rows, n in head_chunks(tokens, cfg.loss_chunk_tokens).items()

@@ -177,8 +177,9 @@ class BiasedScores(torch.autograd.Function):
     baddbmm's backward gives (q^T dlogits)^T, D-major. RoPE's backward (compiled) reads the keys'
     gradient next: from the D-major one Inductor wrote an element-by-element loop (profiled in
     the compiled default CPU step: 5.0 ms for the keys' RoPE backward, 0.9 ms now; the step 0.6%
-    faster, two engines taking turns in one process). The same products and sums: bitwise
-    equal on the README's CPU (tested), loss curves unchanged."""
+    faster, two engines taking turns in one process). The same products and sums: the bf16
+    loss curves of bench/loss_curves.py are bitwise unchanged on the README's CPU (the test
+    allows one bf16 rounding, for other BLAS)."""
 
     @staticmethod
     def forward(ctx, bias: Tensor, q: Tensor, k: Tensor, scale: float) -> Tensor:
