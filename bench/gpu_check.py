@@ -514,6 +514,7 @@ def main() -> int:
         "checks": {},
     }
     failed = False
+    out = args.out or (DEFAULT_OUT if cuda else None)
     for name in args.only or CHECKS:
         print(f"{name}:", flush=True)
         start = time.monotonic()
@@ -526,16 +527,21 @@ def main() -> int:
         result["seconds"] = round(time.monotonic() - start, 2)
         report["checks"][name] = result
         print(f"{name}: {json.dumps(result)[:300]}", flush=True)
-    text = json.dumps(report, indent=2) + "\n"
-    out = args.out or (DEFAULT_OUT if cuda else None)
+        if out is not None:  # after every check: a run killed at its time limit keeps the rest
+            write_report(report, out)
     if out is None:
-        print(text, end="")
+        print(json.dumps(report, indent=2))
         print("no CUDA: printed only (pass --out PATH to write a file)")
     else:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text)
         print(f"wrote {out}")
     return 1 if failed and args.strict else 0
+
+
+def write_report(report: dict, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(report, indent=2) + "\n")
+    tmp.replace(out)
 
 
 if __name__ == "__main__":

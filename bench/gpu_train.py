@@ -161,6 +161,9 @@ def train_case(
     extra: dict | None = None,
     profile: bool = False,
 ) -> dict:
+    torch._dynamo.reset()  # each case compiles as in a fresh process (no shared recompile limit)
+    graphs = torch._dynamo.utils.counters["stats"]  # cumulative over the process: take the change
+    graphs_before = graphs["unique_graphs"]
     engine, data, flops_per_token = build(name, small, device, compile_blocks, extra)
     start = time.perf_counter()
     from trainer.step import LossTracker, StepSettings, train_step
@@ -188,6 +191,7 @@ def train_case(
         "mfu": round(flops_per_token * tokens / times["step_s"] / peak, 4),
         "peak_flops": peak,
         "peak_source": source,
+        "dynamo_graphs": graphs["unique_graphs"] - graphs_before,
     }
     if device.type == "cuda":
         result["max_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)

@@ -25,7 +25,10 @@ Nothing here imports fla or triton at module load: CPU installs never see them.
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import importlib.util
+import re
+import warnings
 
 import torch
 from torch import Tensor
@@ -53,9 +56,13 @@ def use_fla(kernel: str, x: Tensor) -> bool:
     if kernel == "torch":
         return False
     if kernel == "auto":
-        return (
+        fits = (
             x.is_cuda and x.dtype in FLA_DTYPES and x.shape[-1] <= MAX_HEAD_DIM and fla_available()
         )
+        blocker = fits and _needs_grad(x) and gated_backward_blocker(x.device)
+        if blocker:
+            warnings.warn(f"{blocker}: the delta-rule layers use the torch form", stacklevel=2)
+        return fits and not blocker
     if kernel == "fla":
         if not fla_available():
             raise ConfigError(
@@ -67,8 +74,39 @@ def use_fla(kernel: str, x: Tensor) -> bool:
                 f"{KERNEL_KEYS} runs fla-core's Triton kernels on CUDA only, but this layer runs "
                 f"on {x.device.type}; set the kernel to auto or torch"
             )
+        blocker = _needs_grad(x) and gated_backward_blocker(x.device)
+        if blocker:
+            raise ConfigError(
+                f"{KERNEL_KEYS}: {blocker}; install triton >= 3.7.1 or tilelang, or set the "
+                "kernel to auto or torch"
+            )
         return True
     raise ConfigError(f"delta-rule kernel={kernel!r}; choose one of: auto, torch, fla")
+
+
+def hopper_triton_bug(capability: tuple[int, int], triton: str, tilelang: bool) -> bool:
+    """fla's gated backward (chunk_bwd_dqkwg) is wrong under Triton >= 3.4.0 and < 3.7.1 on Hopper
+    (fla-core issue #640): fla-core 0.6 raises there unless tilelang serves that kernel, earlier
+    releases return wrong gradients. Seen on an H200 with torch 2.11 + triton 3.6 + fla 0.6.0."""
+    numbers = tuple(int(part) for part in re.findall(r"\d+", triton)[:3])
+    return capability[0] == 9 and (3, 4, 0) <= numbers < (3, 7, 1) and not tilelang
+
+
+@functools.cache
+def _backward_blocker(device_index: int) -> str | None:
+    triton = importlib.metadata.version("triton")
+    capability = torch.cuda.get_device_capability(device_index)
+    tilelang = importlib.util.find_spec("tilelang") is not None
+    if hopper_triton_bug(capability, triton, tilelang):
+        return f"fla-core's gated backward is wrong with triton {triton} on Hopper (fla #640)"
+    return None
+
+
+def gated_backward_blocker(device: torch.device) -> str | None:
+    """Why fla's kernels cannot train on this CUDA device (None: they can)."""
+    return _backward_blocker(
+        device.index if device.index is not None else torch.cuda.current_device()
+    )
 
 
 def _op(per_channel: bool, recurrent: bool):

@@ -39,6 +39,8 @@ def enable_qk_clip(model: nn.Module) -> None:
         if blocker:
             raise OptimConfigError(f"{name} {blocker}; use optim=muon")
         module.record_max_logits = True
+        module.max_logits = None  # an instance attribute from the start: compiled blocks' guards
+        # then see the same attribute in the first step as after pop_max_logits (one recompile less)
     # the recording mutates the module inside checkpointed blocks; replaying it in the recompute
     # changes nothing (the same max), so let dynamo trace those blocks instead of falling back
     dynamo_config = torch._dynamo.config

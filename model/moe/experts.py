@@ -78,7 +78,11 @@ def _aligned(*tensors: Tensor) -> bool:
 def grouped_mm(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
     """x (M, K) sorted by group, w (G, K, N), offsets (G,) int32 cumulative counts -> (M, N)."""
     y = torch._grouped_mm(x, w, offs=offsets)
-    if y.requires_grad:  # a gradient hook, not an identity Function: the output is no view
+    # a gradient hook, not an identity Function: the output is no view. Not under compile: the
+    # compiled backward hands the GEMM dense gradients (AOTAutograd makes tangents contiguous),
+    # and torch 2.11's dynamo traced the hook with dynamic M into a graph that Inductor rejects
+    # ("Argument 's77' ... used before it has been defined"; seen on an H200, bench/gpu_check.py)
+    if y.requires_grad and not torch.compiler.is_compiling():
         y.register_hook(_dense_grad)
     return y
 

@@ -63,9 +63,22 @@ def combine_slots(rows: Tensor, slot_row: Tensor, weights: Tensor, kept: Tensor 
     weighted gradient and each weight its dot product): on CPU 20-22 ms against 33-34 ms for a
     gather, a multiply and a sum, and 35-39 ms for a gather and a batched product (N = 4096,
     k = 8, C = 512, bf16, forward + backward; bench/moe_combine.py). A dropped slot's row may be
-    any row: its weight and the weight's gradient are zeroed by `kept`."""
+    any row: its weight and the weight's gradient are zeroed by `kept`.
+
+    On other devices a gather and a batched (1 x k) @ (k x C) product: CUDA's embedding_bag
+    has no bf16 backward for the weights ("_embedding_bag_per_sample_weights_backward_cuda not
+    implemented for 'BFloat16'", torch 2.11 on an H200)."""
     per_slot = weights.to(rows.dtype)
     if kept is not None:
         per_slot = per_slot * kept
     with torch.autocast(rows.device.type, enabled=False):  # the rows' dtype, not autocast's
-        return F.embedding_bag(slot_row, rows, per_sample_weights=per_slot, mode="sum")
+        if rows.device.type == "cpu":
+            return F.embedding_bag(slot_row, rows, per_sample_weights=per_slot, mode="sum")
+        return gather_combine(rows, slot_row, per_slot)
+
+
+def gather_combine(rows: Tensor, slot_row: Tensor, per_slot: Tensor) -> Tensor:
+    """combine_slots' sum as a gather and a batched product: rows (R, C), slot_row (N, k),
+    per_slot (N, k) in rows' dtype -> (N, C)."""
+    gathered = rows.index_select(0, slot_row.reshape(-1)).view(*slot_row.shape, rows.shape[1])
+    return torch.bmm(per_slot.unsqueeze(1), gathered).squeeze(1)  # (N, 1, k) @ (N, k, C)

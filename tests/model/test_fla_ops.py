@@ -498,3 +498,38 @@ def test_a_layer_with_kernel_fla_equals_kernel_torch(fake_fla, monkeypatch, kind
     torch.testing.assert_close(states[1].state, states[0].state, **F64)
     op = OPS[kind == "kda"]
     assert [c["op"] for c in fake_fla] == [f"chunk_{op}"] + [f"fused_recurrent_{op}"] * 3
+
+
+def test_hopper_with_a_buggy_triton_blocks_flas_backward():
+    """fla #640 (seen on an H200: torch 2.11, triton 3.6, fla-core 0.6.0 raised in backward)."""
+    bug = fla_ops.hopper_triton_bug
+    assert bug((9, 0), "3.6.0", tilelang=False)
+    assert bug((9, 0), "3.4.0", tilelang=False)
+    assert bug((9, 0), "3.7.0+git1234", tilelang=False)
+    assert not bug((9, 0), "3.7.1", tilelang=False)
+    assert not bug((9, 0), "3.3.1", tilelang=False)
+    assert not bug((9, 0), "3.6.0", tilelang=True)  # fla serves that kernel with tilelang
+    assert not bug((8, 0), "3.6.0", tilelang=False)  # A100
+    assert not bug((10, 0), "3.6.0", tilelang=False)  # Blackwell
+
+
+def test_the_kernel_choice_avoids_flas_backward_where_it_is_wrong(monkeypatch):
+    """On a blocked device: auto trains with the torch form (and says so), kernel=fla refuses in
+    one line; a forward without gradients (prefill, decoding) still uses fla."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(fla_ops, "fla_available", lambda: True)
+    reason = "fla-core's gated backward is wrong with triton 3.6.0 on Hopper (fla #640)"
+    monkeypatch.setattr(fla_ops, "gated_backward_blocker", lambda device: reason)
+    q = SimpleNamespace(
+        is_cuda=True, dtype=torch.bfloat16, shape=(1, 2, 3, 8), device="cuda", requires_grad=True
+    )
+    with pytest.warns(UserWarning, match=r"fla #640\): the delta-rule layers use the torch form"):
+        assert use_fla("auto", q) is False
+    with pytest.raises(ConfigError, match=r"kernel=fla.*#640.*triton >= 3\.7\.1 or tilelang"):
+        use_fla("fla", q)
+    with torch.no_grad():
+        assert use_fla("auto", q) is True
+        assert use_fla("fla", q) is True
+    monkeypatch.setattr(fla_ops, "gated_backward_blocker", lambda device: None)
+    assert use_fla("auto", q) is True
