@@ -164,6 +164,8 @@ def train_case(
     torch._dynamo.reset()  # each case compiles as in a fresh process (no shared recompile limit)
     graphs = torch._dynamo.utils.counters["stats"]  # cumulative over the process: take the change
     graphs_before = graphs["unique_graphs"]
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()  # this case's peak, not the process's
     engine, data, flops_per_token = build(name, small, device, compile_blocks, extra)
     start = time.perf_counter()
     from trainer.step import LossTracker, StepSettings, train_step
