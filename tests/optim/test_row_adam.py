@@ -58,6 +58,8 @@ def test_sparse_and_dense_gradients_give_the_same_update():
     rows, summed = touched_rows(sparse)
     assert rows.tolist() == [0, 1, 4]  # row 5 (a zero gradient) counts as untouched
     torch.testing.assert_close(summed[2], values[0] + values[2])
+    rows_c, summed_c = touched_rows(sparse.coalesce())  # torch's coalesce: the same rows and sums
+    assert torch.equal(rows_c, rows) and torch.equal(summed_c, summed)
     a, b = torch.randn(6, 3), None
     b = a.clone()
     sa, sb = {}, {}
