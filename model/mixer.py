@@ -123,13 +123,20 @@ class QKClipHooks:
     """Optional mixer protocol for QK-clip (optim/qk_clip.py): softmax attention only.
 
     - `record_max_logits`: when True, training forwards keep `max_logits`, the (H,) running max
-      of q.k x scale since the optimizer last read it;
+      of q.k x scale since the optimizer last read it, `reset_max_logits()` restarting it;
     - `qk_clip_row_scales(gamma)`: (parameter, per-row factor) pairs that scale head h's logits by
       gamma[h];
     - `qk_clip_blocker()`: why QK-clip cannot work on this layer (None: it can)."""
 
     record_max_logits = False
     max_logits: Tensor | None = None
+
+    def reset_max_logits(self) -> None:
+        """Start a new running max: (H,) fp32 -inf on the layer's device. Always a tensor once
+        recording is on, so a compiled block sees the same kind of attribute in every forward
+        (None in the first micro-batch and a tensor in the next compiled every block twice)."""
+        device = next(self.parameters()).device  # a DTensor's: its local shard's device
+        self.max_logits = torch.full((self.n_heads,), float("-inf"), device=device)
 
     def qk_clip_row_scales(self, gamma: Tensor) -> list[tuple[Tensor, Tensor]]:
         raise NotImplementedError

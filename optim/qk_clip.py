@@ -3,7 +3,7 @@
 Softmax-attention mixers implement the optional QK-clip protocol (`model.mixer.QKClipHooks`);
 other layer kinds (linear attention) do not, and are skipped:
 - `record_max_logits` (bool) and `max_logits` ((H,) running max of q.k x scale over the
-  training forwards since it was last read);
+  training forwards since it was last read), `reset_max_logits()` (back to -inf);
 - `qk_clip_row_scales(gamma)`: (parameter, per-row factor) pairs that scale head h's logits by
   gamma[h] (MHA: sqrt(gamma) on W_q and W_k rows; GQA: gamma on W_q rows; MLA: sqrt(gamma) on
   q_nope and k_nope rows, gamma on q_rope rows);
@@ -39,8 +39,7 @@ def enable_qk_clip(model: nn.Module) -> None:
         if blocker:
             raise OptimConfigError(f"{name} {blocker}; use optim=muon")
         module.record_max_logits = True
-        module.max_logits = None  # an instance attribute from the start: compiled blocks' guards
-        # then see the same attribute in the first step as after pop_max_logits (one recompile less)
+        module.reset_max_logits()  # (H,) -inf: the running max is a tensor from the first forward
     # the recording mutates the module inside checkpointed blocks; replaying it in the recompute
     # changes nothing (the same max), so let dynamo trace those blocks instead of falling back
     dynamo_config = torch._dynamo.config
@@ -49,13 +48,14 @@ def enable_qk_clip(model: nn.Module) -> None:
 
 
 def pop_max_logits(model: nn.Module) -> Tensor | None:
-    """(L, H) max logits recorded since the last call, and forget them (None: no forward yet)."""
+    """(L, H) max logits recorded since the last call (-inf for a head without a training
+    forward since), and start again; None where recording is off."""
     logits = []
     for _, module in clip_layers(model):
         if module.max_logits is None:
             return None
         logits.append(module.max_logits)
-        module.max_logits = None
+        module.reset_max_logits()
     return torch.stack(logits)
 
 

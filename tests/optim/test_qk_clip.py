@@ -165,3 +165,33 @@ def test_muonclip_on_the_triton_kernel_clips_the_heads_sdpa_clips(monkeypatch) -
     assert kernel_stats[0] == pytest.approx(sdpa_stats[0], rel=1e-5)
     for got, want in zip(kernel_stats, sdpa_stats, strict=True):
         assert got == pytest.approx(want, rel=5e-2)
+
+
+def test_recording_compiles_each_block_once_over_micro_batches_and_steps() -> None:
+    """The running max is a tensor from enable_qk_clip on (never None), so a compiled block's
+    guards hold in every micro-batch and after every pop: no recompiles (with None in the first
+    micro-batch every block compiled twice under gradient accumulation). Same maxima as eager."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    model, cfg = _model("gqa")
+    enable_qk_clip(model)
+    counter = CompileCounter()
+    blocks = list(model.layers.values())
+    for block in blocks:
+        block.compile(backend=counter)
+    gen = torch.Generator().manual_seed(2)
+    micro_batches = [torch.randint(0, cfg.vocab_size, (2, 17), generator=gen) for _ in range(2)]
+    compiled_logits, frames_after_first = [], None
+    for _step in range(2):
+        for tokens in micro_batches:
+            model(tokens[:, :-1], tokens[:, 1:]).backward()
+            frames_after_first = frames_after_first or counter.frame_count
+        compiled_logits.append(pop_max_logits(model))
+    assert counter.frame_count == frames_after_first > 0
+    for block in blocks:  # the same steps in eager
+        block._compiled_call_impl = None
+    for step in range(2):
+        for tokens in micro_batches:
+            model(tokens[:, :-1], tokens[:, 1:]).backward()
+        torch.testing.assert_close(pop_max_logits(model), compiled_logits[step])
