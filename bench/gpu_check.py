@@ -465,14 +465,14 @@ def delta_rule_fla_vs_torch(budget: Budget) -> dict:
         return {"skipped": reason}
     import importlib.metadata
 
-    from model.fla_ops import gated_backward_blocker
+    from model.fla_ops import training_blocker
 
     results: dict = {"fla_core": importlib.metadata.version("fla-core"), "gdn": {}, "kda": {}}
     plans = {
         "gdn": delta_rule_cases(False, results["gdn"]),
         "kda": delta_rule_cases(True, results["kda"]),
     }
-    blocker = gated_backward_blocker(torch.device(DEVICE))
+    blocker = training_blocker(torch.device(DEVICE).index)
     if blocker:  # fla's backward raises (or is wrong) here: its forward only, no wasted autotuning
         results["backward_skipped"] = blocker
     wanted = ("forward", "decode") if blocker else tuple(n for n in plans["gdn"] if n != "forward")

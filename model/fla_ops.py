@@ -25,12 +25,14 @@ Nothing here imports fla or triton at module load: CPU installs never see them.
 from __future__ import annotations
 
 import functools
-import importlib.metadata
 import importlib.util
-import re
+import os
+import shutil
 import warnings
+from pathlib import Path
 
 import torch
+from packaging.version import InvalidVersion, Version
 from torch import Tensor
 
 from model.errors import ConfigError
@@ -52,17 +54,18 @@ def fla_available() -> bool:
 def use_fla(kernel: str, x: Tensor) -> bool:
     """Whether a delta-rule layer with `kernel` ("auto" | "torch" | "fla") runs fla's kernels on
     `x` (its q): "torch" never; "auto" on CUDA when fla-core is installed (and the dtype and head
-    dim are ones the kernels take); "fla" always, raising when it cannot."""
+    dim are ones the kernels take) and, when training, fla's backward is right on this device;
+    "fla" always, raising when it cannot."""
     if kernel == "torch":
         return False
     if kernel == "auto":
         fits = (
             x.is_cuda and x.dtype in FLA_DTYPES and x.shape[-1] <= MAX_HEAD_DIM and fla_available()
         )
-        blocker = fits and _needs_grad(x) and gated_backward_blocker(x.device)
-        if blocker:
-            warnings.warn(f"{blocker}: the delta-rule layers use the torch form", stacklevel=2)
-        return fits and not blocker
+        if fits and torch.is_grad_enabled() and training_blocker(x.device.index):
+            _warn_torch_fallback(x.device.index)
+            return False
+        return fits
     if kernel == "fla":
         if not fla_available():
             raise ConfigError(
@@ -74,39 +77,76 @@ def use_fla(kernel: str, x: Tensor) -> bool:
                 f"{KERNEL_KEYS} runs fla-core's Triton kernels on CUDA only, but this layer runs "
                 f"on {x.device.type}; set the kernel to auto or torch"
             )
-        blocker = _needs_grad(x) and gated_backward_blocker(x.device)
+        blocker = torch.is_grad_enabled() and training_blocker(x.device.index)
         if blocker:
             raise ConfigError(
-                f"{KERNEL_KEYS}: {blocker}; install triton >= 3.7.1 or tilelang, or set the "
-                "kernel to auto or torch"
+                f"{KERNEL_KEYS}: {blocker}; install triton >= 3.7.1 or tilelang (with nvcc), or "
+                "set the kernel to auto or torch"
             )
         return True
     raise ConfigError(f"delta-rule kernel={kernel!r}; choose one of: auto, torch, fla")
 
 
-def hopper_triton_bug(capability: tuple[int, int], triton: str, tilelang: bool) -> bool:
+def hopper_triton_bug(
+    capability: tuple[int, int], triton: str, nvidia: bool, tilelang: bool
+) -> bool:
     """fla's gated backward (chunk_bwd_dqkwg) is wrong under Triton >= 3.4.0 and < 3.7.1 on Hopper
-    (fla-core issue #640): fla-core 0.6 raises there unless tilelang serves that kernel, earlier
-    releases return wrong gradients. Seen on an H200 with torch 2.11 + triton 3.6 + fla 0.6.0."""
-    numbers = tuple(int(part) for part in re.findall(r"\d+", triton)[:3])
-    return capability[0] == 9 and (3, 4, 0) <= numbers < (3, 7, 1) and not tilelang
+    (fla-core issue #640; fla-core 0.6 raises there unless its tilelang kernel serves it). Seen on
+    an H200 with torch 2.11 + triton 3.6 + fla-core 0.6.0. Versions compare as fla compares them
+    (packaging: 3.7.1rc1 < 3.7.1); an unreadable version counts as affected."""
+    if not nvidia or capability[0] != 9 or tilelang:
+        return False
+    try:
+        return Version("3.4.0") <= Version(triton) < Version("3.7.1")
+    except InvalidVersion:
+        return True
+
+
+def _tilelang_usable() -> bool:
+    """fla-core 0.6's rule (fla/backends.py TileLangBackend): tilelang importable, not disabled by
+    FLA_TILELANG=0, and an nvcc found (CUDA_HOME / CUDA_PATH, PATH, /usr/local/cuda)."""
+    if importlib.util.find_spec("tilelang") is None or os.environ.get("FLA_TILELANG") == "0":
+        return False
+    homes = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
+    found = any(home and (Path(home) / "bin" / "nvcc").exists() for home in homes)
+    return found or shutil.which("nvcc") is not None
+
+
+@torch._dynamo.assume_constant_result  # host-side facts: compiled blocks take them as constants
+def training_blocker(device_index: int | None) -> str:
+    """Why fla's kernels cannot train on this CUDA device ("" when they can); cached."""
+    if device_index is None:
+        device_index = torch.cuda.current_device()
+    return _training_blocker(device_index)
 
 
 @functools.cache
-def _backward_blocker(device_index: int) -> str | None:
-    triton = importlib.metadata.version("triton")
+def _training_blocker(device_index: int) -> str:
+    import triton
+
     capability = torch.cuda.get_device_capability(device_index)
-    tilelang = importlib.util.find_spec("tilelang") is not None
-    if hopper_triton_bug(capability, triton, tilelang):
-        return f"fla-core's gated backward is wrong with triton {triton} on Hopper (fla #640)"
-    return None
+    nvidia = torch.version.hip is None
+    if hopper_triton_bug(capability, triton.__version__, nvidia, _tilelang_usable()):
+        return (
+            f"fla-core's gated backward is wrong with triton {triton.__version__} on Hopper "
+            "(fla #640)"
+        )
+    return ""
 
 
-def gated_backward_blocker(device: torch.device) -> str | None:
-    """Why fla's kernels cannot train on this CUDA device (None: they can)."""
-    return _backward_blocker(
-        device.index if device.index is not None else torch.cuda.current_device()
-    )
+@torch._dynamo.assume_constant_result  # the warning at trace time, not a graph break
+def _warn_torch_fallback(device_index: int | None) -> bool:
+    """Says once per device why the layers train with the torch form (True: a constant for dynamo)."""
+    if device_index not in _WARNED:
+        _WARNED.add(device_index)
+        warnings.warn(
+            f"{training_blocker(device_index)}: the delta-rule layers train with the torch form",
+            stacklevel=3,
+        )
+    return True
+
+
+_WARNED: set[int | None] = set()
 
 
 def _op(per_channel: bool, recurrent: bool):

@@ -136,7 +136,9 @@ class QKClipHooks:
         recording is on, so a compiled block sees the same kind of attribute in every forward
         (None in the first micro-batch and a tensor in the next compiled every block twice)."""
         device = next(self.parameters()).device  # a DTensor's: its local shard's device
-        self.max_logits = torch.full((self.n_heads,), float("-inf"), device=device)
+        self.max_logits = torch.full(
+            (self.n_heads,), float("-inf"), dtype=torch.float32, device=device
+        )
 
     def qk_clip_row_scales(self, gamma: Tensor) -> list[tuple[Tensor, Tensor]]:
         raise NotImplementedError

@@ -78,10 +78,12 @@ def _aligned(*tensors: Tensor) -> bool:
 def grouped_mm(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
     """x (M, K) sorted by group, w (G, K, N), offsets (G,) int32 cumulative counts -> (M, N)."""
     y = torch._grouped_mm(x, w, offs=offsets)
-    # a gradient hook, not an identity Function: the output is no view. Not under compile: the
-    # compiled backward hands the GEMM dense gradients (AOTAutograd makes tangents contiguous),
-    # and torch 2.11's dynamo traced the hook with dynamic M into a graph that Inductor rejects
-    # ("Argument 's77' ... used before it has been defined"; seen on an H200, bench/gpu_check.py)
+    # a gradient hook, not an identity Function: the output is no view. Not under compile:
+    # torch 2.11's dynamo traced the hook with dynamic M into a graph that Inductor rejects
+    # ("Argument 's77' ... used before it has been defined"; seen on an H200, bench/gpu_check.py).
+    # Compiled, the GEMM gets dense gradients from the experts' own consumers (activation,
+    # product, down projection, combine) and from AOTAutograd's contiguous tangents; an op that
+    # expands its gradient (.sum()) applied to this output inside the same graph would not do.
     if y.requires_grad and not torch.compiler.is_compiling():
         y.register_hook(_dense_grad)
     return y

@@ -65,20 +65,26 @@ def combine_slots(rows: Tensor, slot_row: Tensor, weights: Tensor, kept: Tensor 
     k = 8, C = 512, bf16, forward + backward; bench/moe_combine.py). A dropped slot's row may be
     any row: its weight and the weight's gradient are zeroed by `kept`.
 
-    On other devices a gather and a batched (1 x k) @ (k x C) product: CUDA's embedding_bag
+    On other devices a gather, a product and a sum (`gather_combine`): CUDA's embedding_bag
     has no bf16 backward for the weights ("_embedding_bag_per_sample_weights_backward_cuda not
     implemented for 'BFloat16'", torch 2.11 on an H200)."""
     per_slot = weights.to(rows.dtype)
     if kept is not None:
         per_slot = per_slot * kept
     with torch.autocast(rows.device.type, enabled=False):  # the rows' dtype, not autocast's
-        if rows.device.type == "cpu":
+        if embedding_bag_combines(rows.device.type):
             return F.embedding_bag(slot_row, rows, per_sample_weights=per_slot, mode="sum")
         return gather_combine(rows, slot_row, per_slot)
 
 
+def embedding_bag_combines(device_type: str) -> bool:
+    """Whether combine_slots uses embedding_bag on this device (its bf16 backward exists on CPU)."""
+    return device_type == "cpu"
+
+
 def gather_combine(rows: Tensor, slot_row: Tensor, per_slot: Tensor) -> Tensor:
-    """combine_slots' sum as a gather and a batched product: rows (R, C), slot_row (N, k),
-    per_slot (N, k) in rows' dtype -> (N, C)."""
+    """combine_slots' sum as a gather, a product and a sum over the k slots (elementwise, so a
+    compiled block fuses the product into the sum, and exact in fp32 where a bmm may use TF32):
+    rows (R, C), slot_row (N, k), per_slot (N, k) in rows' dtype -> (N, C)."""
     gathered = rows.index_select(0, slot_row.reshape(-1)).view(*slot_row.shape, rows.shape[1])
-    return torch.bmm(per_slot.unsqueeze(1), gathered).squeeze(1)  # (N, 1, k) @ (N, k, C)
+    return (per_slot.unsqueeze(-1) * gathered).sum(dim=1)  # (N, k, C) -> (N, C)

@@ -11,6 +11,7 @@ import itertools
 import subprocess
 import sys
 import types
+import warnings
 from pathlib import Path
 
 import pytest
@@ -501,35 +502,73 @@ def test_a_layer_with_kernel_fla_equals_kernel_torch(fake_fla, monkeypatch, kind
 
 
 def test_hopper_with_a_buggy_triton_blocks_flas_backward():
-    """fla #640 (seen on an H200: torch 2.11, triton 3.6, fla-core 0.6.0 raised in backward)."""
-    bug = fla_ops.hopper_triton_bug
-    assert bug((9, 0), "3.6.0", tilelang=False)
-    assert bug((9, 0), "3.4.0", tilelang=False)
-    assert bug((9, 0), "3.7.0+git1234", tilelang=False)
-    assert not bug((9, 0), "3.7.1", tilelang=False)
-    assert not bug((9, 0), "3.3.1", tilelang=False)
-    assert not bug((9, 0), "3.6.0", tilelang=True)  # fla serves that kernel with tilelang
-    assert not bug((8, 0), "3.6.0", tilelang=False)  # A100
-    assert not bug((10, 0), "3.6.0", tilelang=False)  # Blackwell
+    """fla #640 (seen on an H200: torch 2.11, triton 3.6, fla-core 0.6.0 raised in backward);
+    versions compare as packaging (fla's own check) compares them."""
+
+    def bug(triton, capability=(9, 0), nvidia=True, tilelang=False):
+        return fla_ops.hopper_triton_bug(capability, triton, nvidia, tilelang)
+
+    assert bug("3.6.0") and bug("3.4.0") and bug("3.7.0+gitabc1234")
+    assert bug("3.7.1rc1")  # a pre-release of 3.7.1 is below 3.7.1, as fla sees it
+    assert bug("unknown")  # unreadable: assume the worst (the torch form trains correctly)
+    assert not bug("3.7.1") and not bug("3.10.0") and not bug("3.3.1") and not bug("3.4.0rc1")
+    assert not bug("3.6.0", tilelang=True)  # fla serves that kernel with tilelang (and nvcc)
+    assert not bug("3.6.0", capability=(8, 0))  # A100
+    assert not bug("3.6.0", capability=(10, 0))  # Blackwell
+    assert not bug("3.6.0", nvidia=False)  # ROCm reports capability 9.x for MI200 / MI300
+
+
+def test_tilelang_counts_only_with_nvcc_and_not_disabled(monkeypatch, tmp_path):
+    monkeypatch.setattr(fla_ops.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setattr(fla_ops.shutil, "which", lambda name: None)
+    for var in ("CUDA_HOME", "CUDA_PATH", "FLA_TILELANG"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(fla_ops, "Path", lambda p: tmp_path / "none" / str(p).lstrip("/"))
+    assert not fla_ops._tilelang_usable()  # tilelang without an nvcc: fla falls back to triton
+    monkeypatch.setattr(fla_ops.shutil, "which", lambda name: "/usr/bin/nvcc")
+    assert fla_ops._tilelang_usable()
+    monkeypatch.setenv("FLA_TILELANG", "0")
+    assert not fla_ops._tilelang_usable()
+
+
+def test_the_device_check_is_a_constant_inside_compiled_code(monkeypatch):
+    """training_blocker and the fallback warning run at trace time: no graph break."""
+    monkeypatch.setattr(fla_ops, "_training_blocker", lambda index: "blocked (fla #640)")
+    monkeypatch.setattr(fla_ops, "_WARNED", set())
+
+    def layer(x):
+        if fla_ops.training_blocker(0):
+            fla_ops._warn_torch_fallback(0)
+            return x * 2
+        return x * 3
+
+    torch._dynamo.reset()
+    with pytest.warns(UserWarning, match="blocked"):
+        out = torch.compile(layer, fullgraph=True, backend="eager")(torch.ones(2))
+    assert out.tolist() == [2.0, 2.0]
 
 
 def test_the_kernel_choice_avoids_flas_backward_where_it_is_wrong(monkeypatch):
-    """On a blocked device: auto trains with the torch form (and says so), kernel=fla refuses in
-    one line; a forward without gradients (prefill, decoding) still uses fla."""
+    """On a blocked device: auto trains with the torch form (and says so once), kernel=fla
+    refuses in one line; a forward without gradients (prefill, decoding) still uses fla."""
     from types import SimpleNamespace
 
     monkeypatch.setattr(fla_ops, "fla_available", lambda: True)
+    monkeypatch.setattr(fla_ops, "_WARNED", set())
     reason = "fla-core's gated backward is wrong with triton 3.6.0 on Hopper (fla #640)"
-    monkeypatch.setattr(fla_ops, "gated_backward_blocker", lambda device: reason)
+    monkeypatch.setattr(fla_ops, "training_blocker", lambda index: reason)
     q = SimpleNamespace(
-        is_cuda=True, dtype=torch.bfloat16, shape=(1, 2, 3, 8), device="cuda", requires_grad=True
+        is_cuda=True, dtype=torch.bfloat16, shape=(1, 2, 3, 8), device=torch.device("cuda", 0)
     )
-    with pytest.warns(UserWarning, match=r"fla #640\): the delta-rule layers use the torch form"):
+    with pytest.warns(UserWarning, match=r"fla #640\): the delta-rule layers train with the torch"):
+        assert use_fla("auto", q) is False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once
         assert use_fla("auto", q) is False
     with pytest.raises(ConfigError, match=r"kernel=fla.*#640.*triton >= 3\.7\.1 or tilelang"):
         use_fla("fla", q)
     with torch.no_grad():
         assert use_fla("auto", q) is True
         assert use_fla("fla", q) is True
-    monkeypatch.setattr(fla_ops, "gated_backward_blocker", lambda device: None)
+    monkeypatch.setattr(fla_ops, "training_blocker", lambda index: "")
     assert use_fla("auto", q) is True

@@ -1,10 +1,12 @@
-"""The MoE combine's two forms (model/moe/slots.py): CPU's embedding_bag and the gather + batched
-product used on CUDA (whose embedding_bag has no bf16 weight backward) against an obvious loop."""
+"""The MoE combine's two forms (model/moe/slots.py): CPU's embedding_bag and the gather, product
+and sum used on CUDA (whose embedding_bag has no bf16 weight backward), both through
+combine_slots, against an obvious fp64 loop."""
 
 import pytest
 import torch
 
-from model.moe.slots import combine_slots, gather_combine
+from model.moe import slots
+from model.moe.slots import combine_slots
 
 
 def loop_combine(rows, slot_row, weights, kept):
@@ -17,23 +19,23 @@ def loop_combine(rows, slot_row, weights, kept):
 
 
 def inputs(dtype):
+    """As the MoE layer calls it: each kept slot its own row, every dropped slot row 0."""
     gen = torch.Generator().manual_seed(0)
-    N, k, R, C = 12, 3, 40, 16
-    rows = torch.randn(R, C, generator=gen).to(dtype).requires_grad_()
-    slot_row = torch.randperm(R, generator=gen)[: N * k].view(N, k)
+    N, k, C = 12, 3, 16
+    kept = torch.rand(N, k, generator=gen) > 0.2
+    slot_row = torch.where(kept, torch.randperm(N * k, generator=gen).view(N, k), 0)
+    rows = torch.randn(N * k, C, generator=gen).to(dtype).requires_grad_()
     weights = torch.rand(N, k, generator=gen).requires_grad_()
-    kept = torch.rand(N, k, generator=gen) > 0.2  # some dropped slots
     return rows, slot_row, weights, kept
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
-@pytest.mark.parametrize("form", ["embedding_bag", "gather_bmm"])
-def test_combine_matches_loop_forward_and_backward(form, dtype, tol):
+@pytest.mark.parametrize("embedding_bag", [True, False])
+def test_combine_matches_loop_forward_and_backward(monkeypatch, embedding_bag, dtype, tol):
+    monkeypatch.setattr(slots, "embedding_bag_combines", lambda device_type: embedding_bag)
     rows, slot_row, weights, kept = inputs(dtype)
-    if form == "embedding_bag":
-        out = combine_slots(rows, slot_row, weights, kept)
-    else:  # what combine_slots runs on CUDA
-        out = gather_combine(rows, slot_row, weights.to(dtype) * kept)
+    assert (slot_row == 0).sum() > 1  # dropped slots share row 0 with a kept one
+    out = combine_slots(rows, slot_row, weights, kept)
     ref_rows = rows.detach().double().requires_grad_()
     ref_weights = weights.detach().double().requires_grad_()
     ref = loop_combine(ref_rows, slot_row, ref_weights, kept)
@@ -45,3 +47,12 @@ def test_combine_matches_loop_forward_and_backward(form, dtype, tol):
     torch.testing.assert_close(rows.grad.double(), ref_rows.grad, atol=tol, rtol=tol)
     torch.testing.assert_close(weights.grad.double(), ref_weights.grad, atol=tol * 4, rtol=tol)
     assert (weights.grad[~kept] == 0).all()  # a dropped slot's weight gets no gradient
+
+
+def test_the_two_forms_agree_in_fp32():
+    rows, slot_row, weights, kept = inputs(torch.float32)
+    per_slot = weights * kept
+    fused = torch.nn.functional.embedding_bag(
+        slot_row, rows, per_sample_weights=per_slot, mode="sum"
+    )
+    torch.testing.assert_close(slots.gather_combine(rows, slot_row, per_slot), fused)
