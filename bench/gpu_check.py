@@ -303,6 +303,12 @@ def delta_rule_cases(per_channel: bool, results: dict) -> dict[str, tuple[Callab
     names = grad_names(x)
     keep: dict = {}
 
+    def forward_times() -> dict:
+        return {
+            "torch_forward": timed(lambda: fwd_bwd(torch_rule, x, None)),
+            "fla_forward": timed(lambda: fwd_bwd(fla_gated_delta_rule, x, None)),
+        }
+
     def fp32() -> dict:
         ref = fwd_bwd(torch_rule, x, cot)
         got = fwd_bwd(fla_gated_delta_rule, x, cot)
@@ -310,8 +316,7 @@ def delta_rule_cases(per_channel: bool, results: dict) -> dict[str, tuple[Callab
         return {
             "torch": timed(lambda: fwd_bwd(torch_rule, x, cot)),
             "fla": timed(lambda: fwd_bwd(fla_gated_delta_rule, x, cot)),
-            "torch_forward": timed(lambda: fwd_bwd(torch_rule, x, None)),
-            "fla_forward": timed(lambda: fwd_bwd(fla_gated_delta_rule, x, None)),
+            **forward_times(),
             "fla_vs_torch": differences(flat(got), flat(ref), names),
         }
 
@@ -383,8 +388,7 @@ def delta_rule_cases(per_channel: bool, results: dict) -> dict[str, tuple[Callab
         got = fwd_bwd(fla_gated_delta_rule, x, None)
         return {
             "fla_vs_torch": differences(flat(got), flat(ref), ["o", "final"]),
-            "torch_forward": timed(lambda: fwd_bwd(torch_rule, x, None)),
-            "fla_forward": timed(lambda: fwd_bwd(fla_gated_delta_rule, x, None)),
+            **forward_times(),
         }
 
     return {
@@ -483,9 +487,7 @@ def delta_rule_fla_vs_torch(budget: Budget) -> dict:
             fn, need_s = plan[name]
             sub_case(results[kind], name, fn, budget, need_s)
     del plans  # the kept tensors
-    for kind in ("gdn", "kda"):
-        if blocker:
-            break
+    for kind in () if blocker else ("gdn", "kda"):  # the layers train: not where blocked
         sub_case(results[kind], "layer", lambda k=kind: layer_case(k), budget, 15)
     return results
 
