@@ -26,7 +26,8 @@ Checks (in this order, sharing one time budget):
       reads copied over): step times after a same-loss check, and the copy of one step's rows
       alone (bench/gpu_engram.py).
 
-    python bench/gpu_check.py [--out PATH] [--only NAME ...] [--budget-s 420] [--list] [--dry-run]
+    python bench/gpu_check.py [--out PATH] [--only NAME ...] [--train-cases NAME ...]
+                              [--budget-s 420] [--list] [--dry-run]
 On CUDA writes bench/results/gpu_check.json (or --out); on CPU prints only, unless --out is given.
 --dry-run runs the issue-18 checks' code on CPU on tiny shapes (no numbers worth keeping).
 Exits 0 unless --strict and a check raised.
@@ -156,12 +157,23 @@ def train_mfu(budget: Budget) -> dict:
     def case(name: str, **kwargs) -> Callable[[], dict]:
         return lambda: train_case(name, DRY_RUN, dev, sync, compile_blocks, **kwargs)
 
-    run(results, "dense_1b", case("dense_1b", profile=True), 120)
-    run(results, "moe", case("moe", profile=True), 120)
+    cases = {  # sub-case -> (what it runs, seconds it needs)
+        "dense_1b": (case("dense_1b", profile=True), 120),
+        "moe": (case("moe", profile=True), 120),
+        # the MoE step without compiled blocks: a number even where compilation fails
+        "moe_eager": (lambda: train_case("moe", DRY_RUN, dev, sync, False, profile=True), 90),
+    }
     for backend in ("triton", "sdpa"):
         extra = {"attention.backend": backend}
-        run(results, f"dense_1b_muonclip_{backend}", case("dense_1b", extra=extra), 90)
+        cases[f"dense_1b_muonclip_{backend}"] = (case("dense_1b", extra=extra), 90)
+    for name in TRAIN_CASES or [c for c in cases if c != "moe_eager"]:
+        run(results, name, *cases[name])
     return results
+
+
+TRAIN_CASES: list[str] | None = None  # --train-cases: these sub-cases of train_mfu, in order
+TRAIN_CASE_NAMES = ["dense_1b", "moe", "moe_eager"]
+TRAIN_CASE_NAMES += ["dense_1b_muonclip_triton", "dense_1b_muonclip_sdpa"]
 
 
 @check("fused_kernels")
@@ -519,10 +531,16 @@ def main() -> int:
         action="store_true",
         help="run the issue-18 checks' code on CPU on tiny shapes (Triton's interpreter)",
     )
+    parser.add_argument(
+        "--train-cases",
+        nargs="+",
+        choices=TRAIN_CASE_NAMES,
+        default=None,
+        help="train_mfu's sub-cases to run, in order (default: all but moe_eager)",
+    )
     args = parser.parse_args()
-    if args.dry_run:
-        global DRY_RUN
-        DRY_RUN = True
+    global DRY_RUN, TRAIN_CASES
+    DRY_RUN, TRAIN_CASES = args.dry_run, args.train_cases
     if args.list:
         print("\n".join(CHECKS))
         return 0

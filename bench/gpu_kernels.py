@@ -117,6 +117,9 @@ def cross_entropy_memory(small: bool, device: str, timed: Callable, sub_case: Ca
     results["loss_abs_diff"] = abs(loss_ref - loss_chunked)
     sub_case(results, "unfused", lambda: timed(run(unfused), warmup=1, repeats=3), 20)
     sub_case(results, "chunked", lambda: timed(run(chunked), warmup=1, repeats=3), 20)
+    for chunk in (s["chunk"] // 4, s["chunk"] // 2):  # smaller chunks: the peak and the time
+        fn = lambda h_, w_, chunk=chunk: chunked_cross_entropy(h_, w_, targets, chunk)  # noqa: E731
+        sub_case(results, f"chunked_{chunk}", lambda fn=fn: timed(run(fn), warmup=1, repeats=3), 20)
     try:
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
     except ImportError:

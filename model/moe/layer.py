@@ -108,7 +108,7 @@ class MoE(Fp32Buffers):
         y_sorted = self.dispatch(x_sorted, counts, self.experts)  # (M, C)
         kept = (inverse < order.numel()).view(N, k) if order.numel() < N * k else None
         slot_row = inverse.view(N, k) if kept is None else torch.where(kept, inverse.view(N, k), 0)
-        out = combine_slots(y_sorted, slot_row, routing.topk_weight, kept)  # (N, C)
+        out = combine_slots(y_sorted, slot_row, routing.topk_weight, kept, order)  # (N, C)
         return self._finish(out, flat, routing, counts, dropped, B, out_dtype)
 
     def _routes_padded(self, flat: Tensor, order: Tensor, counts: Tensor) -> bool:

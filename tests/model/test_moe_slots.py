@@ -56,3 +56,58 @@ def test_the_two_forms_agree_in_fp32():
         slot_row, rows, per_sample_weights=per_slot, mode="sum"
     )
     torch.testing.assert_close(slots.gather_combine(rows, slot_row, per_slot), fused)
+
+
+def sorted_inputs(dtype):
+    """As the MoE layer's general route calls it: M kept slots, row r of the expert outputs holds
+    slot order[r]; a dropped slot reads row 0 with weight 0."""
+    gen = torch.Generator().manual_seed(2)
+    N, k, C = 12, 3, 16
+    kept = torch.rand(N, k, generator=gen) > 0.2
+    order = torch.nonzero(kept.flatten()).flatten()
+    order = order[torch.randperm(order.numel(), generator=gen)]  # any grouping by expert
+    slot_row = slots.slot_rows(order, N * k).view(N, k)
+    slot_row = torch.where(kept, slot_row, 0)
+    rows = torch.randn(order.numel(), C, generator=gen).to(dtype).requires_grad_()
+    return rows, slot_row, (torch.rand(N, k, generator=gen) * kept).to(dtype), order
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_sorted_rows_gather_back_as_autograd_scatters_them(dtype):
+    """GatherSortedRows' backward (a gather by order) equals autograd's index_add, bit for bit:
+    each row's sum has one nonzero term (its kept slot) and dropped slots add exact zeros."""
+    rows, slot_row, per_slot, order = sorted_inputs(dtype)
+    assert (slot_row == 0).sum() > 1
+    cot = torch.randn(slot_row.shape[0], rows.shape[1], generator=torch.Generator().manual_seed(3))
+    grads = []
+    for with_order in (order, None):
+        out = slots.gather_combine(rows, slot_row, per_slot, with_order)
+        grads.append((out, *torch.autograd.grad(out, rows, cot.to(dtype))))
+    for got, want in zip(*grads, strict=True):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("capacity_factor", [0.0, 1.0])  # nothing dropped; some dropped
+def test_the_moe_layer_combines_through_the_sorted_gather_off_cpu(monkeypatch, capacity_factor):
+    """The layer's general route hands `order` to the combine: with the gather forced (as on
+    CUDA) its output and gradients equal the embedding_bag form's (CPU's)."""
+    from model.init import block_init_stds
+    from model.moe.layer import MoE
+    from model.presets import load_preset
+
+    cfg = load_preset("tiny_moe", {"moe.capacity_factor": capacity_factor})
+    results = []
+    for embedding_bag in (True, False):
+        monkeypatch.setattr(slots, "embedding_bag_combines", lambda d, e=embedding_bag: e)
+        torch.manual_seed(0)
+        layer = MoE(cfg, 1)
+        layer.init_weights(block_init_stds(cfg.init, cfg.n_layers, 1))
+        layer.experts.impl = "loop"  # the general (sorted) route, not CPU's padded one
+        x = torch.randn(2, 24, cfg.d_model, generator=torch.Generator().manual_seed(4))
+        x.requires_grad_()
+        out = layer(x)
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(5)))
+        results.append((out, x.grad, layer.experts.w_down.grad, layer.router.gate.weight.grad))
+    assert capacity_factor == 0 or layer.dropped_tokens.item() > 0
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# One GPU session's run (device machine: torch and triton preinstalled, nothing else): the wheels
+# in .whl/ (fla-core, liger-kernel, pytest and its dependencies; `pip download --no-deps -d .whl
+# fla-core==0.6.0 liger-kernel==0.8.5 pytest pluggy iniconfig pygments`) into /tmp/site, then the
+# prepared checks (arguments passed on to bench/gpu_check.py) and the `gpu` test tier.
+# Writes $OUT/gpu_check.json, $OUT/gpu_check.log and $OUT/pytest_gpu.log.
+set -u
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/gpu_out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+python3 bench/gpu_check.py --out "$OUT/gpu_check.json" "$@" 2>&1 | tee "$OUT/gpu_check.log"
+timeout "${PYTEST_TIMEOUT_S:-200}" python3 -m pytest -m gpu -p no:cacheprovider -q \
+  --durations=15 tests/model/test_gpu.py 2>&1 | tee "$OUT/pytest_gpu.log"
