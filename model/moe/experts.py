@@ -46,10 +46,14 @@ def _dense_grad(grad: Tensor) -> Tensor:
     return grad.contiguous()
 
 
-@functools.cache
-@torch.compiler.disable
+@torch._dynamo.assume_constant_result  # a host-side fact: compiled blocks take it as a constant
 def grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
     """Whether torch._grouped_mm runs forward and backward here, including an empty group."""
+    return _grouped_mm_probe(device_type, dtype)
+
+
+@functools.cache
+def _grouped_mm_probe(device_type: str, dtype: torch.dtype) -> bool:
     if not hasattr(torch, "_grouped_mm"):
         return False
     try:
@@ -69,10 +73,12 @@ def grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
 
 
 def _aligned(*tensors: Tensor) -> bool:
-    return all(
-        t.is_contiguous() and t.data_ptr() % 16 == 0 and t.shape[-1] * t.element_size() % 16 == 0
-        for t in tensors
-    )
+    """Whether the grouped GEMM takes these: contiguous, rows and start 16-byte aligned. Inside a
+    compiled block the start is not checked (dynamo cannot trace data_ptr(), and raising there
+    sent the whole MoE block back to eager): Inductor's buffers start 64-byte aligned."""
+    if not all(t.is_contiguous() and t.shape[-1] * t.element_size() % 16 == 0 for t in tensors):
+        return False
+    return torch.compiler.is_compiling() or all(t.data_ptr() % 16 == 0 for t in tensors)
 
 
 def grouped_mm(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:

@@ -53,6 +53,14 @@ def local_dispatch(x_sorted: Tensor, counts: Tensor, experts: GroupedExperts) ->
     return experts(x_sorted, counts)
 
 
+def expert_counts(slot_expert: Tensor, n_experts: int) -> Tensor:
+    """(N k,) expert ids -> (E,) int64 slots per expert. A scatter-add into E zeros rather than
+    bincount, whose output length depends on the data: a compiled block traces it without a
+    graph break (bincount split every compiled MoE block in two)."""
+    ones = torch.ones_like(slot_expert)
+    return slot_expert.new_zeros(n_experts).scatter_add_(0, slot_expert, ones)
+
+
 def in_recompute() -> bool:
     """True while autograd runs a backward pass, i.e. when a forward is a checkpoint recompute."""
     return torch._C._current_graph_task_id() != -1
@@ -96,7 +104,7 @@ class MoE(Fp32Buffers):
         N, k = routing.topk_idx.shape
         slot_expert = routing.topk_idx.flatten()  # (N k,)
         order = torch.argsort(slot_expert, stable=True)  # (M,) slots by expert, then by token
-        counts = torch.bincount(slot_expert, minlength=self.n_experts)  # (E,)
+        counts = expert_counts(slot_expert, self.n_experts)  # (E,)
         dropped = counts.new_zeros(())
         if self.cfg.capacity_factor > 0:
             order, counts, dropped = self._drop_over_capacity(slot_expert, order, counts, N)

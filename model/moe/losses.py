@@ -21,7 +21,8 @@ def switch_balance_loss(scores: Tensor, topk_idx: Tensor) -> Tensor:
     scores (N, E), topk_idx (N, k) -> scalar."""
     N, k = topk_idx.shape
     E = scores.shape[-1]
-    counts = torch.bincount(topk_idx.flatten(), minlength=E).to(scores.dtype)  # (E,)
+    slot_expert = topk_idx.flatten()  # a fixed-length count (bincount's length is data-dependent)
+    counts = scores.new_zeros(E).scatter_add_(0, slot_expert, scores.new_ones(slot_expert.shape))
     return (counts * _probs(scores).mean(dim=0)).sum() * E / (k * N)
 
 

@@ -165,13 +165,13 @@ def test_counts_must_match_the_local_experts():
 
 @pytest.mark.skipif(not grouped_mm_supported("cpu", torch.bfloat16), reason="no grouped GEMM")
 def test_the_compiled_grouped_gemm_path_matches_eager_over_changing_counts():
-    """Compiled (no gradient hook while compiling, model/moe/experts.py) with the row count
-    changing from call to call (dynamic shapes, as routing makes them): outputs and gradients
-    equal the eager grouped GEMM's."""
+    """Compiled as one graph (no gradient hook while compiling, no data_ptr() alignment check:
+    model/moe/experts.py) with the row count changing from call to call (dynamic shapes, as
+    routing makes them): outputs and gradients equal the eager grouped GEMM's."""
     torch._dynamo.reset()
     experts, _, _ = make(dtype=torch.bfloat16)
     experts.impl = "grouped_mm"
-    compiled = torch.compile(experts)
+    compiled = torch.compile(experts, fullgraph=True)  # no break, no fallback to eager
     for counts in ([5, 0, 3, 0, 9, 1, 0, 6], [2, 7, 0, 4, 4, 0, 8, 1], [0, 0, 16, 1, 3, 3, 3, 2]):
         x = torch.randn(sum(counts), 32, dtype=torch.bfloat16, requires_grad=True)
         got = compiled(x, torch.tensor(counts))
@@ -181,8 +181,43 @@ def test_the_compiled_grouped_gemm_path_matches_eager_over_changing_counts():
         experts.zero_grad()
         want = experts(x, torch.tensor(counts))
         (want.float() * torch.arange(32.0)).sum().backward()
-        torch.testing.assert_close(got, want)
-        for a, b in zip(grads, [x.grad, *(w.grad for w in experts.parameters())]):
-            torch.testing.assert_close(a, b)
+        # bf16: Inductor keeps silu(gate) * up in fp32 where eager rounds it, a few bf16 ulps
+        for a, b in zip([got, *grads], [want, x.grad, *(w.grad for w in experts.parameters())]):
+            assert (a.float() - b.float()).abs().max() <= 2e-2 * b.float().abs().max()
         x.grad = None
         experts.zero_grad()
+
+
+@pytest.mark.skipif(not grouped_mm_supported("cpu", torch.bfloat16), reason="no grouped GEMM")
+def test_a_compiled_moe_layer_breaks_only_for_its_statistics(monkeypatch):
+    """The MoE layer as compiled blocks run it on a GPU (grouped GEMMs, the gather combine): one
+    graph up to the balance statistics, whose recompute check (autograd's task id) stays eager;
+    no break at the expert counts (bincount), the grouped-GEMM probe or the alignment check.
+    Outputs and gradients equal eager's."""
+    from model.init import block_init_stds
+    from model.moe import slots
+    from model.moe.layer import MoE
+    from model.presets import load_preset
+
+    monkeypatch.setattr(slots, "embedding_bag_combines", lambda device_type: False)
+    cfg = load_preset("tiny_moe", {"moe.aux_loss_coef": 0.01})
+    torch.manual_seed(0)
+    layer = MoE(cfg, 1)
+    layer.init_weights(block_init_stds(cfg.init, cfg.n_layers, 1))
+    layer.experts.impl = "grouped_mm"
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(layer)
+    x = torch.randn(2, 32, cfg.d_model, generator=torch.Generator().manual_seed(1))
+    results = []
+    for fn in (compiled, layer):
+        xi = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = fn(xi)
+        (out.float().sum() + layer.pop_aux_losses()[0]).backward()
+        results.append((out, xi.grad, layer.experts.w_up.grad, layer.router.gate.weight.grad))
+        layer.zero_grad()
+    reasons = list(torch._dynamo.utils.counters["graph_break"])
+    assert reasons and all("non-Tensor" in r for r in reasons), reasons
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
