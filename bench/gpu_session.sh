@@ -3,7 +3,8 @@
 # in .whl/ (fla-core, liger-kernel, pytest and its dependencies; `pip download --no-deps -d .whl
 # fla-core==0.6.0 liger-kernel==0.8.5 pytest pluggy iniconfig pygments`) into /tmp/site, then the
 # prepared checks (arguments passed on to bench/gpu_check.py) and the `gpu` test tier.
-# Writes $OUT/gpu_check.json, $OUT/gpu_check.log and $OUT/pytest_gpu.log.
+# Writes $OUT/gpu_check.json, $OUT/gpu_check.log and $OUT/pytest_gpu.log. Cold, the gpu tier takes
+# minutes (Triton compiles and autotunes its kernels): PYTEST_TIMEOUT_S (default 300) bounds it.
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gpu_out}
@@ -12,5 +13,5 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 bench/gpu_check.py --out "$OUT/gpu_check.json" "$@" 2>&1 | tee "$OUT/gpu_check.log"
-timeout "${PYTEST_TIMEOUT_S:-200}" python3 -m pytest -m gpu -p no:cacheprovider -q \
+timeout "${PYTEST_TIMEOUT_S:-300}" python3 -m pytest -m gpu -p no:cacheprovider -q \
   --durations=15 tests/model/test_gpu.py 2>&1 | tee "$OUT/pytest_gpu.log"
