@@ -82,9 +82,12 @@ def apply_qk_clip(
         if clipped:
             for param, rows in module.qk_clip_row_scales(gamma):
                 scale(param, rows)
+        if peak == float("-inf"):  # no training forward since the last read: nothing to log
+            continue  # (-inf is not JSON, and wandb rejects it)
         layer = name.split(".")[1] if name.startswith("layers.") else name
         stats[f"qk/layer{layer}/max_logit"] = peak
-    stats["qk/max_logit"] = max(layer_peaks)
+    if max(layer_peaks, default=float("-inf")) > float("-inf"):
+        stats["qk/max_logit"] = max(layer_peaks)
     stats["qk/clipped_heads"] = float(sum(over.sum(dim=1).tolist()))
     return stats
 

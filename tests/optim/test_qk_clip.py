@@ -195,3 +195,21 @@ def test_recording_compiles_each_block_once_over_micro_batches_and_steps() -> No
         for tokens in micro_batches:
             model(tokens[:, :-1], tokens[:, 1:]).backward()
         torch.testing.assert_close(pop_max_logits(model), compiled_logits[step])
+
+
+def test_a_layer_without_a_training_forward_is_left_out_of_the_logged_peaks() -> None:
+    """A layer that recorded nothing since the last read (-inf) clips nothing and logs nothing:
+    -inf is not JSON (metrics.jsonl) and wandb rejects it."""
+    import json
+
+    cfg = load_preset("tiny", SMALL | {"n_layers": 2})
+    model = build_model(cfg, seed=0)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 33), generator=torch.Generator().manual_seed(1))
+    peaks = _max_logits(model, tokens)  # (2, H)
+    peaks[1] = float("-inf")  # layer 1: no forward since the last read
+    stats = apply_qk_clip(model, peaks, tau=1e9)
+    assert "qk/layer1/max_logit" not in stats and stats["qk/layer0/max_logit"] > 0
+    assert stats["qk/max_logit"] == stats["qk/layer0/max_logit"]
+    json.loads(json.dumps(stats, allow_nan=False))
+    nothing = apply_qk_clip(model, torch.full_like(peaks, float("-inf")), tau=1e9)
+    assert nothing == {"qk/clipped_heads": 0.0}
