@@ -6,7 +6,7 @@ Shapes: B batch, T time, N = B T tokens, C d_model, E routed experts, k top_k, M
 
     x (B, T, C) -> flat (N, C) -> routing: topk_idx, topk_weight (N, k)
     order     = stable argsort of topk_idx.flatten()      slots grouped by expert, tokens in order
-    counts    = bincount over all E experts               (E,) int64
+    counts    = slots per expert (a scatter-add)         (E,) int64
     y_sorted  = dispatch(flat[order // k], counts, experts)   (M, C)
     out[t]    = sum_j weight[t, j] y[slot t k + j]  + shared(flat)[t]   (x sigmoid(w_s . x_t)
                                                         with moe.shared_expert_gate, Qwen3-Next)

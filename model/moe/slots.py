@@ -5,8 +5,9 @@ Shapes: N tokens, k slots per token (slot s = token s // k's (s % k)-th choice),
 grouped by expert; `inverse` (N k,) is the sorted row of each slot, M for a dropped one.
 
 The sort is a gather forward and backward (no scatter-add: faster on CPU and deterministic on
-GPU); the combine is one fused gather-and-weighted-sum, whose backward adds each slot's weighted
-gradient into its row.
+GPU); the combine is a gather and a weighted sum: on CPU one fused embedding_bag, whose backward
+adds each slot's weighted gradient into its row; elsewhere a gather whose backward, for the
+sorted rows (each holds one slot), is a gather by the sorted order too (GatherSortedRows).
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class GatherSortedRows(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, rows: Tensor, slot_row: Tensor, order: Tensor) -> Tensor:  # type: ignore[override]
+        assert rows.shape[0] == order.numel(), "one sorted row per kept slot"
         ctx.save_for_backward(order)
         return rows.index_select(0, slot_row)
 
