@@ -3,6 +3,7 @@ number of chunks, the forward's gradients equal to the eager loss's."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
@@ -64,3 +65,31 @@ def test_a_shorter_last_chunk_adds_at_most_one_graph():
         for a, b in zip(got, want, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert counters["stats"]["unique_graphs"] <= 2
+
+
+@pytest.mark.parametrize(
+    "preset,mode", [("tiny", "full"), ("tiny", "selective"), ("tiny_mhc", "full")]
+)
+def test_checkpointed_blocks_compile_and_keep_their_gradients(preset, mode):
+    """Activation checkpointing + trainer.compile=true: the blocks compile (a graph besides the
+    loss chunk's: dynamo skipped a functools.partial of `checkpoint`, which left every block
+    eager), mHC's too (without cpp_wrapper, whose code generation rejects the checkpoint's RNG
+    bookkeeping), and the loss and gradients equal the eager checkpointed model's (fp32)."""
+    from parallel.activation import apply_activation_checkpointing
+
+    overrides = {"d_model": 32, "n_layers": 2, "attention.n_heads": 2, "attention.n_kv_heads": 1}
+    tokens = torch.randint(0, 96, (2, 17), generator=torch.Generator().manual_seed(0))
+    results = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        model = build_model(load_preset(preset, overrides | {"vocab_size": 96}), seed=0)
+        apply_activation_checkpointing(model, mode)
+        if compiled:
+            compile_model(model, "cpu")
+        loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        results.append([loss.detach(), *(p.grad for p in model.parameters())])
+    assert counters["stats"]["unique_graphs"] >= 2  # a block's graph and the loss chunk's
+    for got, want in zip(results[1], results[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
