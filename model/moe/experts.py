@@ -57,7 +57,8 @@ def _grouped_mm_probe(device_type: str, dtype: torch.dtype) -> bool:
     if not hasattr(torch, "_grouped_mm"):
         return False
     try:
-        with (
+        with (  # the probe needs autograd: not inference mode (its False would be cached)
+            torch.inference_mode(False),
             torch.enable_grad(),
             torch.autocast(device_type, enabled=False),
             torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t),

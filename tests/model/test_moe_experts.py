@@ -221,3 +221,14 @@ def test_a_compiled_moe_layer_breaks_only_for_its_statistics(monkeypatch):
     assert reasons and all("non-Tensor" in r for r in reasons), reasons
     for a, b in zip(*results, strict=True):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+
+
+def test_the_grouped_gemm_probe_answers_the_same_under_inference_mode():
+    """The probe runs a backward; first asked under inference_mode it must not cache False."""
+    from model.moe.experts import _grouped_mm_probe
+
+    expected = _grouped_mm_probe.__wrapped__("cpu", torch.float32)
+    _grouped_mm_probe.cache_clear()
+    with torch.inference_mode():
+        assert grouped_mm_supported("cpu", torch.float32) == expected
+    assert grouped_mm_supported("cpu", torch.float32) == expected
