@@ -63,6 +63,9 @@ def apply_activation_checkpointing(model: Transformer, mode: str) -> None:
     extra = {"context_fn": _context_fn} if mode == "selective" else {}
     for block in model.blocks():
         block.forward = _checkpointed(block.forward, extra)
+        for module in block.modules():  # layers that keep statistics once per forward (MoE)
+            if hasattr(module, "checkpointed"):
+                module.checkpointed = True
 
 
 def _checkpointed(forward: Callable, extra: dict) -> Callable:

@@ -61,8 +61,13 @@ def expert_counts(slot_expert: Tensor, n_experts: int) -> Tensor:
     return slot_expert.new_zeros(n_experts).scatter_add_(0, slot_expert, ones)
 
 
-def in_recompute() -> bool:
-    """True while autograd runs a backward pass, i.e. when a forward is a checkpoint recompute."""
+def in_recompute(checkpointed: bool = True) -> bool:
+    """True while autograd runs a backward pass, i.e. when a forward is a checkpoint recompute.
+    `checkpointed` False (no activation checkpointing around the layer): inside a compiled block
+    the answer is a constant False, so the block traces as one graph (autograd's task id is
+    not traceable: a graph break in every MoE block)."""
+    if not checkpointed and torch.compiler.is_compiling():
+        return False
     return torch._C._current_graph_task_id() != -1
 
 
@@ -90,6 +95,9 @@ class MoE(Fp32Buffers):
         self.register_buffer(
             "dropped_tokens", torch.zeros((), dtype=torch.float32), persistent=False
         )
+        # set by activation checkpointing (parallel/activation.py): this layer's forward may run
+        # again in backward, where it must not count its statistics twice
+        self.checkpointed = False
         self._aux_losses: list[Tensor] = []  # weighted balance losses since the last pop
         self.last_losses: dict[str, Tensor] = {}  # detached, from the last training forward
 
@@ -169,7 +177,7 @@ class MoE(Fp32Buffers):
         }
         # the same autograd ops in a forward and in its checkpoint recompute (saved tensors match)
         values = {name: LOSSES[name](routing, batch) for name, coef in coefs.items() if coef > 0}
-        if in_recompute():
+        if in_recompute(self.checkpointed):
             return
         total = None
         if values:

@@ -189,11 +189,14 @@ def test_the_compiled_grouped_gemm_path_matches_eager_over_changing_counts():
 
 
 @pytest.mark.skipif(not grouped_mm_supported("cpu", torch.bfloat16), reason="no grouped GEMM")
-def test_a_compiled_moe_layer_breaks_only_for_its_statistics(monkeypatch):
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_a_compiled_moe_layer_is_one_graph_unless_checkpointed(monkeypatch, checkpointed):
     """The MoE layer as compiled blocks run it on a GPU (grouped GEMMs, the gather combine): one
-    graph up to the balance statistics, whose recompute check (autograd's task id) stays eager;
-    no break at the expert counts (bincount), the grouped-GEMM probe or the alignment check.
-    Outputs and gradients equal eager's."""
+    graph (fullgraph) with its statistics inside: no break at the expert counts (bincount), the
+    grouped-GEMM probe, the alignment check or the recompute check. Under activation
+    checkpointing the recompute check stays eager (autograd's task id; a forward rerun in
+    backward must not count twice): that break only. Outputs, gradients, the balance loss
+    (popped once per forward) and the token counts equal eager's."""
     from model.init import block_init_stds
     from model.moe import slots
     from model.moe.layer import MoE
@@ -205,20 +208,27 @@ def test_a_compiled_moe_layer_breaks_only_for_its_statistics(monkeypatch):
     layer = MoE(cfg, 1)
     layer.init_weights(block_init_stds(cfg.init, cfg.n_layers, 1))
     layer.experts.impl = "grouped_mm"
+    layer.checkpointed = checkpointed
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    compiled = torch.compile(layer)
+    compiled = torch.compile(layer, fullgraph=not checkpointed)
     x = torch.randn(2, 32, cfg.d_model, generator=torch.Generator().manual_seed(1))
     results = []
     for fn in (compiled, layer):
         xi = x.clone().requires_grad_()
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = fn(xi)
-        (out.float().sum() + layer.pop_aux_losses()[0]).backward()
-        results.append((out, xi.grad, layer.experts.w_up.grad, layer.router.gate.weight.grad))
+        aux = layer.pop_aux_losses()
+        assert len(aux) == 1
+        (out.float().sum() + aux[0]).backward()
+        counts = layer.tokens_per_expert.clone()
+        layer.tokens_per_expert.zero_()
+        grads = (xi.grad, layer.experts.w_up.grad, layer.router.gate.weight.grad)
+        results.append((out, aux[0], counts, *grads))
         layer.zero_grad()
+    assert results[0][2].sum() == 2 * 32 * cfg.moe.top_k  # each slot counted once
     reasons = list(torch._dynamo.utils.counters["graph_break"])
-    assert reasons and all("non-Tensor" in r for r in reasons), reasons
+    assert all("non-Tensor" in r for r in reasons) and bool(reasons) == checkpointed, reasons
     for a, b in zip(*results, strict=True):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
 
