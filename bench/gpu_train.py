@@ -165,6 +165,7 @@ def train_case(
     torch._dynamo.reset()  # each case compiles as in a fresh process (no shared recompile limit)
     graphs = torch._dynamo.utils.counters["stats"]  # cumulative over the process: take the change
     graphs_before = graphs["unique_graphs"]
+    torch._dynamo.utils.counters["graph_break"].clear()  # this case's breaks, by reason
     if device.type == "cuda":
         gc.collect()  # an earlier case's engine held only by a reference cycle: freed first
         torch.cuda.reset_peak_memory_stats()  # this case's peak, not the process's
@@ -196,6 +197,10 @@ def train_case(
         "peak_flops": peak,
         "peak_source": source,
         "dynamo_graphs": graphs["unique_graphs"] - graphs_before,
+        "graph_breaks": {
+            reason.split("\n")[0][:160]: count
+            for reason, count in torch._dynamo.utils.counters["graph_break"].items()
+        },
     }
     if device.type == "cuda":
         result["max_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
