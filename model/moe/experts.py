@@ -48,8 +48,21 @@ def _dense_grad(grad: Tensor) -> Tensor:
 
 @torch._dynamo.assume_constant_result  # a host-side fact: compiled blocks take it as a constant
 def grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
-    """Whether torch._grouped_mm runs forward and backward here, including an empty group."""
-    return _grouped_mm_probe(device_type, dtype)
+    """Whether torch._grouped_mm runs forward and backward here, including an empty group, and
+    traces under torch.compile (its meta kernel takes only bf16, where CPU's eager kernel also
+    runs fp32: compiling an fp32 grouped GEMM raised), so eager and compiled pick alike."""
+    return _grouped_mm_probe(device_type, dtype) and _grouped_mm_meta_probe(dtype)
+
+
+@functools.cache
+def _grouped_mm_meta_probe(dtype: torch.dtype) -> bool:
+    try:
+        x = torch.empty(8, 16, device="meta", dtype=dtype)
+        w = torch.empty(3, 16, 16, device="meta", dtype=dtype)
+        offs = torch.empty(3, device="meta", dtype=torch.int32)
+        return torch._grouped_mm(x, w, offs=offs).shape == (8, 16)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
 
 
 @functools.cache

@@ -237,8 +237,28 @@ def test_the_grouped_gemm_probe_answers_the_same_under_inference_mode():
     """The probe runs a backward; first asked under inference_mode it must not cache False."""
     from model.moe.experts import _grouped_mm_probe
 
-    expected = _grouped_mm_probe.__wrapped__("cpu", torch.float32)
+    expected = _grouped_mm_probe.__wrapped__("cpu", torch.bfloat16)
     _grouped_mm_probe.cache_clear()
     with torch.inference_mode():
-        assert grouped_mm_supported("cpu", torch.float32) == expected
-    assert grouped_mm_supported("cpu", torch.float32) == expected
+        assert _grouped_mm_probe("cpu", torch.bfloat16) == expected
+    assert _grouped_mm_probe("cpu", torch.bfloat16) == expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_grouped_gemm_is_supported_exactly_where_it_also_compiles(dtype):
+    """grouped_mm_supported answers for eager and compiled layers alike: CPU's eager kernel runs
+    fp32 but its meta kernel takes only bf16 (an fp32 MoE layer compiled on CPU raised)."""
+    from model.moe.experts import grouped_mm
+
+    torch._dynamo.reset()
+    x = torch.randn(16, 32, dtype=dtype)
+    w = torch.randn(4, 32, 16, dtype=dtype)
+    offsets = torch.tensor([3, 8, 8, 16], dtype=torch.int32)
+    try:
+        got = torch.compile(grouped_mm, fullgraph=True)(x, w, offsets)
+    except Exception:  # dynamo's wrapper of the meta kernel's refusal
+        compiles = False
+    else:
+        torch.testing.assert_close(got, grouped_mm(x, w, offsets))
+        compiles = True
+    assert grouped_mm_supported("cpu", dtype) == compiles
