@@ -80,6 +80,22 @@ def _checkpointed(forward: Callable, extra: dict) -> Callable:
     return checkpointed_forward
 
 
+def _checkpoint_inside_the_graphs(model: Transformer) -> None:
+    """A whole block compiled around its checkpoint recomputes inside the compiled backward: its
+    Python forward never runs again, so layers that keep statistics once per forward (MoE) may
+    answer "not a recompute" while compiling (one graph, no break inside the checkpoint, which
+    would send the block back to eager), and dynamo keeps their side effects (the balance loss,
+    the token counts) out of the recompute. A checkpoint dynamo cannot trace runs eagerly,
+    where the layers check autograd's task id as before."""
+    dynamo_config = torch._dynamo.config
+    if hasattr(dynamo_config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        dynamo_config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+    for block in model.blocks():
+        for module in block.modules():
+            if hasattr(module, "checkpointed"):
+                module.checkpointed = False
+
+
 def is_checkpointed(block: nn.Module) -> bool:
     return getattr(block.forward, "__name__", "") == "checkpointed_forward"
 
@@ -111,10 +127,12 @@ def compile_model(model: Transformer, device_type: str) -> None:
     will run ("cpu" takes CPU_INDUCTOR_OPTIONS)."""
     options = CPU_INDUCTOR_OPTIONS if device_type == "cpu" else None
     whole = model.stream.compile_whole_blocks
-    if options and whole and any(is_checkpointed(block) for block in model.blocks()):
-        # checkpointed blocks compile with their RNG-state bookkeeping, whose op cpp_wrapper's
-        # code generation rejects (an AssertionError in Inductor for mHC's blocks, torch 2.13)
-        options = {k: v for k, v in options.items() if k != "cpp_wrapper"}
+    if whole and any(is_checkpointed(block) for block in model.blocks()):
+        _checkpoint_inside_the_graphs(model)
+        if options:
+            # checkpointed blocks compile with their RNG-state bookkeeping, whose op cpp_wrapper's
+            # code generation rejects (an AssertionError in Inductor for mHC's blocks, torch 2.13)
+            options = {k: v for k, v in options.items() if k != "cpp_wrapper"}
     for block in model.blocks():
         assert isinstance(block, nn.Module)
         if whole:

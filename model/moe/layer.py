@@ -96,7 +96,8 @@ class MoE(Fp32Buffers):
             "dropped_tokens", torch.zeros((), dtype=torch.float32), persistent=False
         )
         # set by activation checkpointing (parallel/activation.py): this layer's forward may run
-        # again in backward, where it must not count its statistics twice
+        # again in backward, where it must not count its statistics twice (reset where the
+        # checkpoint itself is compiled: the recompute then runs inside the compiled graph)
         self.checkpointed = False
         self._aux_losses: list[Tensor] = []  # weighted balance losses since the last pop
         self.last_losses: dict[str, Tensor] = {}  # detached, from the last training forward

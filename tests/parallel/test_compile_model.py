@@ -93,3 +93,48 @@ def test_checkpointed_blocks_compile_and_keep_their_gradients(preset, mode):
     assert counters["stats"]["unique_graphs"] >= 2  # a block's graph and the loss chunk's
     for got, want in zip(results[1], results[0], strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_checkpointed_moe_block_compiles_whole_and_counts_once():
+    """MoE under activation checkpointing + compile, on the route GPUs take (grouped GEMMs, the
+    gather combine): no graph break (the statistics' recompute check is a constant: the
+    checkpoint recomputes inside the compiled backward), each slot counted once, one balance
+    loss per forward, and loss, balance loss and gradients as the eager checkpointed model's
+    (bf16 autocast: 3% of each tensor's scale)."""
+    from model.moe import grouped_mm_supported, pop_aux_loss, slots
+    from parallel.activation import apply_activation_checkpointing
+
+    if not grouped_mm_supported("cpu", torch.bfloat16):
+        pytest.skip("no grouped GEMM in this torch")
+    overrides = {"d_model": 64, "n_layers": 1, "attention.n_heads": 2, "attention.n_kv_heads": 1}
+    overrides |= {
+        "vocab_size": 96,
+        "moe.n_routed_experts": 4,
+        "moe.top_k": 2,
+        "moe.first_k_dense": 0,
+    }
+    overrides |= {"moe.expert_hidden": 32, "ffn.hidden": 128, "moe.aux_loss_coef": 0.01}
+    tokens = torch.randint(0, 96, (2, 33), generator=torch.Generator().manual_seed(0))
+    results = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(slots, "embedding_bag_combines", lambda device_type: False)
+        for compiled in (False, True):
+            torch._dynamo.reset()
+            counters.clear()
+            model = build_model(load_preset("tiny_moe", overrides), seed=0)
+            for module in model.modules():
+                if hasattr(module, "impl"):
+                    module.impl = "grouped_mm"
+            apply_activation_checkpointing(model, "full")
+            if compiled:
+                compile_model(model, "cpu")
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(tokens[:, :-1], tokens[:, 1:])
+            aux = pop_aux_loss(model)
+            (loss + aux).backward()
+            moe = model.layers["0"].ffn
+            assert moe.tokens_per_expert.sum() == 2 * 32 * 2  # every slot once, none recomputed
+            results.append([loss.detach(), aux.detach(), *(p.grad for p in model.parameters())])
+    assert not counters["graph_break"], list(counters["graph_break"])
+    for got, want in zip(results[1], results[0], strict=True):
+        assert (got - want).abs().max() <= 3e-2 * want.abs().max()
