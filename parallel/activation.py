@@ -63,9 +63,15 @@ def apply_activation_checkpointing(model: Transformer, mode: str) -> None:
     extra = {"context_fn": _context_fn} if mode == "selective" else {}
     for block in model.blocks():
         block.forward = _checkpointed(block.forward, extra)
-        for module in block.modules():  # layers that keep statistics once per forward (MoE)
-            if hasattr(module, "checkpointed"):
-                module.checkpointed = True
+        _mark_checkpointed(block, True)
+
+
+def _mark_checkpointed(block: nn.Module, rerun_in_backward: bool) -> None:
+    """Tell the block's layers that keep statistics once per forward (MoE: `checkpointed`)
+    whether their Python forward may run again in backward."""
+    for module in block.modules():
+        if hasattr(module, "checkpointed"):
+            module.checkpointed = rerun_in_backward
 
 
 def _checkpointed(forward: Callable, extra: dict) -> Callable:
@@ -91,9 +97,7 @@ def _checkpoint_inside_the_graphs(model: Transformer) -> None:
     if hasattr(dynamo_config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
         dynamo_config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     for block in model.blocks():
-        for module in block.modules():
-            if hasattr(module, "checkpointed"):
-                module.checkpointed = False
+        _mark_checkpointed(block, False)
 
 
 def is_checkpointed(block: nn.Module) -> bool:

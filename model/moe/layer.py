@@ -36,7 +36,7 @@ from model.moe.experts import GroupedExperts
 from model.moe.losses import router_z_loss, sequence_balance_loss, switch_balance_loss
 from model.moe.padded import padded_route
 from model.moe.router import Router, Routing
-from model.moe.slots import SortTokens, combine_slots, slot_rows
+from model.moe.slots import SortTokens, combine_slots, expert_counts, slot_rows
 from model.registry import FFNS
 
 Dispatch = Callable[[Tensor, Tensor, GroupedExperts], Tensor]
@@ -51,14 +51,6 @@ LOSSES: dict[str, Callable[[Routing, int], Tensor]] = {
 def local_dispatch(x_sorted: Tensor, counts: Tensor, experts: GroupedExperts) -> Tensor:
     """x_sorted (M, C) grouped by expert, counts (E,) -> (M, C): every expert is local."""
     return experts(x_sorted, counts)
-
-
-def expert_counts(slot_expert: Tensor, n_experts: int) -> Tensor:
-    """(N k,) expert ids -> (E,) int64 slots per expert. A scatter-add into E zeros rather than
-    bincount, whose output length depends on the data: a compiled block traces it without a
-    graph break (bincount split every compiled MoE block in two)."""
-    ones = torch.ones_like(slot_expert)
-    return slot_expert.new_zeros(n_experts).scatter_add_(0, slot_expert, ones)
 
 
 def in_recompute(checkpointed: bool = True) -> bool:

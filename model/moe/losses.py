@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from model.moe.slots import expert_counts
+
 
 def _probs(scores: Tensor) -> Tensor:
     return scores / scores.sum(dim=-1, keepdim=True)
@@ -21,8 +23,7 @@ def switch_balance_loss(scores: Tensor, topk_idx: Tensor) -> Tensor:
     scores (N, E), topk_idx (N, k) -> scalar."""
     N, k = topk_idx.shape
     E = scores.shape[-1]
-    slot_expert = topk_idx.flatten()  # a fixed-length count (bincount's length is data-dependent)
-    counts = scores.new_zeros(E).scatter_add_(0, slot_expert, scores.new_ones(slot_expert.shape))
+    counts = expert_counts(topk_idx.flatten(), E).to(scores.dtype)  # (E,)
     return (counts * _probs(scores).mean(dim=0)).sum() * E / (k * N)
 
 

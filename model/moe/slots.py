@@ -17,6 +17,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
+def expert_counts(slot_expert: Tensor, n_experts: int) -> Tensor:
+    """(N k,) expert ids -> (E,) int64 slots per expert. A scatter-add into E zeros rather than
+    bincount, whose output length depends on the data: a compiled block traces it without a
+    graph break (bincount split every compiled MoE block in two)."""
+    ones = torch.ones_like(slot_expert)
+    return slot_expert.new_zeros(n_experts).scatter_add_(0, slot_expert, ones)
+
+
 def slot_rows(order: Tensor, n_slots: int) -> Tensor:
     """(N k,) the sorted row that holds each slot, or M (one past the rows) for a dropped slot."""
     M = order.numel()
