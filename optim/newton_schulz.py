@@ -5,14 +5,18 @@ p(s) = a s + b s^3 + c s^5. The quintic (3.4445, -4.7750, 2.0315) of Keller Jord
 every singular value of a Frobenius-normalized matrix into roughly [0.68, 1.13] in 5 steps (it
 trades exact convergence for speed). A schedule gives each step its own triple (Polar Express).
 
-Shapes: (..., m, n), batched over leading dims (experts); computed in bf16 on the wide side
-(m <= n, transposing tall matrices) so the Gram matrix X X^T is the smaller one.
+Shapes: (..., m, n), batched over leading dims (experts); computed on the wide side (m <= n,
+transposing tall matrices) so the Gram matrix X X^T is the smaller one; in bf16 where the device
+multiplies bf16 natively, else in fp32 (`iteration_dtype`); the result is bf16 either way.
 """
 
 from __future__ import annotations
 
+import functools
+import platform
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -41,11 +45,31 @@ def coefficient_schedule(name: str, steps: int) -> list[tuple[float, float, floa
     return [table[min(i, len(table) - 1)] for i in range(steps)]
 
 
+def iteration_dtype(device: torch.device) -> torch.dtype:
+    """bf16 on CUDA and on CPUs with bf16 instructions; fp32 on other CPUs, where bf16 matmuls
+    fall back to scalar code (78x slower than fp32 on an AVX2 AMD EPYC). The same CPU test as
+    parallel.precision.cpu_has_bf16 (optim imports nothing of ours)."""
+    if device.type != "cpu":
+        return torch.bfloat16
+    return torch.bfloat16 if _cpu_has_bf16() else torch.float32
+
+
+@functools.cache
+def _cpu_has_bf16() -> bool:
+    machine = platform.machine().lower()
+    if machine in ("x86_64", "amd64"):
+        return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    if machine in ("aarch64", "arm64") and Path("/proc/cpuinfo").exists():
+        return "bf16" in Path("/proc/cpuinfo").read_text().split()
+    return False
+
+
 def orthogonalize(
     g: Tensor, coefficients: Sequence[tuple[float, float, float]], eps: float = 1e-7
 ) -> Tensor:
-    """(..., m, n) -> bf16 (..., m, n) with singular values pushed towards 1 (same U and V)."""
-    x = g.bfloat16()
+    """(..., m, n) -> bf16 (..., m, n) with singular values pushed towards 1 (same U and V),
+    iterated in `iteration_dtype`."""
+    x = g.to(iteration_dtype(g.device))
     tall = x.size(-2) > x.size(-1)
     if tall:
         x = x.mT
@@ -56,7 +80,7 @@ def orthogonalize(
         gram = x @ x.mT  # (batch, m, m)
         update = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)  # b G + c G^2
         x = torch.baddbmm(x, update, x, beta=a)  # a X + (b G + c G^2) X
-    x = x.reshape(*lead, *x.shape[-2:])
+    x = x.reshape(*lead, *x.shape[-2:]).bfloat16()
     return x.mT if tall else x
 
 
@@ -90,7 +114,8 @@ def orthogonalize_many(updates: list[Tensor], ns: list[Callable[[Tensor], Tensor
             out[i] = f(u)
     for (f, (m, n), _), indices in same.items():
         for chunk in _batches(indices, [updates[i].numel() for i in indices]):
-            pieces = [updates[i].bfloat16().reshape(-1, m, n) for i in chunk]
+            dtype = iteration_dtype(updates[chunk[0]].device)
+            pieces = [updates[i].to(dtype).reshape(-1, m, n) for i in chunk]
             stacked = pieces[0] if len(pieces) == 1 else torch.cat(pieces)  # no copy of one
             results = f(stacked).split([updates[i].numel() // (m * n) for i in chunk])
             for i, result in zip(chunk, results):

@@ -23,6 +23,7 @@ from optim.config import OptimConfig
 from parallel import EngineRequest, TrainingEngine, build_engine
 from parallel.config import ParallelConfig
 from parallel.mesh import ParallelDims
+from parallel.precision import resolve_precision
 from trainer.config import TrainerConfig, compiles
 
 log = logging.getLogger("trainer")
@@ -125,7 +126,7 @@ def build_training_engine(
     request = EngineRequest(
         model_cfg=model_cfg,
         parallel=parallel,
-        precision=trainer.precision,
+        precision=resolve_precision(trainer.precision, device),
         compile=compiles(trainer),
         dims=dims,
         device=device,

@@ -23,7 +23,7 @@ from optim.config import OptimConfig
 from parallel.config import ParallelConfig
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
-PRECISIONS = ("bf16", "bf16_master", "fp32")
+PRECISIONS = ("auto", "bf16", "bf16_master", "fp32")
 WANDB_MODES = ("disabled", "offline", "online")
 DEVICES = ("auto", "cpu", "cuda")
 CPU_MALLOC_CHOICES = ("keep", "system")  # trainer/cpu_malloc.py
@@ -63,8 +63,10 @@ class TrainerConfig:
     sample_tokens: int = 48  # tokens sampled after each evaluation (0 = none)
     sample_prompt: str = "def "  # prompt of that sample
     grad_clip: float = 1.0  # global gradient-norm clip; 0 = off
-    precision: str = "bf16"  # bf16 (autocast over fp32 weights) | bf16_master (bf16 weights,
-    # fp32 master weights in the optimizer) | fp32
+    # auto (bf16 where the device multiplies bf16 natively, else fp32: parallel/precision.py) |
+    # bf16 (autocast over fp32 weights) | bf16_master (bf16 weights, fp32 masters in the
+    # optimizer) | fp32
+    precision: str = "auto"
     # torch.compile every block and the fused head + loss (tiny on the README's 2-core CPU:
     # 22-28 s on a fresh machine, 2.5-4 s from the cache on disk, bench/compile_cost.py):
     # true | false | auto (compile runs of at least COMPILE_MIN_STEPS steps).

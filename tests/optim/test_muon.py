@@ -24,10 +24,14 @@ def _polynomial(s: torch.Tensor, coefficients) -> torch.Tensor:
     return s
 
 
+@pytest.mark.parametrize("iteration", [torch.bfloat16, torch.float32])  # CPUs with / without bf16
 @pytest.mark.parametrize("schedule", ["quintic", "polar_express"])
 @pytest.mark.parametrize("condition", [1.0, 1e2])
 @pytest.mark.parametrize("shape", [(64, 256), (256, 64), (3, 48, 32)])
-def test_singular_values_follow_the_iteration_polynomial(schedule, condition, shape) -> None:
+def test_singular_values_follow_the_iteration_polynomial(
+    monkeypatch, iteration, schedule, condition, shape
+) -> None:
+    monkeypatch.setattr(newton_schulz, "iteration_dtype", lambda device: iteration)
     gen = torch.Generator().manual_seed(0)
     g = torch.randn(*shape, generator=gen, dtype=torch.float64)
     if condition != 1.0:  # ill-conditioned: singular values spread over 2 decades
@@ -39,7 +43,7 @@ def test_singular_values_follow_the_iteration_polynomial(schedule, condition, sh
     out = torch.linalg.svdvals(orthogonalize(g, coefficients).double())
     normalized = torch.linalg.svdvals(g) / g.norm(dim=(-2, -1), keepdim=True)[..., 0]
     expected = _polynomial(normalized, coefficients).sort(dim=-1, descending=True).values
-    # the bf16 iteration against the exact polynomial (as multisets: p is not monotonic). Over
+    # the bf16 (or fp32) iteration against the exact polynomial (as multisets: p is not monotonic). Over
     # 2 decades bf16's rounding of the input (about 2^-9 of its largest entries) stays small
     # against the smallest singular value; over 3 it would not.
     torch.testing.assert_close(out, expected, atol=0.04, rtol=0.04)
@@ -59,7 +63,9 @@ def _linear_model() -> nn.Module:
 @pytest.mark.parametrize(
     ("scaling", "torch_name"), [("match_adamw", "match_rms_adamw"), ("spectral", "original")]
 )
-def test_muon_steps_equal_torch_optim_muon(scaling: str, torch_name: str) -> None:
+def test_muon_steps_equal_torch_optim_muon(monkeypatch, scaling: str, torch_name: str) -> None:
+    # torch's Muon iterates in bf16 on every device; ours too where bf16 is native
+    monkeypatch.setattr(newton_schulz, "iteration_dtype", lambda device: torch.bfloat16)
     kwargs = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True)
     _assert_same_training(
         lambda params: Muon([{"params": params, "algorithm": "muon"}], scaling=scaling, **kwargs),

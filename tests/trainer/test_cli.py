@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from model.config import ModelConfig, config_from_dict
 from model.transformer import build_model
+from parallel.precision import cpu_has_bf16
 from tests.commands import ROOT
 from tests.trainer.helpers import SMALL_OVERRIDES, metric_rows, run_trainer
 from trainer.config import COMPILE_MIN_STEPS, TrainerConfig, compiles
@@ -58,6 +59,9 @@ def test_the_default_run_writes_the_run_directory_contract(tmp_path):
     # the default trainer.compile=auto: a 2-step run stays eager, and says why
     assert f"torch.compile: off (eager) (trainer.compile=auto: 2 steps < {COMPILE_MIN_STEPS}" in log
     assert "CPU allocator: " in log  # trainer.cpu_malloc=keep: what it did is logged
+    # trainer.precision=auto: bf16 only where this CPU has bf16 instructions
+    chosen = "bf16" if cpu_has_bf16() else "fp32"
+    assert f"trainer.precision=auto: {chosen} (this CPU (" in log
     assert (
         tmp_path / "data" / "stdlib-py{}.{}-bpe8192".format(*sys.version_info[:2]) / "manifest.json"
     ).is_file()
