@@ -6,14 +6,16 @@ compile cache the last run left (every later run on that machine). This machine'
 by 10-25% within minutes, so transformers' eager step on the same model, batch and sequence
 length (bench/train_throughput.py's child), as users run it and with the allocator setting the
 trainer makes on CPU (trainer.cpu_malloc=keep), is timed between every two runs: each run is
-compared with the mean of the measurements just before and just after it.
+compared with the mean of the measurements just before and just after it. Both sides run in
+the precision `trainer.precision=auto` takes on this CPU (bf16 autocast where it has bf16
+instructions, else fp32: transformers then runs in fp32, as users run it there).
 
 A run's training time is the sum of its logged windows (evaluations and checkpoints excluded,
 the first steps' compilation included); its tokens/s are all its tokens over that time.
 
     python bench/default_speed.py [--default-runs 3] [--transformers-steps 8] [--default-only]
 Writes bench/results/default_speed_cpu.json (--default-only: the default runs alone, into
-default_speed_cpu_default_only.json).
+default_speed_cpu_default_only.json; either with _fp32 before .json where auto takes fp32).
 """
 
 from __future__ import annotations
@@ -30,7 +32,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+import torch
+
 from bench.machine import machine
+from parallel.precision import resolve_precision
 
 BATCH, SEQ_LEN = 8, 256  # conf/trainer/default.yaml, conf/data/default.yaml
 DEFAULT_RUN = "python -m trainer (default)"  # run --default-runs times, from an empty cache
@@ -141,6 +146,7 @@ def main() -> None:
         "args": vars(args),
         "batch": BATCH,
         "seq_len": SEQ_LEN,
+        "precision": resolve_precision("auto", torch.device("cpu")),
         "machine": machine(("torch", "transformers")),
         "default_run_vs_transformers_eager": {
             "median": statistics.median(defaults), "min": min(defaults), "max": max(defaults)
@@ -161,8 +167,9 @@ def main() -> None:
             f"{r['vs_transformers_eager_same_malloc']:.2f}x | {r['peak_rss_mib']:.0f} MiB | "
             f"{r['wall_seconds']:.1f} |"
         )
-    name = "default_speed_cpu_default_only.json" if args.default_only else "default_speed_cpu.json"
-    out = Path(__file__).parent / "results" / name
+    name = "default_speed_cpu_default_only" if args.default_only else "default_speed_cpu"
+    name += "_fp32" if report["precision"] == "fp32" else ""
+    out = Path(__file__).parent / "results" / f"{name}.json"
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {out}")
 

@@ -139,7 +139,7 @@ def bound_seconds(args: argparse.Namespace) -> dict:
         count * linear_seconds(rows, C, cfg.vocab_size)
         for rows, count in head_chunks(tokens, cfg.loss_chunk_tokens).items()
     )
-    kernels = kernel_seconds(args.batch, H, K, args.seq_len, D)
+    kernels = kernel_seconds((args.batch, H, K, args.seq_len, D), torch.bfloat16)
     fastest = min(kernels, key=kernels.get)
     seconds = {
         "projection_gemms_all_layers": cfg.n_layers * per_layer,

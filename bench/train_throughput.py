@@ -1,14 +1,16 @@
 """Training throughput of the tiny dense model vs Hugging Face transformers' LlamaForCausalLM.
 
 Same dimensions (the `tiny` preset: d 256, 6 layers, 4 query / 2 KV heads of 64, SwiGLU, tied
-embeddings, vocab 8192), same batch and sequence length, bf16, fused AdamW, gradient clipping,
-on CPU; our side runs the trainer's own step function. Each variant runs in a fresh subprocess;
+embeddings, vocab 8192), same batch and sequence length, same precision (--precision: auto =
+what `trainer.precision=auto` takes on this CPU, bf16 autocast where it has bf16 instructions,
+else fp32; both sides alike), fused AdamW, gradient clipping, on CPU; our side runs the trainer's own step function. Each variant runs in a fresh subprocess;
 the median step time after warm-up counts. MFU is the
 model's training FLOPs per token (model.accounting: causal attention, matmuls) x tokens/s over
-the bf16 matmul peak measured in the same run (trainer.mfu.measure_matmul_peak).
+the matmul peak in that precision measured in the same run (trainer.mfu.measure_matmul_peak).
 
     python bench/train_throughput.py [--batch 8] [--seq-len 512] [--steps 8] [--warmup 3]
-Writes bench/results/train_throughput_cpu_<batch>x<seq_len>.json.
+        [--precision auto|bf16|fp32]
+Writes bench/results/train_throughput_cpu_<batch>x<seq_len>.json (_fp32.json in fp32).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from model.hf import hf_config
 from model.presets import load_preset
 from model.transformer import build_model
 from optim.config import OptimConfig
+from parallel.precision import compute_dtype, resolve_precision
 from trainer.cpu_malloc import keep_freed_memory
 from trainer.mfu import measure_matmul_peak
 from trainer.step import LossTracker, StepSettings, train_step
@@ -54,8 +57,9 @@ VARIANTS = (
 )
 
 
-def build(variant: str):
-    """A step function for one variant: forward, backward, clip to 1.0, AdamW step."""
+def build(variant: str, precision: str):
+    """A step function for one variant: forward, backward, clip to 1.0, AdamW step;
+    precision "bf16" (autocast) or "fp32"."""
     cfg = load_preset("tiny")
     torch.manual_seed(0)
     if variant.startswith("lmforge") or variant.endswith("_malloc_keep"):
@@ -82,7 +86,7 @@ def build(variant: str):
         )
 
         def hf_step(x, y):
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
                 loss = model(input_ids=x, labels=y).loss
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
@@ -92,7 +96,7 @@ def build(variant: str):
 
         return hf_step
     # the trainer's own engine and step (trainer.step.train_step), as `python -m trainer` runs it
-    precision = "bf16_master" if "bf16_master" in variant else "bf16"
+    precision = "bf16_master" if "bf16_master" in variant else precision
     per_block = variant.endswith("_compiled")
     engine = tiny_cpu_engine(precision, compile=per_block)
     if variant.endswith("compiled_whole_model"):
@@ -106,9 +110,11 @@ def build(variant: str):
     return our_step
 
 
-def run_variant(variant: str, batch: int, seq_len: int, steps: int, warmup: int) -> dict:
+def run_variant(
+    variant: str, batch: int, seq_len: int, steps: int, warmup: int, precision: str
+) -> dict:
     """In the child process: median seconds per training step."""
-    step_fn = build(variant)
+    step_fn = build(variant, precision)
     x = torch.randint(0, 8192, (batch, seq_len))
     y = torch.randint(0, 8192, (batch, seq_len))
     times = []
@@ -130,6 +136,7 @@ def child(args: argparse.Namespace, variant: str) -> dict:
     cmd = [sys.executable, __file__, "--child", variant]
     cmd += ["--batch", str(args.batch), "--seq-len", str(args.seq_len)]
     cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
+    cmd += ["--precision", args.precision]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -141,15 +148,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--precision", default="auto", choices=("auto", "bf16", "fp32"))
     parser.add_argument("--child", default="")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = parser.parse_args()
+    args.precision = resolve_precision(args.precision, torch.device("cpu"))
     if args.child:
-        print(
-            json.dumps(run_variant(args.child, args.batch, args.seq_len, args.steps, args.warmup))
-        )
+        shape = (args.batch, args.seq_len, args.steps, args.warmup, args.precision)
+        print(json.dumps(run_variant(args.child, *shape)))
         return
-    peak = measure_matmul_peak(torch.device("cpu"), torch.bfloat16, seconds=2.0)
+    dtype = compute_dtype(args.precision)
+    peak = measure_matmul_peak(torch.device("cpu"), dtype, seconds=2.0)
     flops = training_flops_per_token(
         build_model(load_preset("tiny"), device="meta"), args.seq_len
     ).total
@@ -166,15 +175,17 @@ def main() -> None:
         "benchmark": "train_throughput",
         "args": {k: v for k, v in vars(args).items() if k not in ("child", "out")},
         "machine": machine(("torch", "transformers"), torch_threads=torch.get_num_threads()),
-        "bf16_matmul_peak_flops": peak,
+        "precision": args.precision,
+        "matmul_peak_flops": peak,  # in the precision's dtype
         "training_flops_per_token": flops,
         "targets": {"speedup_vs_transformers": 1.5, "mfu_of_measured_peak": 0.6},
         "rows": rows,
     }
-    out = Path(args.out) / f"train_throughput_cpu_{args.batch}x{args.seq_len}.json"
+    suffix = "_fp32" if args.precision == "fp32" else ""
+    out = Path(args.out) / f"train_throughput_cpu_{args.batch}x{args.seq_len}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\nbf16 matmul peak {peak / 1e9:.0f} GFLOP/s; {flops / 1e6:.1f} MFLOP/token")
+    print(f"\n{dtype} matmul peak {peak / 1e9:.0f} GFLOP/s; {flops / 1e6:.1f} MFLOP/token")
     print("| variant | tokens/s | s/step | vs transformers | MFU (of measured peak) |")
     print("|---|---:|---:|---:|---:|")
     for r in rows:
