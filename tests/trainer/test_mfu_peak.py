@@ -1,0 +1,46 @@
+"""The MFU peak measured at start-up: what it runs, and that a dtype the CPU only emulates
+(bf16 without AVX512-BF16 / AMX: a 2048^3 matmul took 14 s on an AVX2 CPU) costs one matmul,
+not minutes."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from trainer.mfu import device_peak, gpu_peak, measure_matmul_peak
+
+
+class CountMatmuls(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.mm.default:
+            self.sizes.append(args[0].shape[0])
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_budget_one_matmul_exceeds_stops_after_that_matmul():
+    # a budget below one 1024^3 matmul's time stands for a slow (emulated) dtype
+    with CountMatmuls() as counted:
+        peak = measure_matmul_peak(torch.device("cpu"), torch.float32, seconds=1e-9)
+    assert counted.sizes == [1024]
+    assert 1e8 < peak < 1e14  # FLOP/s of that one matmul: 2 n^3 over its time
+
+
+def test_a_fast_dtype_tries_both_sizes_and_repeats_them():
+    with CountMatmuls() as counted:
+        peak = measure_matmul_peak(torch.device("cpu"), torch.float32, seconds=2.0)
+    assert set(counted.sizes) == {1024, 2048} and counted.sizes.count(2048) >= 3
+    assert peak > 1e9
+
+
+def test_a_configured_peak_or_the_data_sheet_wins():
+    assert device_peak(torch.device("cpu"), torch.bfloat16, 1e12) == (
+        1e12,
+        "configured (trainer.peak_flops)",
+    )
+    assert gpu_peak("NVIDIA H200", torch.bfloat16) == 989e12
+    assert gpu_peak("NVIDIA H100 80GB HBM3", torch.float32) == 494e12
+    assert gpu_peak("Some Future GPU", torch.bfloat16) is None
