@@ -68,8 +68,9 @@ def orthogonalize(
     g: Tensor, coefficients: Sequence[tuple[float, float, float]], eps: float = 1e-7
 ) -> Tensor:
     """(..., m, n) -> bf16 (..., m, n) with singular values pushed towards 1 (same U and V),
-    iterated in `iteration_dtype`."""
-    x = g.to(iteration_dtype(g.device))
+    iterated in `iteration_dtype` from g rounded to bf16 (as on GPUs, and as sharded Muon
+    gathers it: the same input on every machine and path)."""
+    x = g.bfloat16().to(iteration_dtype(g.device))
     tall = x.size(-2) > x.size(-1)
     if tall:
         x = x.mT
@@ -114,8 +115,7 @@ def orthogonalize_many(updates: list[Tensor], ns: list[Callable[[Tensor], Tensor
             out[i] = f(u)
     for (f, (m, n), _), indices in same.items():
         for chunk in _batches(indices, [updates[i].numel() for i in indices]):
-            dtype = iteration_dtype(updates[chunk[0]].device)
-            pieces = [updates[i].to(dtype).reshape(-1, m, n) for i in chunk]
+            pieces = [updates[i].bfloat16().reshape(-1, m, n) for i in chunk]
             stacked = pieces[0] if len(pieces) == 1 else torch.cat(pieces)  # no copy of one
             results = f(stacked).split([updates[i].numel() // (m * n) for i in chunk])
             for i, result in zip(chunk, results):
