@@ -32,8 +32,10 @@ COMMON = [
     "optim.warmup_steps=3",
 ]
 FP32 = ["trainer.precision=fp32"]
+# explicit: the default (auto) is fp32 on CPUs without bf16 instructions (parallel/precision.py)
+BF16 = ["trainer.precision=bf16"]
 CASES: dict[str, tuple[int, list[str]]] = {  # name -> (ranks, overrides)
-    "default_bf16": (1, []),
+    "default_bf16": (1, BF16),
     "tiny_fp32": (1, FP32),
     "tiny_post_fp32": (1, [*FP32, "model.residual=post"]),
     "tiny_deepnorm_fp32": (1, [*FP32, "model.residual=deepnorm"]),
@@ -46,7 +48,7 @@ CASES: dict[str, tuple[int, list[str]]] = {  # name -> (ranks, overrides)
     # trainer.compile=true: the compiled blocks and the compiled loss chunk (model.loss's
     # loss_chunk_fusable) differ from eager in rounding, so compare these with their own record
     "tiny_fp32_compiled": (1, [*FP32, "trainer.compile=true"]),
-    "default_bf16_compiled": (1, ["trainer.compile=true"]),
+    "default_bf16_compiled": (1, [*BF16, "trainer.compile=true"]),
     "fsdp2_fp32": (2, [*FP32, "parallel.activation_checkpoint=full"]),
     "ep2_moe_fp32": (2, [*FP32, "model=tiny_moe", "parallel.ep=2"]),
 }

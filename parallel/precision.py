@@ -2,8 +2,8 @@
 weights for compute, fp32 master weights that the optimizer updates), `fp32`, or `auto` (the
 default: bf16 where the device multiplies bf16 natively, else fp32; `resolve_precision`).
 
-Why auto: a CPU without bf16 instructions (AVX2-only x86: AMD Zen 2/3, Intel before Cooper
-Lake) runs bf16 matmuls through a scalar fallback, measured 78x slower than fp32 (a 2048 x 256
+Why auto: a CPU without bf16 instructions (measured on an AVX2-only AMD EPYC, Zen 3) runs bf16
+matmuls through a slow fallback, 78x slower than fp32 (a 2048 x 256
 by 256 x 768 matmul on an AVX2 AMD EPYC: 649 ms bf16, 8.3 ms fp32), while one with AVX512-BF16
 or AMX runs them about twice as fast as fp32.
 
@@ -50,7 +50,7 @@ def native_bf16(device: torch.device) -> tuple[bool, str]:
 
 def cpu_has_bf16() -> bool:
     """x86: AVX512-BF16 or AMX; aarch64 Linux: the `bf16` feature (Graviton 3, Neoverse V1 on);
-    elsewhere False (fp32 is the safe guess: emulated bf16 costs far more than it saves)."""
+    elsewhere False (fp32 is the safe guess where bf16 may be emulated)."""
     machine = platform.machine().lower()
     if machine in ("x86_64", "amd64"):
         return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()

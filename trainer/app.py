@@ -28,7 +28,7 @@ from optim.schedules import Schedule
 from parallel.collective import from_main
 from parallel.engine import ENGINES, TrainingEngine
 from parallel.mesh import ParallelDims
-from parallel.precision import compute_dtype, native_bf16
+from parallel.precision import compute_dtype, native_bf16, resolve_precision
 from trainer.build import (
     build_loader,
     build_training_engine,
@@ -237,7 +237,7 @@ def choose_precision(precision: str, device: torch.device) -> str:
         return precision
     native, why = native_bf16(device)
     if precision == "auto":
-        resolved = "bf16" if native else "fp32"  # resolve_precision's rule, one probe
+        resolved = resolve_precision(precision, device)
         log.info("trainer.precision=auto: %s (%s)", resolved, why)
         return resolved
     if not native:
