@@ -3,26 +3,31 @@ implementation of the training step.
 
 Every GEMM of one training step of the `tiny` preset (forward y = x W^T, backward dX = dY W and
 dW = dY^T X, for each projection of each layer and the chunked output head) is timed alone in
-bf16 at its real shape, and causal attention forward + backward at the real (B, H, T, D)
-through the fastest kernel for that shape (bench/attention_kernels.py: SDPA, SDPA's math
-kernel, the plain matmul kernel eager or compiled). A step cannot be faster than the sum of
-those times (elementwise work, norms, RoPE, the loss, the optimizer and framework overhead only
-add to it), so model FLOPs / that sum, over the measured bf16 matmul peak, bounds the
-achievable MFU.
+the step's compute dtype (--precision: auto = what `trainer.precision=auto` takes on this CPU,
+bf16 where it has bf16 instructions, else fp32) at its real shape, and causal attention forward
++ backward at the real (B, H, T, D) through the fastest kernel for that shape
+(bench/attention_kernels.py: SDPA, SDPA's math kernel, the plain matmul kernel eager or
+compiled). A step cannot be faster than the sum of those times (elementwise work, norms, RoPE,
+the loss, the optimizer and framework overhead only add to it), so model FLOPs / that sum, over
+the matmul peak measured in that dtype, bounds the achievable MFU.
 
-In the same run, the trainer's own step (engine and step function, bf16 autocast, AdamW, as
-`python -m trainer` runs it) is timed eager with `model.attention.backend` auto and sdpa, and
-with `trainer.compile=true`: its ratio to the bound is what the framework adds. This machine's
-speed drifts by 10-25% within minutes, so the bound and the steps are measured in --rounds
-rounds: the three steps taking turns between two measurements of the bound, each step against
-the mean of the bound just before and just after it, and the median and range of the rounds are
-reported. This brackets the steps as closely as the bound's own length allows (about 5 s each
-side); it narrows the machine's drift, it does not cancel it. Then, closer still, the compiled
-step takes turns with a quick pass over the same bound (quick_bound, about a second) for
---pairs pairs, each ratio within its pair.
+In the same run, the trainer's own step (engine and step function, bf16 autocast or fp32, AdamW,
+as `python -m trainer` runs it) is timed eager with `model.attention.backend` auto and sdpa, and
+with `trainer.compile=true`: its ratio to the bound is what the framework adds. transformers'
+eager `LlamaForCausalLM` step on the same model (bench/train_throughput.py's) takes its turns
+with them, under the same allocator setting (glibc keeping freed blocks, which helps its step
+too): its ratio to the bound is the most any implementation could gain over it on this machine.
+This machine's speed drifts by 10-25% within minutes, so the bound and the steps are measured in
+--rounds rounds: the four steps taking turns between two measurements of the bound, each step
+against the mean of the bound just before and just after it, and the median and range of the
+rounds are reported. This brackets the steps as closely as the bound's own length allows (about
+5 s each side); it narrows the machine's drift, it does not cancel it. Then, closer still, the
+compiled step takes turns with a quick pass over the same bound (quick_bound, about a second)
+for --pairs pairs, each ratio within its pair.
 
     python bench/mfu_ceiling.py [--batch 16] [--seq-len 256] [--rounds 5] [--pairs 30]
-Writes bench/results/mfu_ceiling_cpu_<batch>x<seq_len>.json.
+        [--precision auto|bf16|fp32]
+Writes bench/results/mfu_ceiling_cpu_<batch>x<seq_len>[_fp32].json.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from bench.attention_kernels import KERNELS, kernel_seconds
 from bench.machine import machine
+from bench.train_throughput import build as build_throughput_step
 from data.loader import Batch
 from model.accounting import training_flops_per_token
 from model.presets import load_preset
@@ -48,13 +54,12 @@ from model.transformer import build_model
 from optim.config import OptimConfig
 from parallel.config import ParallelConfig
 from parallel.mesh import ParallelDims
+from parallel.precision import compute_dtype, resolve_precision
 from trainer.build import build_training_engine
 from trainer.config import TrainerConfig
 from trainer.cpu_malloc import keep_freed_memory
 from trainer.mfu import measure_matmul_peak
 from trainer.step import LossTracker, StepSettings, train_step
-
-BF16 = torch.bfloat16
 
 
 def median_seconds(fn: Callable[[], object], repeats: int = 7) -> float:
@@ -81,29 +86,32 @@ def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int) -> d
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def linear_seconds(tokens: int, d_in: int, d_out: int) -> float:
+def linear_seconds(tokens: int, d_in: int, d_out: int, dtype: torch.dtype) -> float:
     """Forward + both backward GEMMs of y = x W^T with x (tokens, d_in), W (d_out, d_in)."""
-    x = torch.randn(tokens, d_in, dtype=BF16)
-    w = torch.randn(d_out, d_in, dtype=BF16)
-    dy = torch.randn(tokens, d_out, dtype=BF16)
+    x = torch.randn(tokens, d_in, dtype=dtype)
+    w = torch.randn(d_out, d_in, dtype=dtype)
+    dy = torch.randn(tokens, d_out, dtype=dtype)
     forward = median_seconds(lambda: x @ w.t())
     grad_input = median_seconds(lambda: dy @ w)
     grad_weight = median_seconds(lambda: dy.t() @ x)
     return forward + grad_input + grad_weight
 
 
-STEP_CONFIGS = {  # name -> (attention backend, compile)
+STEP_CONFIGS = {  # name -> (attention backend, compile); None: transformers' eager step
     "auto": ("auto", False),
     "sdpa": ("sdpa", False),
     "auto_compiled": ("auto", True),
+    "transformers": None,
 }
 
 
-def trainer_step(batch: int, seq_len: int, backend: str, compile: bool) -> Callable[[], object]:
-    """One training step of the trainer's own engine on the tiny preset (bf16 autocast, AdamW,
-    gradient clipping), as a callable; compiled engines compile on their first call."""
+def trainer_step(
+    batch: int, seq_len: int, precision: str, backend: str, compile: bool
+) -> Callable[[], object]:
+    """One training step of the trainer's own engine on the tiny preset (bf16 autocast or fp32,
+    AdamW, gradient clipping), as a callable; compiled engines compile on their first call."""
     cfg = load_preset("tiny", {"attention.backend": backend})
-    tcfg = TrainerConfig(batch_size=batch, compile=compile)
+    tcfg = TrainerConfig(batch_size=batch, compile=compile, precision=precision)
     dims = ParallelDims.resolve(ParallelConfig(), 1)
     engine = build_training_engine(
         cfg, tcfg, ParallelConfig(), OptimConfig(), dims, torch.device("cpu"), 0
@@ -112,6 +120,17 @@ def trainer_step(batch: int, seq_len: int, backend: str, compile: bool) -> Calla
     data = Batch(tokens[:, :-1], tokens[:, 1:], torch.zeros_like(tokens[:, 1:]))
     tracker, settings = LossTracker(0.0), StepSettings(grad_clip=1.0)
     return lambda: train_step(engine, data, settings, tracker)
+
+
+def step_callable(args: argparse.Namespace, how: tuple[str, bool] | None) -> Callable[[], object]:
+    """The trainer's step for a STEP_CONFIGS entry, or transformers' eager step (None)."""
+    if how is not None:
+        return trainer_step(args.batch, args.seq_len, args.precision, *how)
+    step = build_throughput_step("transformers", args.precision)
+    x, y = (
+        torch.randint(0, load_preset("tiny").vocab_size, (args.batch, args.seq_len)) for _ in "xy"
+    )
+    return lambda: step(x, y)
 
 
 def layer_shapes(cfg) -> list[tuple[int, int]]:
@@ -134,12 +153,13 @@ def bound_seconds(args: argparse.Namespace) -> dict:
     cfg = load_preset("tiny")
     tokens = args.batch * args.seq_len
     C, H, K, D = cfg.d_model, cfg.attention.n_heads, cfg.n_kv_heads, cfg.head_dim
-    per_layer = sum(linear_seconds(tokens, d_in, d_out) for d_in, d_out in layer_shapes(cfg))
+    dtype = compute_dtype(args.precision)
+    per_layer = sum(linear_seconds(tokens, d_in, d_out, dtype) for d_in, d_out in layer_shapes(cfg))
     head = sum(
-        count * linear_seconds(rows, C, cfg.vocab_size)
+        count * linear_seconds(rows, C, cfg.vocab_size, dtype)
         for rows, count in head_chunks(tokens, cfg.loss_chunk_tokens).items()
     )
-    kernels = kernel_seconds((args.batch, H, K, args.seq_len, D), torch.bfloat16)
+    kernels = kernel_seconds((args.batch, H, K, args.seq_len, D), dtype)
     fastest = min(kernels, key=kernels.get)
     seconds = {
         "projection_gemms_all_layers": cfg.n_layers * per_layer,
@@ -157,7 +177,7 @@ def quick_bound(args: argparse.Namespace, attention: str) -> Callable[[], float]
     its count in the step. Taking turns with bound_seconds (4 rounds of 1 and 4): 243-286 ms
     (median 267) against 262-267 ms at 8 x 256, the same bound measured in a fifth of the time."""
     cfg = load_preset("tiny")
-    tokens, L = args.batch * args.seq_len, cfg.n_layers
+    tokens, L, dtype = args.batch * args.seq_len, cfg.n_layers, compute_dtype(args.precision)
     C, H, K, D = cfg.d_model, cfg.attention.n_heads, cfg.n_kv_heads, cfg.head_dim
     shapes = [(L, tokens, d_in, d_out) for d_in, d_out in layer_shapes(cfg)]
     shapes += [
@@ -166,13 +186,13 @@ def quick_bound(args: argparse.Namespace, attention: str) -> Callable[[], float]
     ]
     jobs: list[tuple[int, Callable[[], object]]] = []  # (count in the step, call)
     for count, rows, d_in, d_out in shapes:
-        x, w = torch.randn(rows, d_in, dtype=BF16), torch.randn(d_out, d_in, dtype=BF16)
-        dy = torch.randn(rows, d_out, dtype=BF16)
+        x, w = torch.randn(rows, d_in, dtype=dtype), torch.randn(d_out, d_in, dtype=dtype)
+        dy = torch.randn(rows, d_out, dtype=dtype)
         jobs += [(count, lambda x=x, w=w: x @ w.t()), (count, lambda dy=dy, w=w: dy @ w)]
         jobs.append((count, lambda dy=dy, x=x: dy.t() @ x))
-    q = torch.randn(args.batch, H, args.seq_len, D, dtype=BF16, requires_grad=True)
+    q = torch.randn(args.batch, H, args.seq_len, D, dtype=dtype, requires_grad=True)
     k, v = (
-        torch.randn(args.batch, K, args.seq_len, D, dtype=BF16, requires_grad=True) for _ in "kv"
+        torch.randn(args.batch, K, args.seq_len, D, dtype=dtype, requires_grad=True) for _ in "kv"
     )
     grad, kernel = torch.randn_like(q), KERNELS[attention]
     jobs.append((L, lambda: kernel(q, k, v).backward(grad)))
@@ -221,17 +241,17 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=5, help="bound + steps measured this often")
     parser.add_argument("--pairs", type=int, default=30, help="compiled step / quick bound pairs")
+    parser.add_argument("--precision", default="auto", choices=("auto", "bf16", "fp32"))
     args = parser.parse_args()
     if args.rounds < 1 or args.pairs < 2:
         parser.error(f"--rounds {args.rounds} --pairs {args.pairs}: need rounds >= 1, pairs >= 2")
+    args.precision = resolve_precision(args.precision, torch.device("cpu"))
     keep_freed_memory()  # as python -m trainer runs on CPU (trainer.cpu_malloc=keep)
     cfg = load_preset("tiny")
     model = build_model(cfg, device="meta")
     flops = training_flops_per_token(model, args.seq_len).total * args.batch * args.seq_len
-    peak = measure_matmul_peak(torch.device("cpu"), BF16, seconds=2.0)
-    steps = {
-        name: trainer_step(args.batch, args.seq_len, *how) for name, how in STEP_CONFIGS.items()
-    }
+    peak = measure_matmul_peak(torch.device("cpu"), compute_dtype(args.precision), seconds=2.0)
+    steps = {name: step_callable(args, how) for name, how in STEP_CONFIGS.items()}
     for step in steps.values():
         step()  # compiles the compiled engine (cached on disk after the first run)
     rounds = []
@@ -249,7 +269,9 @@ def main() -> None:
         print(f"round {index}: bound {limits[0] * 1e3:.1f} / {limits[1] * 1e3:.1f} ms; {ratios}")
         before = after
     fastest = statistics.mode(r["fastest"] for r in rounds)
-    paired = paired_ratios(quick_bound(args, fastest), steps["auto_compiled"], args.pairs)
+    quick = quick_bound(args, fastest)
+    paired = paired_ratios(quick, steps["auto_compiled"], args.pairs)
+    paired_hf = paired_ratios(quick, steps["transformers"], args.pairs)
     over = {n: [r["trainer_step_over_bound"][n] for r in rounds] for n in STEP_CONFIGS}
     last = rounds[-1]
     gemms = [
@@ -260,7 +282,8 @@ def main() -> None:
         "benchmark": "mfu_ceiling",
         "args": vars(args),
         "machine": machine(torch_threads=torch.get_num_threads()),
-        "bf16_matmul_peak_flops": peak,
+        "precision": args.precision,
+        "matmul_peak_flops": peak,  # in the precision's compute dtype
         "step_flops": flops,
         "rounds": rounds,
         "trainer_step_over_bound": {
@@ -268,6 +291,8 @@ def main() -> None:
             for n, v in over.items()
         },
         "compiled_step_paired_with_quick_bound": paired | {"attention_kernel": fastest},
+        # transformers' step over the bound: the largest speedup over it that any step could have
+        "transformers_step_paired_with_quick_bound": paired_hf | {"attention_kernel": fastest},
         # medians over the rounds, against the peak measured once before them
         "mfu_ceiling_gemms_only": statistics.median(flops / t / peak for t in gemms),
         "mfu_ceiling_gemms_and_attention": statistics.median(flops / t / peak for t in bounds),
@@ -283,10 +308,15 @@ def main() -> None:
     print(f"compiled step over the quick bound, {args.pairs} pairs: median {ratio['median']:.2f}x "
           f"(quartiles {ratio['quartiles'][0]:.2f}-{ratio['quartiles'][1]:.2f}x; bound "
           f"{paired['bound_seconds_median'] * 1e3:.1f} ms, step {paired['step_seconds_median'] * 1e3:.1f} ms)")  # fmt: skip
-    print(f"bf16 matmul peak {peak / 1e12:.2f} TFLOP/s; step {flops / 1e9:.1f} GFLOP")
+    ratio = paired_hf["step_over_bound"]
+    print(f"transformers' eager step over the quick bound, {args.pairs} pairs: median "
+          f"{ratio['median']:.2f}x (quartiles {ratio['quartiles'][0]:.2f}-"
+          f"{ratio['quartiles'][1]:.2f}x): no step can be faster than that over it here")  # fmt: skip
+    print(f"{args.precision} matmul peak {peak / 1e12:.3f} TFLOP/s; step {flops / 1e9:.1f} GFLOP")
     print(f"MFU ceiling, GEMMs alone:            {100 * report['mfu_ceiling_gemms_only']:.1f}%")
     print(f"MFU ceiling, GEMMs + attention: {100 * report['mfu_ceiling_gemms_and_attention']:.1f}%")
-    name = f"mfu_ceiling_cpu_{args.batch}x{args.seq_len}.json"
+    suffix = "_fp32" if args.precision == "fp32" else ""
+    name = f"mfu_ceiling_cpu_{args.batch}x{args.seq_len}{suffix}.json"
     out = Path(__file__).parent / "results" / name
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {out}")

@@ -1,8 +1,8 @@
 """MoE layer forward + backward throughput: ours, the textbook per-expert loop, and transformers'
 Qwen3-MoE sparse block, all with the same weights, in one run.
 
-Fine-grained shapes (E experts, top-k, d_model C, expert hidden F, N tokens), bf16 weights and
-inputs, no shared expert (Qwen3-MoE has none). Every variant routes with softmax + top-k +
+Fine-grained shapes (E experts, top-k, d_model C, expert hidden F, N tokens), weights and inputs
+in --dtype (auto: bf16 where the device multiplies bf16 natively, else fp32), no shared expert (Qwen3-MoE has none). Every variant routes with softmax + top-k +
 renormalization. Rows:
   ours                     MoE layer, experts impl "auto" (on CPU: padded bmm)
   ours_grouped_mm          the same layer with torch._grouped_mm experts (the GPU path)
@@ -26,7 +26,8 @@ fresh pages, and ours and the dense FFN ran 16-21% slower.
 
     python bench/moe_layer.py [--tokens 4096] [--experts 64] [--top-k 8] [--d-model 512]
                               [--hidden 256] [--repeats 9] [--device cpu] [--malloc keep]
-Writes bench/results/moe_layer_<device>.json.
+                              [--dtype auto|bf16|fp32]
+Writes bench/results/moe_layer_<device>[_fp32].json.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.machine import machine
 from model import FFNConfig, ModelConfig, MoEConfig
 from model.moe import MoE
+from parallel.precision import compute_dtype, resolve_precision
 from trainer.cpu_malloc import keep_freed_memory
 
 
@@ -228,10 +230,12 @@ def main() -> None:
         choices=("keep", "system"),
         help="keep: glibc keeps freed blocks, as the trainer sets it on CPU (trainer/cpu_malloc.py)",
     )
+    parser.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"))
     args = parser.parse_args()
     if args.malloc == "keep" and args.device == "cpu":
         keep_freed_memory()
-    dtype = torch.bfloat16
+    args.dtype = resolve_precision(args.dtype, torch.device(args.device))
+    dtype = compute_dtype(args.dtype)
     ours = build_ours(args, dtype)
     variants: dict[str, Callable[[], nn.Module]] = {
         "ours": lambda: ours,
@@ -303,7 +307,7 @@ def main() -> None:
     report = {
         "benchmark": "moe_layer",
         "args": vars(args),
-        "dtype": "bf16",
+        "dtype": args.dtype,
         "machine": machine(
             ("torch", "transformers"),
             torch_threads=torch.get_num_threads(),
@@ -311,7 +315,9 @@ def main() -> None:
         ),
         "rows": rows,
     }
-    out = Path(args.out or Path(__file__).parent / "results" / f"moe_layer_{args.device}.json")
+    suffix = "_fp32" if args.dtype == "fp32" else ""
+    default = Path(__file__).parent / "results" / f"moe_layer_{args.device}{suffix}.json"
+    out = Path(args.out or default)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {out}")
 

@@ -1,15 +1,17 @@
 """Optimizer step time as a fraction of the whole training step: AdamW vs Muon (vs MuonClip),
-on the tiny model (bf16 autocast, global batch 8 x 256 and 32 x 256), in one process and with
+on the tiny model (`trainer.precision=auto`: bf16 autocast where the CPU has bf16 instructions,
+else fp32; global batch 8 x 256 and 32 x 256), in one process and with
 FSDP2 on 2 gloo processes (same global batch); Muon also with every attention head
 orthogonalized alone, and with every matrix orthogonalized on its own (`unbatched`: the path
 before same-shaped matrices were batched).
 
 The floor: Newton-Schulz's matmul FLOPs on this rank (counted by torch's FlopCounterMode over
-one optimizer step) at the rate of a large bf16 GEMM measured in the same process; the floor
+one optimizer step) at the rate of a large GEMM in the iteration's dtype (bf16, or fp32 where
+bf16 is emulated: optim.newton_schulz.iteration_dtype) measured in the same process; the floor
 share is that time over the step's other work plus it.
 
     python bench/optimizer_step_time.py [--steps 6]
-Writes bench/results/optimizer_step_time_cpu.json.
+Writes bench/results/optimizer_step_time_cpu[_fp32].json (_fp32 where the step runs in fp32).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from optim.config import OptimConfig
 from optim.qk_clip import enable_qk_clip
 from parallel.config import ParallelConfig
 from parallel.mesh import ParallelDims
+from parallel.precision import resolve_precision
 from trainer.build import build_training_engine
 from trainer.config import TrainerConfig
 from trainer.step import LossTracker, StepSettings, train_step
@@ -50,9 +53,9 @@ OPTIMIZERS = {
 LARGE_BATCH_OPTIMIZERS = ("adamw", "muon (unbatched)", "muon")  # also run at 4x the batch
 
 
-def gemm_rate(size: int = 2048, repeats: int = 5) -> float:
-    """FLOP/s of a (size x size) @ (size x size) bf16 matmul on this process's threads."""
-    a, b = torch.randn(size, size).bfloat16(), torch.randn(size, size).bfloat16()
+def gemm_rate(dtype: torch.dtype, size: int = 2048, repeats: int = 5) -> float:
+    """FLOP/s of a (size x size) @ (size x size) matmul in `dtype` on this process's threads."""
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
     a @ b
     start = time.perf_counter()
     for _ in range(repeats):
@@ -114,7 +117,7 @@ def measure(rank: int, world: int, name: str, batch_size: int, args: argparse.Na
         totals.append(time.perf_counter() - start)
     total = statistics.median(totals[args.warmup :])
     opt = statistics.median(optimizer_seconds[args.warmup :])
-    rate = gemm_rate()
+    rate = gemm_rate(newton_schulz.iteration_dtype(device))
     floor = flops[0] / rate
     return {
         "optimizer": name,
@@ -150,13 +153,17 @@ def main() -> None:
                     f"{row['optimizer_s']:.3f} | {100 * row['share']:.1f}% | "
                     f"{100 * row['floor_share']:.1f}% |"
                 )
+    precision = resolve_precision("auto", torch.device("cpu"))
     report = {
         "benchmark": "optimizer_step_time",
         "args": vars(args),
         "machine": machine(),
+        "precision": precision,
+        "newton_schulz_dtype": str(newton_schulz.iteration_dtype(torch.device("cpu"))),
         "rows": rows,
     }
-    out = Path(__file__).parent / "results" / "optimizer_step_time_cpu.json"
+    suffix = "_fp32" if precision == "fp32" else ""
+    out = Path(__file__).parent / "results" / f"optimizer_step_time_cpu{suffix}.json"
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {out}")
 
