@@ -2,8 +2,8 @@
 Qwen3-MoE sparse block, all with the same weights, in one run.
 
 Fine-grained shapes (E experts, top-k, d_model C, expert hidden F, N tokens), weights and inputs
-in --dtype (auto: bf16 where the device multiplies bf16 natively, else fp32), no shared expert (Qwen3-MoE has none). Every variant routes with softmax + top-k +
-renormalization. Rows:
+in --dtype (auto: bf16 where the device multiplies bf16 natively, else fp32), no shared expert
+(Qwen3-MoE has none). Every variant routes with softmax + top-k + renormalization. Rows:
   ours                     MoE layer, experts impl "auto" (on CPU: padded bmm)
   ours_grouped_mm          the same layer with torch._grouped_mm experts (the GPU path)
   ours_loop                the same layer with the per-expert loop fallback
