@@ -5,6 +5,7 @@
 
 `record` trains each case through the public command (`python -m trainer`, or torchrun for the
 distributed cases) with a fixed seed and writes every logged train and validation loss;
+`record` with case names re-records only those in an existing file;
 `compare` re-runs the cases and reports, per case, whether every number is bitwise equal (exit 1
 if any differs). Cases cover the default model in fp32 and bf16, MLA, MoE, the residual styles,
 Muon and MuonClip, activation checkpointing, `trainer.compile=true` (fp32 and bf16), and FSDP2 /
@@ -94,8 +95,9 @@ def main(argv: list[str]) -> int:
         return 2
     mode, path, only = argv[0], Path(argv[1]), argv[2:]
     results = run_all(only)
-    if mode == "record":
-        path.write_text(json.dumps(results, indent=1) + "\n")
+    if mode == "record":  # naming cases re-records those and keeps the file's others
+        kept = json.loads(path.read_text()) if only and path.exists() else {}
+        path.write_text(json.dumps(kept | results, indent=1) + "\n")
         return 0
     before = json.loads(path.read_text())
     differ = 0

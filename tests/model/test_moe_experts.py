@@ -57,8 +57,8 @@ def impls() -> list[str]:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("impl", impls())
 def test_experts_match_the_per_expert_loop(impl, dtype):
-    if impl == "grouped_mm" and not grouped_mm_supported("cpu", dtype):
-        pytest.skip(f"torch._grouped_mm does not run on cpu/{dtype}")
+    if impl == "grouped_mm" and not experts_module._grouped_mm_probe("cpu", dtype):
+        pytest.skip(f"torch._grouped_mm does not run on cpu/{dtype}")  # eager fp32 is enough
     experts, x, counts = make(dtype=dtype)
     experts.impl = impl
     y = experts(x, counts)
@@ -120,17 +120,39 @@ def test_auto_uses_the_grouped_gemm_when_aligned_and_falls_back_otherwise(monkey
     assert_close(y, want)
 
 
-def test_auto_pads_balanced_loads_on_cpu(monkeypatch):
+BALANCED = [4, 3, 4, 2, 4, 4, 1, 4]  # padded: 8 x 4 = 32 <= 2 x 26 rows
+
+
+def test_auto_pads_balanced_loads_on_cpu_in_bf16(monkeypatch):
     chosen = []
     real = GroupedExperts._padded_bmm
     monkeypatch.setattr(
         GroupedExperts, "_padded_bmm", lambda self, *a: chosen.append(1) or real(self, *a)
     )
-    experts, x, counts = make(counts=[4, 3, 4, 2, 4, 4, 1, 4])  # 8 x 4 = 32 <= 2 x 26 rows
+    experts, x, counts = make(counts=BALANCED, dtype=torch.bfloat16)
     y = experts(x, counts)
     assert chosen == [1]
     want, _, _ = reference(experts, x, counts)
     assert_close(y, want)
+
+
+@pytest.mark.parametrize("compiling", [False, True])
+def test_auto_takes_the_grouped_gemm_in_eager_fp32_on_cpu_and_pads_when_compiling(
+    monkeypatch, compiling
+):
+    if not experts_module._grouped_mm_probe("cpu", torch.float32):
+        pytest.skip("torch._grouped_mm does not run fp32 on this CPU")
+    experts, x, counts = make(counts=BALANCED)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: compiling)
+    want = "padded_bmm" if compiling else "grouped_mm"  # CPU's meta kernel takes only bf16
+    assert experts.choose("cpu", torch.float32, x.shape[0], counts) == want
+    assert experts.choose("cpu", torch.bfloat16, x.shape[0], counts) == "padded_bmm"
+    experts_odd, x_odd, _ = make(C=30, F_=48, counts=BALANCED)  # 120-byte rows: not aligned
+    assert experts_odd.choose("cpu", torch.float32, x_odd.shape[0], counts) == "padded_bmm"
+    monkeypatch.undo()
+    y = experts(x, counts)
+    want_y, _, _ = reference(experts, x, counts)
+    assert_close(y, want_y)
 
 
 def test_autocast_computes_in_bf16_from_fp32_weights():
