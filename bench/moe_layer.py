@@ -4,7 +4,10 @@ Qwen3-MoE sparse block, all with the same weights, in one run.
 Fine-grained shapes (E experts, top-k, d_model C, expert hidden F, N tokens), weights and inputs
 in --dtype (auto: bf16 where the device multiplies bf16 natively, else fp32), no shared expert
 (Qwen3-MoE has none). Every variant routes with softmax + top-k + renormalization. Rows:
-  ours                     MoE layer, experts impl "auto" (on CPU: padded bmm)
+  ours                     MoE layer, experts impl "auto" (on CPU: the padded batch in bf16, the
+                           threaded per-expert GEMMs in fp32; GPU: grouped_mm)
+  ours_padded_bmm          the same layer with the experts' padded batched GEMM
+  ours_threaded_mm         the same layer with the per-expert GEMMs one per thread (CPU)
   ours_grouped_mm          the same layer with torch._grouped_mm experts (the GPU path)
   ours_loop                the same layer with the per-expert loop fallback
   textbook_loop            `for e in range(E): where(topk == e)`, one nn.Linear SwiGLU per expert
@@ -218,7 +221,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument(
         "--variants",
-        default="ours,ours_grouped_mm,ours_loop,textbook_loop,transformers,"
+        default="ours,ours_grouped_mm,ours_padded_bmm,ours_threaded_mm,ours_loop,textbook_loop,transformers,"
         "transformers_grouped_mm,dense_same_flops,expert_gemms_alone",
     )
     parser.add_argument(
@@ -240,6 +243,8 @@ def main() -> None:
     variants: dict[str, Callable[[], nn.Module]] = {
         "ours": lambda: ours,
         "ours_grouped_mm": lambda: ours,
+        "ours_padded_bmm": lambda: ours,
+        "ours_threaded_mm": lambda: ours,
         "ours_loop": lambda: ours,
         "textbook_loop": lambda: TextbookMoE(ours),
         "transformers": lambda: build_transformers(ours, None),  # its default (eager) experts
@@ -247,7 +252,12 @@ def main() -> None:
         "dense_same_flops": lambda: DenseSameFlops(ours),
         "expert_gemms_alone": lambda: ExpertGemmsAlone(ours),
     }
-    impls = {"ours_grouped_mm": "grouped_mm", "ours_loop": "loop"}
+    impls = {
+        "ours_grouped_mm": "grouped_mm",
+        "ours_padded_bmm": "padded_bmm",
+        "ours_threaded_mm": "threaded_mm",
+        "ours_loop": "loop",
+    }
     g = torch.Generator(device=args.device).manual_seed(1)
     shape = (
         (args.tokens // 256, 256, args.d_model)

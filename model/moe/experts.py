@@ -7,15 +7,19 @@ experts).
     w_gate, w_up (E, C, F);  w_down (E, F, C)
     y[rows of e] = (act(x W_gate[e]) * (x W_up[e])) W_down[e]
 
-Three ways to compute the same thing (`impl`; "auto" chooses):
+Four ways to compute the same thing (`impl`; "auto" chooses):
   grouped_mm  `torch._grouped_mm`, all experts in one call, where the device and dtype support it
               (probed once per device type and dtype) and rows are 16-byte aligned (C and F
               multiples of 16 / element size). The GPU path: no host sync.
   padded_bmm  each expert's rows padded with zeros to the largest count, then `torch.bmm` over
               (E, max count, C). On CPU, oneDNN's batched GEMM runs several times faster than
               per-group GEMMs in bf16 (bench/moe_layer.py), so "auto" takes it there while the
-              padding adds at most PAD_LIMIT x the real rows; in eager fp32 the grouped GEMM is
+              padding adds at most PAD_LIMIT x the real rows. In eager fp32 the grouped GEMM is
               faster (its eager kernel runs fp32 on CPU, its meta kernel does not).
+  threaded_mm the per-expert GEMMs spread over the intra-op threads, one thread each
+              (cpu_grouped.py): "auto" in eager fp32 on CPU when the groups are small (fewer
+              than SMALL_GROUP rows on average, at least 2 groups per thread), where torch's
+              grouped GEMM splits each small GEMM over all threads. Not under torch.compile.
   loop        a Python loop of per-expert matmuls: the fallback.
 """
 
@@ -29,9 +33,11 @@ from torch import Tensor, nn
 
 from model import roles
 from model.init import InitStds, trunc_normal_
+from model.moe.cpu_grouped import threaded_grouped_mm
 
-IMPLS = ("auto", "grouped_mm", "padded_bmm", "loop")
+IMPLS = ("auto", "grouped_mm", "padded_bmm", "threaded_mm", "loop")
 PAD_LIMIT = 2.0  # padded_bmm when E x max count <= PAD_LIMIT x M (CPU only)
+SMALL_GROUP = 256  # threaded_mm below this many rows per expert (eager fp32 on CPU)
 
 
 def _local(t: Tensor) -> Tensor:
@@ -126,6 +132,15 @@ def looped_mm(x: Tensor, w: Tensor, counts: list[int]) -> Tensor:
     return torch.cat([chunk @ w_e for chunk, w_e in zip(chunks, w.unbind(0))])
 
 
+def small_groups(n_rows: int, n_groups: int) -> bool:
+    """Whether CPU's per-group GEMMs are small enough to run one per thread (threaded_mm): on
+    a 2-core CPU in fp32 at 128 rows (E=256 top-8 over 4096 tokens; C 512, F 256) the threaded
+    GEMMs took 0.89x the grouped GEMM's time (forward + backward), at 512 rows 0.92x (C 512) to
+    1.34x (C 256, the tiny MoE model's): large groups split over the threads well."""
+    threads = torch.get_num_threads()
+    return threads > 1 and n_groups >= 2 * threads and n_rows < SMALL_GROUP * n_groups
+
+
 class GroupedExperts(nn.Module):
     def __init__(
         self, n_experts: int, d_model: int, hidden: int, activation: Callable[[Tensor], Tensor]
@@ -135,7 +150,7 @@ class GroupedExperts(nn.Module):
         self.w_up = nn.Parameter(torch.empty(n_experts, d_model, hidden))
         self.w_down = nn.Parameter(torch.empty(n_experts, hidden, d_model))
         self.activation = activation
-        self.impl = "auto"  # auto | grouped_mm | padded_bmm | loop (tests and benchmarks force one)
+        self.impl = "auto"  # one of IMPLS (tests and benchmarks force one)
 
     def param_roles(self) -> dict[str, str]:
         return dict.fromkeys(("w_gate", "w_up", "w_down"), roles.EXPERT_STACK)
@@ -169,6 +184,8 @@ class GroupedExperts(nn.Module):
             return self._padded_bmm(x, counts)
         if impl == "grouped_mm":
             mm = functools.partial(grouped_mm, offsets=counts.cumsum(0).to(torch.int32))
+        elif impl == "threaded_mm":
+            mm = functools.partial(threaded_grouped_mm, counts=counts.tolist())
         else:
             mm = functools.partial(looped_mm, counts=counts.tolist())
         h = self.activation(mm(x, w_gate)) * mm(x, w_up)  # (M, F)
@@ -197,18 +214,18 @@ class GroupedExperts(nn.Module):
             )
         if self.impl != "auto":
             return self.impl
-        if device_type == "cpu" and self._cpu_fp32_grouped(dtype):
-            return "grouped_mm"
+        if device_type == "cpu" and self._cpu_fp32_eager(dtype):
+            return "threaded_mm" if small_groups(n_rows, counts.numel()) else "grouped_mm"
         if device_type == "cpu" and counts.numel() * int(counts.max()) <= PAD_LIMIT * n_rows:
             return "padded_bmm"
         return "grouped_mm" if grouped_mm_supported(device_type, dtype) else "loop"
 
-    def _cpu_fp32_grouped(self, dtype: torch.dtype) -> bool:
-        """Eager fp32 on CPU with 16-byte rows: there the grouped GEMM beats the padded batch
-        (per-group fp32 GEMMs run at the batched rate and the padding's copies cost; 0.90x against
-        0.79x a dense FFN at E=64, 0.68x against 0.58x at E=256, bench/moe_layer.py --dtype fp32
-        on an AVX2 CPU). Not under torch.compile: CPU's meta kernel takes only bf16. In bf16
-        oneDNN's batched GEMM is the faster one."""
+    def _cpu_fp32_eager(self, dtype: torch.dtype) -> bool:
+        """Eager fp32 on CPU with 16-byte rows: there per-group GEMMs (grouped or threaded) beat
+        the padded batch (they run at about the batched rate and the padding's copies cost;
+        0.92x against 0.84x a dense FFN at E=64, 0.75x against 0.61x at E=256,
+        bench/moe_layer.py --dtype fp32 on an AVX2 CPU). Not under torch.compile: CPU's meta
+        kernel takes only bf16. In bf16 oneDNN's batched GEMM is the faster one."""
         if dtype != torch.float32 or torch.compiler.is_compiling():
             return False
         C, F = _local(self.w_gate).shape[1:]

@@ -51,7 +51,7 @@ def reference(experts: GroupedExperts, x: torch.Tensor, counts: torch.Tensor):
 
 def impls() -> list[str]:
     grouped = ["grouped_mm"] if hasattr(torch, "_grouped_mm") else []
-    return ["loop", "padded_bmm", *grouped]
+    return ["loop", "padded_bmm", "threaded_mm", *grouped]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -137,22 +137,38 @@ def test_auto_pads_balanced_loads_on_cpu_in_bf16(monkeypatch):
 
 
 @pytest.mark.parametrize("compiling", [False, True])
-def test_auto_takes_the_grouped_gemm_in_eager_fp32_on_cpu_and_pads_when_compiling(
+def test_auto_takes_per_group_gemms_in_eager_fp32_on_cpu_and_pads_when_compiling(
     monkeypatch, compiling
 ):
     if not experts_module._grouped_mm_probe("cpu", torch.float32):
         pytest.skip("torch._grouped_mm does not run fp32 on this CPU")
-    experts, x, counts = make(counts=BALANCED)
+    experts, x, counts = make(counts=BALANCED)  # 8 groups of about 3 rows: small
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: compiling)
-    want = "padded_bmm" if compiling else "grouped_mm"  # CPU's meta kernel takes only bf16
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    want = "padded_bmm" if compiling else "threaded_mm"  # CPU's meta kernel takes only bf16
     assert experts.choose("cpu", torch.float32, x.shape[0], counts) == want
     assert experts.choose("cpu", torch.bfloat16, x.shape[0], counts) == "padded_bmm"
+    big = torch.tensor([300] * 8)  # large groups: torch's grouped GEMM splits each over threads
+    want_big = "padded_bmm" if compiling else "grouped_mm"
+    assert experts.choose("cpu", torch.float32, 2400, big) == want_big
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 8)  # 1 group per thread: grouped
+    assert experts.choose("cpu", torch.float32, x.shape[0], counts) == want_big
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     experts_odd, x_odd, _ = make(C=30, F_=48, counts=BALANCED)  # 120-byte rows: not aligned
     assert experts_odd.choose("cpu", torch.float32, x_odd.shape[0], counts) == "padded_bmm"
     monkeypatch.undo()
     y = experts(x, counts)
     want_y, _, _ = reference(experts, x, counts)
     assert_close(y, want_y)
+
+
+@pytest.mark.parametrize("threads, small", [(1, False), (2, True), (4, True), (5, False)])
+def test_small_groups_need_two_threads_two_groups_per_thread_and_few_rows(
+    monkeypatch, threads, small
+):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    assert experts_module.small_groups(8 * 255, 8) == small
+    assert not experts_module.small_groups(8 * experts_module.SMALL_GROUP, 8)
 
 
 def test_autocast_computes_in_bf16_from_fp32_weights():

@@ -219,7 +219,7 @@ LAYERS = {
 
 
 @pytest.mark.parametrize("config", list(LAYERS))
-@pytest.mark.parametrize("impl", ["auto", "grouped_mm", "padded_bmm", "loop"])
+@pytest.mark.parametrize("impl", ["auto", "grouped_mm", "padded_bmm", "threaded_mm", "loop"])
 def test_moe_layer_matches_the_reference_forward_and_gradients(config, impl):
     layer = make_layer(**LAYERS[config])
     layer.experts.impl = impl

@@ -1,0 +1,136 @@
+"""The threaded CPU grouped GEMM: its thread ranges, bitwise equality with the serial per-group
+loop for any thread count (each GEMM runs whole on one thread), gradients against float64,
+empty groups, errors raised in a pool thread, the caller's thread count and grad mode left as
+they were, and a forked child that can still use it."""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+
+import pytest
+import torch
+
+from model.moe.cpu_grouped import run_in_parallel, thread_ranges, threaded_grouped_mm
+
+COUNTS = [5, 0, 3, 0, 9, 1, 0, 6, 0]  # empty groups at the start of a range, inside, and last
+
+
+def serial(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """The per-group loop on one thread (a GEMM split over threads may round differently)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return torch.cat([chunk @ w_g for chunk, w_g in zip(torch.split(x, counts), w.unbind(0))])
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("n_threads", [1, 2, 3, 4, 16])
+def test_ranges_cover_every_group_once_in_order_with_about_equal_rows(n_threads):
+    counts = [7, 0, 130, 128, 1, 0, 90, 200, 64, 64, 3, 0]
+    ranges = thread_ranges(counts, n_threads)
+    assert ranges[0][0] == 0 and ranges[-1][1] == len(counts)
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))  # contiguous, none empty
+    assert all(lo < hi for lo, hi in ranges) and len(ranges) <= n_threads
+    share = sum(counts) / n_threads
+    rows = [sum(counts[lo:hi]) for lo, hi in ranges]
+    assert max(rows) <= share + max(counts)  # a range overshoots by less than one group
+
+
+def test_ranges_of_no_rows_and_of_more_threads_than_groups():
+    assert thread_ranges([0, 0, 0], 2) == [(0, 3)]
+    assert thread_ranges([4, 4], 8) == [(0, 1), (1, 2)]
+    assert thread_ranges([], 2) == []
+
+
+@pytest.mark.parametrize("n_threads", [1, 2, 3, 5])
+def test_forward_and_gradients_equal_the_serial_loop_bitwise(n_threads):
+    torch.manual_seed(0)
+    x = torch.randn(sum(COUNTS), 24, requires_grad=True)
+    w = torch.randn(len(COUNTS), 24, 20, requires_grad=True)
+    g = torch.randn(sum(COUNTS), 20)
+    y = threaded_grouped_mm(x, w, COUNTS, n_threads)
+    gx, gw = torch.autograd.grad(y, (x, w), g)
+    want = serial(x, w, COUNTS)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the loop's backward GEMMs on one thread too
+    try:
+        want_gx, want_gw = torch.autograd.grad(want, (x, w), g)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(y, want)
+    assert torch.equal(gx, want_gx)
+    assert torch.equal(gw, want_gw)
+    for e, n in enumerate(COUNTS):
+        if n == 0:
+            assert gw[e].abs().sum() == 0  # an empty group gets a zero gradient
+
+
+def test_gradients_match_float64_with_an_expanded_upstream_gradient():
+    torch.manual_seed(1)
+    x = torch.randn(sum(COUNTS), 16, requires_grad=True)
+    w = torch.randn(len(COUNTS), 16, 12, requires_grad=True)
+    threaded_grouped_mm(x, w, COUNTS, 2).sum().backward()  # strides-0 gradient
+    xd, wd = (t.detach().double().requires_grad_() for t in (x, w))
+    serial(xd, wd, COUNTS).sum().backward()
+    torch.testing.assert_close(x.grad.double(), xd.grad, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(w.grad.double(), wd.grad, atol=1e-5, rtol=1e-4)
+
+
+def test_bf16_and_weights_that_need_no_gradient():
+    torch.manual_seed(2)
+    x = torch.randn(sum(COUNTS), 16, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(len(COUNTS), 16, 8, dtype=torch.bfloat16)
+    y = threaded_grouped_mm(x, w, COUNTS, 2)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, serial(x, w, COUNTS))
+    y.sum().backward()
+    assert x.grad is not None and w.grad is None
+
+
+def test_the_callers_thread_count_and_grad_mode_are_left_alone():
+    before = torch.get_num_threads()
+    x = torch.randn(sum(COUNTS), 8, requires_grad=True)
+    y = threaded_grouped_mm(x, torch.randn(len(COUNTS), 8, 4), COUNTS, 3)
+    y.sum().backward()
+    assert torch.get_num_threads() == before and torch.is_grad_enabled()
+
+
+def test_bad_counts_are_refused_in_one_line():
+    x, w = torch.randn(10, 4), torch.randn(3, 4, 4)
+    with pytest.raises(ValueError, match="3 group counts summing to 9 for 3 groups and 10 rows"):
+        threaded_grouped_mm(x, w, [3, 3, 3])
+    with pytest.raises(ValueError, match="2 group counts"):
+        threaded_grouped_mm(x, w, [5, 5])
+
+
+def test_an_error_in_a_pool_thread_reaches_the_caller_after_every_range_ended():
+    done = []
+
+    def work(lo: int, hi: int) -> None:
+        done.append(lo)
+        if lo > 0:
+            raise RuntimeError(f"range {lo}")
+
+    with pytest.raises(RuntimeError, match="range 2"):
+        run_in_parallel(work, [(0, 2), (2, 3), (3, 4)])
+    assert sorted(done) == [0, 2, 3]
+
+
+def _child_result(queue) -> None:
+    x = torch.randn(sum(COUNTS), 8)
+    w = torch.randn(len(COUNTS), 8, 4)
+    queue.put(bool(torch.equal(threaded_grouped_mm(x, w, COUNTS, 2), serial(x, w, COUNTS))))
+
+
+def test_a_forked_child_gets_its_own_pool():
+    threaded_grouped_mm(
+        torch.randn(sum(COUNTS), 8), torch.randn(len(COUNTS), 8, 4), COUNTS, 2
+    )  # the parent's pool
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_child_result, args=(queue,))
+    child.start()
+    child.join(timeout=60)
+    assert child.exitcode == 0, "the forked child hung or died using the grouped GEMM"
+    assert queue.get(timeout=5) is True
