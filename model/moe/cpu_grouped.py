@@ -80,7 +80,7 @@ def run_in_parallel(work: Callable[[int, int], None], ranges: list[tuple[int, in
             raise error
 
 
-def _row_starts(counts: Sequence[int]) -> list[int]:
+def row_starts(counts: Sequence[int]) -> list[int]:
     starts = [0]
     for c in counts:
         starts.append(starts[-1] + c)
@@ -90,7 +90,7 @@ def _row_starts(counts: Sequence[int]) -> list[int]:
 def _forward_mm(x: Tensor, w: Tensor, counts: Sequence[int], n_threads: int) -> Tensor:
     """y[g] = x[g] w[g]; (M, K), (G, K, N) -> (M, N)."""
     y = x.new_empty(x.shape[0], w.shape[2])
-    starts = _row_starts(counts)
+    starts = row_starts(counts)
 
     def work(lo: int, hi: int) -> None:
         for g in range(lo, hi):
@@ -107,7 +107,7 @@ def _backward_mm(
     """(dx, dw) = (dy[g] w[g]^T, x[g]^T dy[g]) per group; a group with no rows gets dw[g] = 0."""
     dx = torch.empty_like(x) if need[0] else None
     dw = torch.empty_like(w) if need[1] else None
-    starts = _row_starts(counts)
+    starts = row_starts(counts)
 
     def work(lo: int, hi: int) -> None:
         for g in range(lo, hi):

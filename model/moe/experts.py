@@ -17,9 +17,10 @@ Four ways to compute the same thing (`impl`; "auto" chooses):
               padding adds at most PAD_LIMIT x the real rows. In eager fp32 the grouped GEMM is
               faster (its eager kernel runs fp32 on CPU, its meta kernel does not).
   threaded_mm the per-expert GEMMs spread over the intra-op threads, one thread each
-              (cpu_grouped.py): "auto" in eager fp32 on CPU when the groups are small (fewer
-              than SMALL_GROUP rows on average, at least 2 groups per thread), where torch's
-              grouped GEMM splits each small GEMM over all threads. Not under torch.compile.
+              (cpu_grouped.py), with SiLU / GELU the whole GLU per group (cpu_glu.py): "auto"
+              in eager fp32 on CPU when the groups are small and many (`small_groups`), where
+              torch's grouped GEMM splits each small GEMM over all threads. Not under
+              torch.compile.
   loop        a Python loop of per-expert matmuls: the fallback.
 """
 
@@ -33,11 +34,14 @@ from torch import Tensor, nn
 
 from model import roles
 from model.init import InitStds, trunc_normal_
+from model.moe.cpu_glu import FUSED_ACTIVATIONS, threaded_glu_experts
 from model.moe.cpu_grouped import threaded_grouped_mm
 
 IMPLS = ("auto", "grouped_mm", "padded_bmm", "threaded_mm", "loop")
 PAD_LIMIT = 2.0  # padded_bmm when E x max count <= PAD_LIMIT x M (CPU only)
-SMALL_GROUP = 256  # threaded_mm below this many rows per expert (eager fp32 on CPU)
+# threaded_mm (eager fp32 on CPU) below this many rows per expert on average: with the fused GLU
+# (SiLU, GELU), and with the unfused threaded GEMMs; and with at least this many groups a thread
+SMALL_GROUP_FUSED, SMALL_GROUP_UNFUSED, GROUPS_PER_THREAD = 1024, 256, 8
 
 
 def _local(t: Tensor) -> Tensor:
@@ -132,13 +136,17 @@ def looped_mm(x: Tensor, w: Tensor, counts: list[int]) -> Tensor:
     return torch.cat([chunk @ w_e for chunk, w_e in zip(chunks, w.unbind(0))])
 
 
-def small_groups(n_rows: int, n_groups: int) -> bool:
-    """Whether CPU's per-group GEMMs are small enough to run one per thread (threaded_mm): on
-    a 2-core CPU in fp32 at 128 rows (E=256 top-8 over 4096 tokens; C 512, F 256) the threaded
-    GEMMs took 0.89x the grouped GEMM's time (forward + backward), at 512 rows 0.92x (C 512) to
-    1.34x (C 256, the tiny MoE model's): large groups split over the threads well."""
+def small_groups(n_rows: int, n_groups: int, fused: bool) -> bool:
+    """Whether CPU's per-group GEMMs are small and many enough to run whole, one group per
+    thread at a time (threaded_mm). Measured on a 2-core CPU in fp32, the layer's step taking
+    turns with the grouped GEMM's (E experts, C d_model, F 256, 4096 tokens top-8 unless said):
+    the fused GLU took 0.82x at E=256 (128 rows per expert, C 512), 0.96x and 0.98x at E=64
+    (512 rows, C 512 and 256), 1.07x at E=16 (2048 rows, C 256) and 1.28x at E=8 top-2 (1024
+    rows, 4 groups a thread); the unfused threaded GEMMs 0.88x at E=256, 1.05x at E=64.
+    Large groups split over the threads well, and few groups balance badly between them."""
     threads = torch.get_num_threads()
-    return threads > 1 and n_groups >= 2 * threads and n_rows < SMALL_GROUP * n_groups
+    limit = SMALL_GROUP_FUSED if fused else SMALL_GROUP_UNFUSED
+    return threads > 1 and n_groups >= GROUPS_PER_THREAD * threads and n_rows < limit * n_groups
 
 
 class GroupedExperts(nn.Module):
@@ -182,6 +190,8 @@ class GroupedExperts(nn.Module):
             impl = "loop"
         if impl == "padded_bmm":
             return self._padded_bmm(x, counts)
+        if impl == "threaded_mm" and self.activation in FUSED_ACTIVATIONS:
+            return threaded_glu_experts(x, (w_gate, w_up, w_down), counts.tolist(), self.activation)
         if impl == "grouped_mm":
             mm = functools.partial(grouped_mm, offsets=counts.cumsum(0).to(torch.int32))
         elif impl == "threaded_mm":
@@ -215,7 +225,9 @@ class GroupedExperts(nn.Module):
         if self.impl != "auto":
             return self.impl
         if device_type == "cpu" and self._cpu_fp32_eager(dtype):
-            return "threaded_mm" if small_groups(n_rows, counts.numel()) else "grouped_mm"
+            fused = self.activation in FUSED_ACTIVATIONS
+            small = small_groups(n_rows, counts.numel(), fused)
+            return "threaded_mm" if small else "grouped_mm"
         if device_type == "cpu" and counts.numel() * int(counts.max()) <= PAD_LIMIT * n_rows:
             return "padded_bmm"
         return "grouped_mm" if grouped_mm_supported(device_type, dtype) else "loop"

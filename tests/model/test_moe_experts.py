@@ -142,19 +142,19 @@ def test_auto_takes_per_group_gemms_in_eager_fp32_on_cpu_and_pads_when_compiling
 ):
     if not experts_module._grouped_mm_probe("cpu", torch.float32):
         pytest.skip("torch._grouped_mm does not run fp32 on this CPU")
-    experts, x, counts = make(counts=BALANCED)  # 8 groups of about 3 rows: small
+    experts, x, counts = make(counts=BALANCED * 2)  # 16 groups of about 3 rows: small
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: compiling)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     want = "padded_bmm" if compiling else "threaded_mm"  # CPU's meta kernel takes only bf16
     assert experts.choose("cpu", torch.float32, x.shape[0], counts) == want
     assert experts.choose("cpu", torch.bfloat16, x.shape[0], counts) == "padded_bmm"
-    big = torch.tensor([300] * 8)  # large groups: torch's grouped GEMM splits each over threads
+    big = torch.tensor([1100] * 16)  # large groups: torch's grouped GEMM splits each over threads
     want_big = "padded_bmm" if compiling else "grouped_mm"
-    assert experts.choose("cpu", torch.float32, 2400, big) == want_big
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 8)  # 1 group per thread: grouped
+    assert experts.choose("cpu", torch.float32, 17600, big) == want_big
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 8)  # 2 groups a thread: grouped
     assert experts.choose("cpu", torch.float32, x.shape[0], counts) == want_big
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    experts_odd, x_odd, _ = make(C=30, F_=48, counts=BALANCED)  # 120-byte rows: not aligned
+    experts_odd, x_odd, _ = make(C=30, F_=48, counts=BALANCED * 2)  # 120-byte rows: unaligned
     assert experts_odd.choose("cpu", torch.float32, x_odd.shape[0], counts) == "padded_bmm"
     monkeypatch.undo()
     y = experts(x, counts)
@@ -162,13 +162,16 @@ def test_auto_takes_per_group_gemms_in_eager_fp32_on_cpu_and_pads_when_compiling
     assert_close(y, want_y)
 
 
-@pytest.mark.parametrize("threads, small", [(1, False), (2, True), (4, True), (5, False)])
-def test_small_groups_need_two_threads_two_groups_per_thread_and_few_rows(
+@pytest.mark.parametrize("threads, small", [(1, False), (2, True), (8, True), (9, False)])
+def test_small_groups_need_two_threads_eight_groups_a_thread_and_few_rows(
     monkeypatch, threads, small
 ):
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
-    assert experts_module.small_groups(8 * 255, 8) == small
-    assert not experts_module.small_groups(8 * experts_module.SMALL_GROUP, 8)
+    limit_fused, limit = experts_module.SMALL_GROUP_FUSED, experts_module.SMALL_GROUP_UNFUSED
+    assert experts_module.small_groups(64 * (limit_fused - 1), 64, fused=True) == small
+    assert not experts_module.small_groups(64 * limit_fused, 64, fused=True)
+    assert experts_module.small_groups(64 * (limit - 1), 64, fused=False) == small
+    assert not experts_module.small_groups(64 * limit, 64, fused=False)
 
 
 def test_autocast_computes_in_bf16_from_fp32_weights():
