@@ -38,7 +38,7 @@ os.register_at_fork(after_in_child=_pool.cache_clear)
 
 def thread_ranges(counts: Sequence[int], n_threads: int) -> list[tuple[int, int]]:
     """Contiguous group ranges [lo, hi), at most `n_threads`, each holding about M / n_threads
-    rows (a range ends at the first group boundary past its share)."""
+    rows (range t ends at the last group boundary within the first t shares of the rows)."""
     total = sum(counts)
     ranges, lo, done = [], 0, 0
     for t in range(1, n_threads):
@@ -54,27 +54,37 @@ def thread_ranges(counts: Sequence[int], n_threads: int) -> list[tuple[int, int]
     return ranges
 
 
-def _single_threaded(work: Callable[[int, int], None], lo: int, hi: int) -> None:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with torch.no_grad():  # grad mode is per thread: a pool thread's is on
-            work(lo, hi)
-    finally:
-        torch.set_num_threads(previous)
+def _on_one_thread(work: Callable[[int, int], None], lo: int, hi: int, inference: bool) -> None:
+    """work(lo, hi) with one intra-op thread, no autograd recording and no autocast, in the
+    caller's inference mode (grad, autocast and inference modes are per thread: a pool
+    thread's are the defaults; out= into an inference tensor needs inference mode)."""
+    torch.set_num_threads(1)  # per thread (OpenMP's and MKL's counts), kept by the pool threads
+    with (
+        torch.inference_mode(inference),
+        torch.no_grad(),
+        torch.autocast("cpu", enabled=False),
+    ):
+        work(lo, hi)
 
 
 def run_in_parallel(work: Callable[[int, int], None], ranges: list[tuple[int, int]]) -> None:
     """work(lo, hi) for every range on one thread each, the first on this thread, the rest on the
     pool (none when there is one range: it still runs single-threaded, so that every GEMM is
-    computed alike whatever the thread count)."""
-    futures = [
-        _pool(len(ranges) - 1).submit(_single_threaded, work, lo, hi) for lo, hi in ranges[1:]
-    ]
+    computed alike whatever the thread count). This thread's intra-op thread count is restored
+    last, after every range ended (torch also keeps it as the count new threads start with)."""
+    if not ranges:
+        return
+    inference = torch.is_inference_mode_enabled()
+    previous = torch.get_num_threads()
     try:
-        _single_threaded(work, *ranges[0])
-    finally:  # wait for every range, even when this one raised: they write into our buffers
-        errors = [f.exception() for f in futures]
+        pool = _pool(len(ranges) - 1) if len(ranges) > 1 else None
+        futures = [pool.submit(_on_one_thread, work, lo, hi, inference) for lo, hi in ranges[1:]]
+        try:
+            _on_one_thread(work, *ranges[0], inference)
+        finally:  # wait for every range, even when this one raised: they write into our buffers
+            errors = [f.exception() for f in futures]
+    finally:
+        torch.set_num_threads(previous)
     for error in errors:
         if error is not None:
             raise error

@@ -113,3 +113,15 @@ def test_bad_counts_are_refused_in_one_line():
     ws = weights()
     with pytest.raises(ValueError, match="9 group counts summing to 24 for 9 groups and 23 rows"):
         threaded_glu_experts(torch.randn(23, C), ws, COUNTS, F.silu)
+
+
+def test_experts_run_under_inference_mode_as_generation_does():
+    experts = GroupedExperts(len(COUNTS), C, F_, F.silu)
+    experts.init_weights(InitStds(inner=0.2, value=0.2, out=0.2))
+    x = torch.randn(sum(COUNTS), C)
+    with torch.inference_mode():
+        experts.impl = "threaded_mm"
+        y = experts(x, torch.tensor(COUNTS))
+        experts.impl = "loop"
+        want = experts(x, torch.tensor(COUNTS))
+    torch.testing.assert_close(y, want, atol=1e-5, rtol=1e-4)

@@ -134,3 +134,23 @@ def test_a_forked_child_gets_its_own_pool():
     child.join(timeout=60)
     assert child.exitcode == 0, "the forked child hung or died using the grouped GEMM"
     assert queue.get(timeout=5) is True
+
+
+@pytest.mark.parametrize("mode", ["inference_mode", "no_grad", "autocast"])
+def test_it_runs_under_the_callers_inference_grad_and_autocast_modes(mode):
+    x = torch.randn(sum(COUNTS), 8)
+    w = torch.randn(len(COUNTS), 8, 4)
+    context = {
+        "inference_mode": torch.inference_mode,
+        "no_grad": torch.no_grad,
+        "autocast": lambda: torch.autocast("cpu", dtype=torch.bfloat16),
+    }[mode]
+    with context():
+        y = threaded_grouped_mm(x, w, COUNTS, 3)
+    assert y.dtype == torch.float32  # the caller's tensors' dtype, autocast or not
+    torch.testing.assert_close(y, serial(x, w, COUNTS), atol=1e-5, rtol=1e-4)
+
+
+def test_no_groups_give_no_rows():
+    y = threaded_grouped_mm(torch.randn(0, 4), torch.randn(0, 4, 3), [], 2)
+    assert y.shape == (0, 3)
