@@ -305,14 +305,20 @@ def main() -> None:
     base = next(r for r in rows if r["variant"] == "ours")
     for row in rows:
         row["ours_speedup"] = row["ms"] / base["ms"]
+        # the median over rounds of (this step / ours in the same round): paired, so a drift in
+        # the machine's speed between rounds cancels
+        row["time_vs_ours_paired"] = statistics.median(
+            t / o for t, o in zip(row["all_ms"], base["all_ms"])
+        )
     print(
         f"\n{'variant':26s} {'ms':>9s} {'tokens/s':>10s} {'ours is x faster':>17s} {'vs dense':>9s}"
+        f" {'time / ours, paired':>20s}"
     )
     for row in rows:
         vs_dense = "-" if row["vs_dense"] is None else f"{row['vs_dense']:.2f}"
         print(
             f"{row['variant']:26s} {row['ms']:9.1f} {row['tokens_per_s']:10.0f} "
-            f"{row['ours_speedup']:17.2f} {vs_dense:>9s}"
+            f"{row['ours_speedup']:17.2f} {vs_dense:>9s} {row['time_vs_ours_paired']:20.3f}"
         )
     report = {
         "benchmark": "moe_layer",
