@@ -138,11 +138,11 @@ def looped_mm(x: Tensor, w: Tensor, counts: list[int]) -> Tensor:
 
 def small_groups(n_rows: int, n_groups: int, fused: bool) -> bool:
     """Whether CPU's per-group GEMMs are small and many enough to run whole, one group per
-    thread at a time (threaded_mm). Measured on a 2-core CPU in fp32, the layer's step taking
-    turns with the grouped GEMM's (E experts, C d_model, F 256, 4096 tokens top-8 unless said):
-    the fused GLU took 0.82x at E=256 (128 rows per expert, C 512), 0.96x and 0.98x at E=64
-    (512 rows, C 512 and 256), 1.07x at E=16 (2048 rows, C 256) and 1.28x at E=8 top-2 (1024
-    rows, 4 groups a thread); the unfused threaded GEMMs 0.88x at E=256, 1.05x at E=64.
+    thread at a time (threaded_mm). Measured on a 2-core CPU in fp32, the layer's step with each
+    impl forced, paired round by round (4096 tokens top-8 unless said, F 256, bench/moe_layer.py):
+    the fused GLU took 0.82x the grouped GEMM's time at E=256 (128 rows per expert, C 512), 0.93x
+    at E=64 (512 rows, C 256), 1.04x at E=16 (2048 rows) and 1.31x at E=8 top-2 (1024 rows, 4
+    groups a thread); the unfused threaded GEMMs 0.88x at E=256 and 1.05x at E=64 (C 512).
     Large groups split over the threads well, and few groups balance badly between them."""
     threads = torch.get_num_threads()
     limit = SMALL_GROUP_FUSED if fused else SMALL_GROUP_UNFUSED
