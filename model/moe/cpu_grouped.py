@@ -5,11 +5,14 @@ over all intra-op threads. A fine-grained expert's group is small (E=256 top-8 o
 about 128 rows of C=512 by F=256) and splits badly: on a 2-core AVX2 CPU such a fp32 GEMM runs
 1.3x faster on 2 threads than on 1, where a batched GEMM over the same (balanced) groups, which
 gives each thread whole groups, runs 1.9x faster. Here the groups are cut into one contiguous
-range per thread, with about equal rows in each, and every range runs its GEMMs single-threaded
-(`torch.set_num_threads(1)` is per calling thread: OpenMP's and MKL's thread counts are
-thread-local), the calling thread taking the first range and a pool the others. Every GEMM
-is computed whole on one thread, so the result does not depend on the thread count (it can
-differ in the last bits from a multi-threaded GEMM's).
+range per thread, with about equal rows in each, and every range runs on a pool thread whose
+GEMMs are single-threaded, while the caller waits. Each pool thread sets its own intra-op count
+to 1 once, when the pool starts (OpenMP's and MKL's counts are per thread; torch also keeps the
+last count set as the one new threads start with, which the caller restores right after): the
+caller's own thread count is never touched. Every GEMM is computed whole on one thread, so the
+result does not depend on the thread count (it can differ in the last bits from a
+multi-threaded GEMM's). Under a TorchDispatchMode (FLOP counters, GEMM timers), which sees only
+its own thread's ops, the ranges run on the calling thread instead.
 
 Shapes: x (M, K) rows grouped in order, w (G, K, N), counts G ints summing to M -> (M, N).
 Backward: dx[g] = dy[g] w[g]^T, dw[g] = x[g]^T dy[g], threaded the same way.
@@ -17,23 +20,57 @@ Backward: dx[g] = dy[g] w[g]^T, dw[g] = x[g]^T dy[g], threaded the same way.
 
 from __future__ import annotations
 
-import functools
 import os
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+_POOL: dict[str, ThreadPoolExecutor | int] = {}  # "pool", "workers": one pool, grown on demand
+_POOL_LOCK = threading.Lock()
 
 
-@functools.cache
 def _pool(workers: int) -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(workers, thread_name_prefix="lmforge-grouped-mm")
+    """The pool, with at least `workers` threads, all started and single-threaded (a smaller one
+    before it is left to finish what it runs, not shut down under another caller)."""
+    with _POOL_LOCK:
+        if _POOL.get("workers", 0) < workers:
+            _POOL.update(pool=_start_pool(workers), workers=workers)
+        return _POOL["pool"]
 
 
-# a forked child (torchrun's workers, the tests' rank server) has none of the parent's threads
-os.register_at_fork(after_in_child=_pool.cache_clear)
+def _start_pool(workers: int) -> ThreadPoolExecutor:
+    caller_threads = torch.get_num_threads()
+    barrier = threading.Barrier(workers)
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="lmforge-grouped-mm")
+    # every worker starts now (each task holds its thread until all have one) and sets its count
+    for future in [pool.submit(_start_worker, barrier) for _ in range(workers)]:
+        future.result()
+    torch.set_num_threads(caller_threads)  # the count new threads start with, as it was
+    return pool
+
+
+def _start_worker(barrier: threading.Barrier) -> None:
+    # torch initializes a thread's count lazily, from the last count set anywhere, at its first
+    # get_num_threads or parallel op: that first, so the 1 set here is not overwritten later
+    torch.get_num_threads()
+    torch.set_num_threads(1)
+    barrier.wait()
+
+
+def _forget_pool() -> None:
+    """In a forked child (torchrun's workers, the tests' rank server), which has none of the
+    parent's threads and may have copied the lock held."""
+    global _POOL_LOCK
+    _POOL.clear()
+    _POOL_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pool)
 
 
 def thread_ranges(counts: Sequence[int], n_threads: int) -> list[tuple[int, int]]:
@@ -54,11 +91,10 @@ def thread_ranges(counts: Sequence[int], n_threads: int) -> list[tuple[int, int]
     return ranges
 
 
-def _on_one_thread(work: Callable[[int, int], None], lo: int, hi: int, inference: bool) -> None:
-    """work(lo, hi) with one intra-op thread, no autograd recording and no autocast, in the
-    caller's inference mode (grad, autocast and inference modes are per thread: a pool
-    thread's are the defaults; out= into an inference tensor needs inference mode)."""
-    torch.set_num_threads(1)  # per thread (OpenMP's and MKL's counts), kept by the pool threads
+def _run_range(work: Callable[[int, int], None], lo: int, hi: int, inference: bool) -> None:
+    """work(lo, hi) with no autograd recording and no autocast, in the caller's inference mode
+    (grad, autocast and inference modes are per thread: a pool thread's are the defaults, and
+    out= into an inference tensor needs inference mode)."""
     with (
         torch.inference_mode(inference),
         torch.no_grad(),
@@ -68,23 +104,20 @@ def _on_one_thread(work: Callable[[int, int], None], lo: int, hi: int, inference
 
 
 def run_in_parallel(work: Callable[[int, int], None], ranges: list[tuple[int, int]]) -> None:
-    """work(lo, hi) for every range on one thread each, the first on this thread, the rest on the
-    pool (none when there is one range: it still runs single-threaded, so that every GEMM is
-    computed alike whatever the thread count). This thread's intra-op thread count is restored
-    last, after every range ended (torch also keeps it as the count new threads start with)."""
+    """work(lo, hi) for every range, each on its own single-threaded pool thread (one range
+    too, so that every GEMM is computed alike whatever the thread count); the caller waits for
+    all of them, even when one raised (they write into the caller's buffers), then raises the
+    first error. Under a TorchDispatchMode the ranges run here, one after another."""
     if not ranges:
         return
     inference = torch.is_inference_mode_enabled()
-    previous = torch.get_num_threads()
-    try:
-        pool = _pool(len(ranges) - 1) if len(ranges) > 1 else None
-        futures = [pool.submit(_on_one_thread, work, lo, hi, inference) for lo, hi in ranges[1:]]
-        try:
-            _on_one_thread(work, *ranges[0], inference)
-        finally:  # wait for every range, even when this one raised: they write into our buffers
-            errors = [f.exception() for f in futures]
-    finally:
-        torch.set_num_threads(previous)
+    if _get_current_dispatch_mode_stack():
+        for lo, hi in ranges:
+            _run_range(work, lo, hi, inference)
+        return
+    pool = _pool(len(ranges))
+    futures = [pool.submit(_run_range, work, lo, hi, inference) for lo, hi in ranges]
+    errors = [f.exception() for f in futures]
     for error in errors:
         if error is not None:
             raise error

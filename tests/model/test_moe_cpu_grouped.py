@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing
+import threading
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from model.moe.cpu_grouped import run_in_parallel, thread_ranges, threaded_grouped_mm
 
@@ -154,3 +156,39 @@ def test_it_runs_under_the_callers_inference_grad_and_autocast_modes(mode):
 def test_no_groups_give_no_rows():
     y = threaded_grouped_mm(torch.randn(0, 4), torch.randn(0, 4, 3), [], 2)
     assert y.shape == (0, 3)
+
+
+def test_threads_started_afterwards_get_the_callers_thread_count():
+    threaded_grouped_mm(torch.randn(sum(COUNTS), 8), torch.randn(len(COUNTS), 8, 4), COUNTS, 3)
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+    thread.start()
+    thread.join()
+    assert seen == [torch.get_num_threads()]
+
+
+def test_a_dispatch_mode_on_the_calling_thread_sees_every_gemm():
+    calls = []
+
+    class CountMM(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket is torch.ops.aten.mm:
+                calls.append(args[0].shape[0])
+            return func(*args, **(kwargs or {}))
+
+    x, w = torch.randn(sum(COUNTS), 8), torch.randn(len(COUNTS), 8, 4)
+    with CountMM():
+        y = threaded_grouped_mm(x, w, COUNTS, 3)
+    assert sorted(calls) == sorted(COUNTS)  # one GEMM per group, empty ones included
+    torch.testing.assert_close(y, serial(x, w, COUNTS), atol=1e-5, rtol=1e-4)
+
+
+def test_every_pool_thread_runs_single_threaded_while_the_caller_keeps_its_count():
+    before = torch.get_num_threads()
+    seen = []
+
+    def work(lo: int, hi: int) -> None:
+        seen.append(torch.get_num_threads())
+
+    run_in_parallel(work, [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5)])  # grows the pool to 5
+    assert seen == [1] * 5 and torch.get_num_threads() == before
