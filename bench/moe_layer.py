@@ -4,8 +4,8 @@ Qwen3-MoE sparse block, all with the same weights, in one run.
 Fine-grained shapes (E experts, top-k, d_model C, expert hidden F, N tokens), weights and inputs
 in --dtype (auto: bf16 where the device multiplies bf16 natively, else fp32), no shared expert
 (Qwen3-MoE has none). Every variant routes with softmax + top-k + renormalization. Rows:
-  ours                     MoE layer, experts impl "auto" (on CPU: the padded batch in bf16, the
-                           threaded per-expert GEMMs in fp32; GPU: grouped_mm)
+  ours                     MoE layer, experts impl "auto" (on CPU: the padded batch in bf16; in fp32
+                           threaded GLU for small groups, else grouped_mm; GPU: grouped_mm)
   ours_padded_bmm          the same layer with the experts' padded batched GEMM
   ours_threaded_mm         the same layer with the per-expert GEMMs one per thread (CPU)
   ours_grouped_mm          the same layer with torch._grouped_mm experts (the GPU path)
@@ -267,6 +267,8 @@ def main() -> None:
     x = torch.randn(shape, generator=g, device=args.device, dtype=dtype, requires_grad=True)
     grad = torch.randn(shape, generator=g, device=args.device, dtype=dtype)
     names = list(dict.fromkeys(args.variants.split(",")))
+    if args.device != "cpu":  # the threaded per-expert GEMMs are CPU-only
+        names = [name for name in names if name != "ours_threaded_mm"]
     built = {
         name: (
             variants[name](),

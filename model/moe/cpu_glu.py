@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from model.moe.cpu_grouped import row_starts, run_in_parallel, thread_ranges
+from model.moe.cpu_grouped import check_groups, row_starts, run_in_parallel, thread_ranges
 
 # activation -> its backward (grad of the output, input) -> grad of the input
 FUSED_ACTIVATIONS: dict[Callable[[Tensor], Tensor], Callable[[Tensor, Tensor], Tensor]] = {
@@ -125,11 +125,8 @@ def threaded_glu_experts(
     differentiable in x and the weights; `activation` one of FUSED_ACTIVATIONS."""
     if activation not in FUSED_ACTIVATIONS:
         raise ValueError(f"no fused backward for {activation}; use threaded_grouped_mm")
-    if len(counts) != weights[0].shape[0] or sum(counts) != x.shape[0]:
-        raise ValueError(
-            f"{len(counts)} group counts summing to {sum(counts)} for {weights[0].shape[0]} "
-            f"groups and {x.shape[0]} rows"
-        )
+    for w in weights:
+        check_groups(x, w, counts)
     threads = n_threads or torch.get_num_threads()
     w_gate, w_up, w_down = (w.contiguous() for w in weights)
     return _ThreadedGLUExperts.apply(

@@ -45,12 +45,17 @@ def _pool(workers: int) -> ThreadPoolExecutor:
 
 def _start_pool(workers: int) -> ThreadPoolExecutor:
     caller_threads = torch.get_num_threads()
-    barrier = threading.Barrier(workers)
+    barrier = threading.Barrier(workers, timeout=60)
     pool = ThreadPoolExecutor(workers, thread_name_prefix="lmforge-grouped-mm")
-    # every worker starts now (each task holds its thread until all have one) and sets its count
-    for future in [pool.submit(_start_worker, barrier) for _ in range(workers)]:
-        future.result()
-    torch.set_num_threads(caller_threads)  # the count new threads start with, as it was
+    try:  # every worker starts now (each task holds its thread until all have one), count 1
+        for future in [pool.submit(_start_worker, barrier) for _ in range(workers)]:
+            future.result()
+    except BaseException:
+        barrier.abort()
+        pool.shutdown(wait=False)
+        raise
+    finally:
+        torch.set_num_threads(caller_threads)  # the count new threads start with, as it was
     return pool
 
 
@@ -75,12 +80,13 @@ os.register_at_fork(after_in_child=_forget_pool)
 
 def thread_ranges(counts: Sequence[int], n_threads: int) -> list[tuple[int, int]]:
     """Contiguous group ranges [lo, hi), at most `n_threads`, each holding about M / n_threads
-    rows (range t ends at the last group boundary within the first t shares of the rows)."""
+    rows: range t ends at the group boundary nearest to t shares of the rows (a group larger
+    than a share, a hot expert, gets a range of its own rather than swallowing the rest)."""
     total = sum(counts)
     ranges, lo, done = [], 0, 0
     for t in range(1, n_threads):
-        hi = lo
-        while hi < len(counts) and done + counts[hi] <= total * t / n_threads:
+        target, hi = total * t / n_threads, lo
+        while hi < len(counts) and done + counts[hi] - target <= target - done:
             done += counts[hi]
             hi += 1
         if hi > lo:
@@ -180,16 +186,23 @@ class _ThreadedGroupedMM(torch.autograd.Function):
         return dx, dw, None, None
 
 
+def check_groups(x: Tensor, w: Tensor, counts: Sequence[int]) -> None:
+    """One-line errors for what would make threads write over each other or off the CPU."""
+    if x.device.type != "cpu" or w.device.type != "cpu":
+        raise ValueError(f"the threaded grouped GEMM runs on CPU, got {x.device} and {w.device}")
+    if len(counts) != w.shape[0] or sum(counts) != x.shape[0] or min(counts, default=0) < 0:
+        raise ValueError(
+            f"{len(counts)} group counts summing to {sum(counts)} (smallest "
+            f"{min(counts, default=0)}) for {w.shape[0]} groups and {x.shape[0]} rows"
+        )
+
+
 @torch.compiler.disable  # threads and host counts: compiled code calls it eagerly
 def threaded_grouped_mm(
     x: Tensor, w: Tensor, counts: Sequence[int], n_threads: int | None = None
 ) -> Tensor:
     """x (M, K) sorted by group, w (G, K, N), counts (G,) host ints -> (M, N), the groups'
     GEMMs spread over `n_threads` (default: torch's intra-op threads), differentiable."""
-    if len(counts) != w.shape[0] or sum(counts) != x.shape[0]:
-        raise ValueError(
-            f"{len(counts)} group counts summing to {sum(counts)} for {w.shape[0]} "
-            f"groups and {x.shape[0]} rows"
-        )
+    check_groups(x, w, counts)
     threads = n_threads or torch.get_num_threads()
     return _ThreadedGroupedMM.apply(x.contiguous(), w.contiguous(), tuple(counts), threads)

@@ -31,6 +31,7 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from model import roles
 from model.init import InitStds, trunc_normal_
@@ -146,6 +147,8 @@ def small_groups(n_rows: int, n_groups: int, fused: bool) -> bool:
     Large groups split over the threads well, and few groups balance badly between them."""
     threads = torch.get_num_threads()
     limit = SMALL_GROUP_FUSED if fused else SMALL_GROUP_UNFUSED
+    if _get_current_dispatch_mode_stack():  # selective checkpointing's mode: the ranges would
+        return False  # run serially on this thread (a mode sees only its own thread's ops)
     return threads > 1 and n_groups >= GROUPS_PER_THREAD * threads and n_rows < limit * n_groups
 
 
@@ -235,7 +238,7 @@ class GroupedExperts(nn.Module):
     def _cpu_fp32_eager(self, dtype: torch.dtype) -> bool:
         """Eager fp32 on CPU with 16-byte rows: there per-group GEMMs (grouped or threaded) beat
         the padded batch (they run at about the batched rate and the padding's copies cost;
-        0.92x against 0.84x a dense FFN at E=64, 0.75x against 0.61x at E=256,
+        grouped 0.89x against padded 0.84x a dense FFN at E=64, 0.72x against 0.61x at E=256,
         bench/moe_layer.py --dtype fp32 on an AVX2 CPU). Not under torch.compile: CPU's meta
         kernel takes only bf16. In bf16 oneDNN's batched GEMM is the faster one."""
         if dtype != torch.float32 or torch.compiler.is_compiling():

@@ -8,11 +8,13 @@ from __future__ import annotations
 import itertools
 import multiprocessing
 import threading
+import time
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from model.moe import cpu_grouped
 from model.moe.cpu_grouped import run_in_parallel, thread_ranges, threaded_grouped_mm
 
 COUNTS = [5, 0, 3, 0, 9, 1, 0, 6, 0]  # empty groups at the start of a range, inside, and last
@@ -38,6 +40,11 @@ def test_ranges_cover_every_group_once_in_order_with_about_equal_rows(n_threads)
     share = sum(counts) / n_threads
     rows = [sum(counts[lo:hi]) for lo, hi in ranges]
     assert max(rows) <= share + max(counts)  # a range overshoots by less than one group
+
+
+def test_a_hot_expert_gets_a_range_of_its_own():
+    assert thread_ranges([300] + [10] * 10, 2) == [(0, 1), (1, 11)]
+    assert thread_ranges([10] * 10 + [300], 2) == [(0, 10), (10, 11)]
 
 
 def test_ranges_of_no_rows_and_of_more_threads_than_groups():
@@ -100,18 +107,26 @@ def test_the_callers_thread_count_and_grad_mode_are_left_alone():
 
 def test_bad_counts_are_refused_in_one_line():
     x, w = torch.randn(10, 4), torch.randn(3, 4, 4)
-    with pytest.raises(ValueError, match="3 group counts summing to 9 for 3 groups and 10 rows"):
+    with pytest.raises(
+        ValueError, match=r"3 group counts summing to 9 \(smallest 3\) for 3 groups and 10 rows"
+    ):
         threaded_grouped_mm(x, w, [3, 3, 3])
     with pytest.raises(ValueError, match="2 group counts"):
         threaded_grouped_mm(x, w, [5, 5])
+    with pytest.raises(ValueError, match="smallest -2"):  # ranges would overlap
+        threaded_grouped_mm(x, w, [5, -2, 7])
+    with pytest.raises(ValueError, match="runs on CPU, got meta"):
+        threaded_grouped_mm(x.to("meta"), w.to("meta"), [3, 3, 4])
 
 
 def test_an_error_in_a_pool_thread_reaches_the_caller_after_every_range_ended():
     done = []
 
     def work(lo: int, hi: int) -> None:
+        if lo == 3:
+            time.sleep(0.3)  # still writing when range 2 fails
         done.append(lo)
-        if lo > 0:
+        if lo == 2:
             raise RuntimeError(f"range {lo}")
 
     with pytest.raises(RuntimeError, match="range 2"):
@@ -133,8 +148,11 @@ def test_a_forked_child_gets_its_own_pool():
     queue = ctx.Queue()
     child = ctx.Process(target=_child_result, args=(queue,))
     child.start()
-    child.join(timeout=60)
-    assert child.exitcode == 0, "the forked child hung or died using the grouped GEMM"
+    try:
+        child.join(timeout=60)
+        assert child.exitcode == 0, "the forked child hung or died using the grouped GEMM"
+    finally:
+        child.kill()
     assert queue.get(timeout=5) is True
 
 
@@ -158,7 +176,8 @@ def test_no_groups_give_no_rows():
     assert y.shape == (0, 3)
 
 
-def test_threads_started_afterwards_get_the_callers_thread_count():
+def test_threads_started_afterwards_get_the_callers_thread_count(monkeypatch):
+    monkeypatch.setattr(cpu_grouped, "_POOL", {})  # a pool started by this test
     threaded_grouped_mm(torch.randn(sum(COUNTS), 8), torch.randn(len(COUNTS), 8, 4), COUNTS, 3)
     seen = []
     thread = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
@@ -183,7 +202,8 @@ def test_a_dispatch_mode_on_the_calling_thread_sees_every_gemm():
     torch.testing.assert_close(y, serial(x, w, COUNTS), atol=1e-5, rtol=1e-4)
 
 
-def test_every_pool_thread_runs_single_threaded_while_the_caller_keeps_its_count():
+def test_every_pool_thread_runs_single_threaded_while_the_caller_keeps_its_count(monkeypatch):
+    monkeypatch.setattr(cpu_grouped, "_POOL", {})  # a pool started by this test
     before = torch.get_num_threads()
     seen = []
 

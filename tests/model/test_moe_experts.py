@@ -174,6 +174,19 @@ def test_small_groups_need_two_threads_eight_groups_a_thread_and_few_rows(
     assert not experts_module.small_groups(64 * limit, 64, fused=False)
 
 
+def test_no_threads_under_a_dispatch_mode_such_as_selective_checkpointing(monkeypatch):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert experts_module.small_groups(64 * 100, 64, fused=True)
+    with Passthrough():
+        assert not experts_module.small_groups(64 * 100, 64, fused=True)
+
+
 def test_autocast_computes_in_bf16_from_fp32_weights():
     experts, x, counts = make()
     with torch.autocast("cpu", dtype=torch.bfloat16):
