@@ -20,6 +20,7 @@ Backward: dx[g] = dy[g] w[g]^T, dw[g] = x[g]^T dy[g], threaded the same way.
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -130,10 +131,8 @@ def run_in_parallel(work: Callable[[int, int], None], ranges: list[tuple[int, in
 
 
 def row_starts(counts: Sequence[int]) -> list[int]:
-    starts = [0]
-    for c in counts:
-        starts.append(starts[-1] + c)
-    return starts
+    """The first row of each group, then the total: G + 1 ints."""
+    return list(itertools.accumulate(counts, initial=0))
 
 
 def _forward_mm(x: Tensor, w: Tensor, counts: Sequence[int], n_threads: int) -> Tensor:
