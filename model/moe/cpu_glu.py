@@ -65,11 +65,15 @@ def _backward(
     counts: Sequence[int],
     act: Callable[[Tensor], Tensor],
     n_threads: int,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """-> dx (M, C), dW_gate, dW_up, dW_down; an empty group's weight gradients are zero."""
+    need: tuple[bool, bool, bool, bool],
+) -> tuple[Tensor | None, ...]:
+    """-> dx (M, C), dW_gate, dW_up, dW_down, each None where `need` (x, W_gate, W_up, W_down)
+    says so (frozen weights, a leaf input); an empty group's weight gradients are zero."""
     w_gate, w_up, w_down = weights
-    dx = torch.empty_like(x)
-    dw_gate, dw_up, dw_down = (torch.empty_like(w) for w in weights)
+    dx, dw_gate, dw_up, dw_down = (
+        torch.empty_like(t) if wanted else None for t, wanted in zip((x, *weights), need)
+    )
+    through_h = need[0] or need[1] or need[2]  # anything behind h needs dh, da, db
     act_backward = FUSED_ACTIVATIONS[act]
     starts = row_starts(counts)
 
@@ -78,14 +82,20 @@ def _backward(
             rows = slice(starts[g], starts[g + 1])
             a_g, b_g, dy_g, x_g = a[rows], b[rows], dy[rows], x[rows]
             act_a = act(a_g)
-            torch.mm((act_a * b_g).t(), dy_g, out=dw_down[g])
+            if dw_down is not None:
+                torch.mm((act_a * b_g).t(), dy_g, out=dw_down[g])
+            if not through_h:
+                continue
             dh = dy_g @ w_down[g].t()  # (rows, F)
             da = act_backward(dh * b_g, a_g)
             db = dh.mul_(act_a)
-            torch.mm(x_g.t(), da, out=dw_gate[g])
-            torch.mm(x_g.t(), db, out=dw_up[g])
-            torch.mm(da, w_gate[g].t(), out=dx[rows])
-            dx[rows].addmm_(db, w_up[g].t())
+            if dw_gate is not None:
+                torch.mm(x_g.t(), da, out=dw_gate[g])
+            if dw_up is not None:
+                torch.mm(x_g.t(), db, out=dw_up[g])
+            if dx is not None:
+                torch.mm(da, w_gate[g].t(), out=dx[rows])
+                dx[rows].addmm_(db, w_up[g].t())
 
     run_in_parallel(work, thread_ranges(counts, n_threads))
     return dx, dw_gate, dw_up, dw_down
@@ -107,8 +117,9 @@ class _ThreadedGLUExperts(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dy: Tensor) -> tuple[Tensor | None, ...]:
         x, a, b, *weights = ctx.saved_tensors
+        need = tuple(ctx.needs_input_grad[:4])
         grads = _backward(
-            x, a, b, tuple(weights), dy.contiguous(), ctx.counts, ctx.act, ctx.n_threads
+            x, a, b, tuple(weights), dy.contiguous(), ctx.counts, ctx.act, ctx.n_threads, need
         )
         return (*grads, None, None, None)
 

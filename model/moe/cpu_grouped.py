@@ -12,7 +12,9 @@ last count set as the one new threads start with, which the caller restores righ
 caller's own thread count is never touched. Every GEMM is computed whole on one thread, so the
 result does not depend on the thread count (it can differ in the last bits from a
 multi-threaded GEMM's). Under a TorchDispatchMode (FLOP counters, GEMM timers), which sees only
-its own thread's ops, the ranges run on the calling thread instead.
+its own thread's ops, the ranges run on the calling thread instead. torch.profiler records no op
+run on the pool's threads: a profile shows the ranges as one span, `lmforge::threaded_ranges`,
+on the calling thread.
 
 Shapes: x (M, K) rows grouped in order, w (G, K, N), counts G ints summing to M -> (M, N).
 Backward: dx[g] = dy[g] w[g]^T, dw[g] = x[g]^T dy[g], threaded the same way.
@@ -23,8 +25,9 @@ from __future__ import annotations
 import itertools
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor
@@ -32,16 +35,31 @@ from torch.autograd.function import once_differentiable
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 _POOL: dict[str, ThreadPoolExecutor | int] = {}  # "pool", "workers": one pool, grown on demand
+_USERS: dict[ThreadPoolExecutor, int] = {}  # callers running ranges on each pool now
 _POOL_LOCK = threading.Lock()
 
 
-def _pool(workers: int) -> ThreadPoolExecutor:
-    """The pool, with at least `workers` threads, all started and single-threaded (a smaller one
-    before it is left to finish what it runs, not shut down under another caller)."""
+@contextmanager
+def _borrowed_pool(workers: int) -> Iterator[ThreadPoolExecutor]:
+    """The pool, with at least `workers` threads, all started and single-threaded. A pool
+    replaced by a larger one is shut down (its threads exit) once no caller still uses it."""
     with _POOL_LOCK:
         if _POOL.get("workers", 0) < workers:
+            retired = _POOL.get("pool")
             _POOL.update(pool=_start_pool(workers), workers=workers)
-        return _POOL["pool"]
+            if retired is not None and not _USERS.get(retired):
+                retired.shutdown(wait=False)
+        pool = _POOL["pool"]
+        _USERS[pool] = _USERS.get(pool, 0) + 1
+    try:
+        yield pool
+    finally:
+        with _POOL_LOCK:
+            _USERS[pool] -= 1
+            if not _USERS[pool]:
+                del _USERS[pool]
+                if pool is not _POOL.get("pool"):
+                    pool.shutdown(wait=False)
 
 
 def _start_pool(workers: int) -> ThreadPoolExecutor:
@@ -73,6 +91,7 @@ def _forget_pool() -> None:
     parent's threads and may have copied the lock held."""
     global _POOL_LOCK
     _POOL.clear()
+    _USERS.clear()
     _POOL_LOCK = threading.Lock()
 
 
@@ -122,9 +141,12 @@ def run_in_parallel(work: Callable[[int, int], None], ranges: list[tuple[int, in
         for lo, hi in ranges:
             _run_range(work, lo, hi, inference)
         return
-    pool = _pool(len(ranges))
-    futures = [pool.submit(_run_range, work, lo, hi, inference) for lo, hi in ranges]
-    errors = [f.exception() for f in futures]
+    with (
+        torch.profiler.record_function("lmforge::threaded_ranges"),  # the pool's ops go unseen
+        _borrowed_pool(len(ranges)) as pool,
+    ):
+        futures = [pool.submit(_run_range, work, lo, hi, inference) for lo, hi in ranges]
+        errors = [f.exception() for f in futures]
     for error in errors:
         if error is not None:
             raise error

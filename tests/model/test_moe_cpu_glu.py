@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from model.init import InitStds
 from model.moe import GroupedExperts
@@ -78,6 +79,50 @@ def saved_activation_elements(fn, params: list[torch.Tensor]) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         fn()
     return sum(storages.values())
+
+
+class _CountGEMMs(TorchDispatchMode):
+    """Counts mm / addmm calls (under a dispatch mode the ranges run on the calling thread)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gemms = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.gemms += func in (torch.ops.aten.mm.default, torch.ops.aten.mm.out,
+                               torch.ops.aten.addmm_.default)  # fmt: skip
+        return func(*args, **(kwargs or {}))
+
+
+# which of (x, W_gate, W_up, W_down) train -> GEMMs per group in backward
+TRAINABLE = {
+    "all": ((True, True, True, True), 6),  # dW_down, dh, dW_gate, dW_up, dx (mm + addmm)
+    "frozen_input": ((False, True, True, True), 4),
+    "only_down": ((False, False, False, True), 1),
+    "only_input": ((True, False, False, False), 3),
+}
+
+
+@pytest.mark.parametrize("case", TRAINABLE)
+def test_backward_computes_only_the_gradients_asked_for(case):
+    trainable, gemms_per_group = TRAINABLE[case]
+    ws = weights()
+    x = torch.randn(sum(COUNTS), C)
+    dy = torch.randn(sum(COUNTS), C)
+    with _CountGEMMs():  # the same (calling) thread as the counted run below: bitwise equal
+        full = torch.autograd.grad(
+            threaded_glu_experts(x.requires_grad_(), ws, COUNTS, F.silu, 2), (x, *ws), dy
+        )
+    inputs = [t.detach().requires_grad_(wanted) for t, wanted in zip((x, *ws), trainable)]
+    with _CountGEMMs() as counter:
+        y = threaded_glu_experts(inputs[0], tuple(inputs[1:]), COUNTS, F.silu, 2)
+        counter.gemms = 0  # backward's only
+        y.backward(dy)
+    for t, wanted, want in zip(inputs, trainable, full):
+        assert (t.grad is not None) == wanted
+        if wanted:
+            assert torch.equal(t.grad, want)
+    assert counter.gemms == gemms_per_group * len(COUNTS)  # empty groups call them too
 
 
 def test_it_keeps_two_hidden_activations_where_autograd_keeps_four():

@@ -212,3 +212,51 @@ def test_every_pool_thread_runs_single_threaded_while_the_caller_keeps_its_count
 
     run_in_parallel(work, [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5)])  # grows the pool to 5
     assert seen == [1] * 5 and torch.get_num_threads() == before
+
+
+def _shut_down(pool) -> bool:
+    try:
+        pool.submit(lambda: None)  # queued, not waited for: the pool's threads may be busy
+    except RuntimeError:  # "cannot schedule new futures after shutdown"
+        return True
+    return False
+
+
+def test_a_pool_outgrown_is_shut_down_once_no_caller_uses_it(monkeypatch):
+    monkeypatch.setattr(cpu_grouped, "_POOL", {})  # pools started by this test
+    monkeypatch.setattr(cpu_grouped, "_USERS", {})
+    release, started = threading.Event(), threading.Barrier(3, timeout=30)
+
+    def held(lo: int, hi: int) -> None:
+        started.wait()
+        assert release.wait(30)
+
+    errors = []
+
+    def call() -> None:
+        try:
+            run_in_parallel(held, [(0, 1), (1, 2)])
+        except BaseException as error:
+            errors.append(error)
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    started.wait()  # both ranges run on the two-thread pool
+    small = cpu_grouped._POOL["pool"]
+    run_in_parallel(lambda lo, hi: None, [(0, 1), (1, 2), (2, 3)])  # grows the pool to 3
+    assert cpu_grouped._POOL["pool"] is not small
+    assert not _shut_down(small)  # still running the other caller's ranges
+    release.set()
+    caller.join(30)
+    assert not errors and not caller.is_alive()
+    assert _shut_down(small) and not cpu_grouped._USERS  # shut down when its last user left
+    run_in_parallel(lambda lo, hi: None, [(0, 1)])
+    assert not _shut_down(cpu_grouped._POOL["pool"])
+
+
+def test_the_ranges_show_in_a_profile_as_one_named_span():
+    x, w = torch.randn(sum(COUNTS), 8), torch.randn(len(COUNTS), 8, 4)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        threaded_grouped_mm(x, w, COUNTS, 2)
+    names = [event.name for event in prof.events()]
+    assert names.count("lmforge::threaded_ranges") == 1
