@@ -66,7 +66,11 @@ def grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
     return _grouped_mm_probe(device_type, dtype) and _grouped_mm_meta_probe(dtype)
 
 
+# The probes run eagerly even when called from a compiled block's resumed frame (after a graph
+# break dynamo compiles each frame it enters: it traced the meta probe's failing fp32 call with
+# fake tensors and raised instead of returning False).
 @functools.cache
+@torch.compiler.disable
 def _grouped_mm_meta_probe(dtype: torch.dtype) -> bool:
     try:
         x = torch.empty(8, 16, device="meta", dtype=dtype)
@@ -78,6 +82,7 @@ def _grouped_mm_meta_probe(dtype: torch.dtype) -> bool:
 
 
 @functools.cache
+@torch.compiler.disable
 def _grouped_mm_probe(device_type: str, dtype: torch.dtype) -> bool:
     if not hasattr(torch, "_grouped_mm"):
         return False

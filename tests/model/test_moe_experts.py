@@ -316,3 +316,34 @@ def test_the_grouped_gemm_is_supported_exactly_where_it_also_compiles(dtype):
         torch.testing.assert_close(got, grouped_mm(x, w, offsets))
         compiles = True
     assert grouped_mm_supported("cpu", dtype) == compiles
+
+
+def test_a_compiled_fp32_moe_layer_on_cpu_runs_with_an_unbalanced_load(monkeypatch):
+    """Compiled fp32 on CPU with a load too unbalanced to pad (PAD_LIMIT 0 here; in a run, a
+    few hot experts at initialization): after the graph break at the largest count, dynamo
+    compiles every frame it enters, and it traced the grouped-GEMM probes' failing fp32 meta
+    call with fake tensors and raised (`python -m trainer model=tiny_moe` on an AVX2 CPU
+    crashed at its first step). The probes run eagerly, and the layer equals eager's."""
+    from model.moe.layer import MoE
+    from model.presets import load_preset
+
+    monkeypatch.setattr(experts_module, "PAD_LIMIT", 0.0)
+    experts_module._grouped_mm_probe.cache_clear()  # first asked inside the compiled layer
+    experts_module._grouped_mm_meta_probe.cache_clear()
+    cfg = load_preset("tiny_moe")
+    torch.manual_seed(0)
+    layer = MoE(cfg, 1)
+    layer.init_weights(InitStds(inner=0.02, value=0.02, out=0.02))
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, backend="eager")
+    x = torch.randn(2, 16, cfg.d_model, generator=torch.Generator().manual_seed(1))
+    outs = []
+    for fn in (compiled, layer):
+        xi = x.clone().requires_grad_()
+        out = fn(xi)
+        out.sum().backward()
+        layer.pop_aux_losses()
+        outs.append((out, xi.grad, layer.experts.w_down.grad.clone()))
+        layer.zero_grad()
+    for a, b in zip(*outs, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
