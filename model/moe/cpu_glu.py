@@ -73,7 +73,7 @@ def _backward(
     dx, dw_gate, dw_up, dw_down = (
         torch.empty_like(t) if wanted else None for t, wanted in zip((x, *weights), need)
     )
-    through_h = need[0] or need[1] or need[2]  # anything behind h needs dh, da, db
+    need_da, need_db = need[0] or need[1], need[0] or need[2]  # x takes both, W_gate da, W_up db
     act_backward = FUSED_ACTIVATIONS[act]
     starts = row_starts(counts)
 
@@ -81,14 +81,14 @@ def _backward(
         for g in range(lo, hi):
             rows = slice(starts[g], starts[g + 1])
             a_g, b_g, dy_g, x_g = a[rows], b[rows], dy[rows], x[rows]
-            act_a = act(a_g)
+            act_a = act(a_g) if dw_down is not None or need_db else None
             if dw_down is not None:
                 torch.mm((act_a * b_g).t(), dy_g, out=dw_down[g])
-            if not through_h:
+            if not (need_da or need_db):
                 continue
             dh = dy_g @ w_down[g].t()  # (rows, F)
-            da = act_backward(dh * b_g, a_g)
-            db = dh.mul_(act_a)
+            da = act_backward(dh * b_g, a_g) if need_da else None
+            db = dh.mul_(act_a) if need_db else None
             if dw_gate is not None:
                 torch.mm(x_g.t(), da, out=dw_gate[g])
             if dw_up is not None:

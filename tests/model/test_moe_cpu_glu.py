@@ -99,7 +99,10 @@ TRAINABLE = {
     "all": ((True, True, True, True), 6),  # dW_down, dh, dW_gate, dW_up, dx (mm + addmm)
     "frozen_input": ((False, True, True, True), 4),
     "only_down": ((False, False, False, True), 1),
-    "only_input": ((True, False, False, False), 3),
+    "only_input": ((True, False, False, False), 3),  # dh, dx (mm + addmm)
+    "only_gate": ((False, True, False, False), 2),  # dh, dW_gate
+    "only_up": ((False, False, True, False), 2),  # dh, dW_up
+    "input_and_down": ((True, False, False, True), 4),
 }
 
 

@@ -176,8 +176,17 @@ def test_no_groups_give_no_rows():
     assert y.shape == (0, 3)
 
 
-def test_threads_started_afterwards_get_the_callers_thread_count(monkeypatch):
-    monkeypatch.setattr(cpu_grouped, "_POOL", {})  # a pool started by this test
+@pytest.fixture
+def own_pool(monkeypatch):
+    """Pools started by the test (not the module's), shut down after it."""
+    monkeypatch.setattr(cpu_grouped, "_POOL", {})
+    monkeypatch.setattr(cpu_grouped, "_USERS", {})
+    yield
+    if "pool" in cpu_grouped._POOL:
+        cpu_grouped._POOL["pool"].shutdown(wait=False)
+
+
+def test_threads_started_afterwards_get_the_callers_thread_count(own_pool):
     threaded_grouped_mm(torch.randn(sum(COUNTS), 8), torch.randn(len(COUNTS), 8, 4), COUNTS, 3)
     seen = []
     thread = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
@@ -202,8 +211,7 @@ def test_a_dispatch_mode_on_the_calling_thread_sees_every_gemm():
     torch.testing.assert_close(y, serial(x, w, COUNTS), atol=1e-5, rtol=1e-4)
 
 
-def test_every_pool_thread_runs_single_threaded_while_the_caller_keeps_its_count(monkeypatch):
-    monkeypatch.setattr(cpu_grouped, "_POOL", {})  # a pool started by this test
+def test_every_pool_thread_runs_single_threaded_while_the_caller_keeps_its_count(own_pool):
     before = torch.get_num_threads()
     seen = []
 
@@ -222,9 +230,7 @@ def _shut_down(pool) -> bool:
     return False
 
 
-def test_a_pool_outgrown_is_shut_down_once_no_caller_uses_it(monkeypatch):
-    monkeypatch.setattr(cpu_grouped, "_POOL", {})  # pools started by this test
-    monkeypatch.setattr(cpu_grouped, "_USERS", {})
+def test_a_pool_outgrown_is_shut_down_once_no_caller_uses_it(own_pool):
     release, started = threading.Event(), threading.Barrier(3, timeout=30)
 
     def held(lo: int, hi: int) -> None:
