@@ -29,7 +29,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,22 +48,13 @@ exit $rc
 
 def child(mode: str, steps: int) -> None:
     """One process: build the engine, time `steps` training steps, print one JSON line."""
-    import torch
 
-    from bench.engines import tiny_cpu_engine
-    from data.loader import Batch
+    from bench.engines import time_train_steps, tiny_cpu_engine
     from trainer.cpu_malloc import keep_freed_memory
-    from trainer.step import LossTracker, StepSettings, train_step
 
     keep_freed_memory()  # as `python -m trainer` on CPU
     engine = tiny_cpu_engine("bf16", compile=mode != "eager")
-    x = torch.randint(0, 8192, (BATCH, SEQ_LEN))
-    batch = Batch(x, torch.roll(x, -1, 1), torch.zeros_like(x, dtype=torch.int32))
-    seconds = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        train_step(engine, batch, StepSettings(grad_clip=1.0), LossTracker(0.0))
-        seconds.append(time.perf_counter() - start)
+    seconds = time_train_steps(engine, 8192, steps, BATCH, SEQ_LEN)
     from torch._dynamo.utils import compilation_time_metrics, counters
 
     phases = {k: sum(v) for k, v in compilation_time_metrics.items()}  # nested phases overlap

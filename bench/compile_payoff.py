@@ -22,7 +22,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,32 +34,14 @@ PRESETS = ("tiny", "tiny_moe", "tiny_mla", "tiny_hybrid", "tiny_mhc", "tiny_attn
 
 def child(preset: str, compiled: bool, precision: str, steps: int) -> None:
     """One process: the preset's engine, `steps` training steps timed, one JSON line."""
-    import torch
-
-    from data.loader import Batch
+    from bench.engines import cpu_engine, time_train_steps
     from model.presets import load_preset
-    from optim.config import OptimConfig
-    from parallel.config import ParallelConfig
-    from parallel.mesh import ParallelDims
-    from trainer.build import build_training_engine
-    from trainer.config import TrainerConfig
     from trainer.cpu_malloc import keep_freed_memory
-    from trainer.step import LossTracker, StepSettings, train_step
 
     keep_freed_memory()  # as `python -m trainer` on CPU
-    torch.manual_seed(0)
-    cfg = load_preset(preset)
-    tcfg = TrainerConfig(precision=precision, compile=compiled)
-    dims = ParallelDims.resolve(ParallelConfig(), 1)
-    device = torch.device("cpu")
-    engine = build_training_engine(cfg, tcfg, ParallelConfig(), OptimConfig(), dims, device, 0)
-    x = torch.randint(0, cfg.vocab_size, (BATCH, SEQ_LEN))
-    batch = Batch(x, torch.roll(x, -1, 1), torch.zeros_like(x, dtype=torch.int32))
-    seconds = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        train_step(engine, batch, StepSettings(grad_clip=1.0), LossTracker(0.0))
-        seconds.append(time.perf_counter() - start)
+    engine = cpu_engine(preset, precision, compile=compiled)
+    vocab_size = load_preset(preset).vocab_size
+    seconds = time_train_steps(engine, vocab_size, steps, BATCH, SEQ_LEN)
     from torch._dynamo.utils import counters
 
     breaks = sum(counters["graph_break"].values())

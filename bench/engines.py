@@ -1,7 +1,9 @@
-"""The trainer's training engine for the `tiny` preset in one CPU process, as the benches build
-it (the same call `python -m trainer` makes, without a run directory)."""
+"""The trainer's training engine for a preset in one CPU process, as the benches build it (the
+same call `python -m trainer` makes, without a run directory), and its steps timed."""
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -14,12 +16,35 @@ from trainer.build import build_training_engine
 from trainer.config import TrainerConfig
 
 
-def tiny_cpu_engine(precision: str = "bf16", compile: bool = False) -> TrainingEngine:
-    """The tiny preset's engine (AdamW, `trainer.precision`, `trainer.compile`), weights drawn
-    from seed 0."""
+def cpu_engine(preset: str, precision: str = "bf16", compile: bool = False) -> TrainingEngine:
+    """The preset's engine (AdamW, `trainer.precision`, `trainer.compile`), weights drawn from
+    seed 0."""
     torch.manual_seed(0)
     dims = ParallelDims.resolve(ParallelConfig(), 1)
     tcfg = TrainerConfig(precision=precision, compile=compile)
     return build_training_engine(
-        load_preset("tiny"), tcfg, ParallelConfig(), OptimConfig(), dims, torch.device("cpu"), 0
+        load_preset(preset), tcfg, ParallelConfig(), OptimConfig(), dims, torch.device("cpu"), 0
     )
+
+
+def tiny_cpu_engine(precision: str = "bf16", compile: bool = False) -> TrainingEngine:
+    """The tiny preset's engine (cpu_engine)."""
+    return cpu_engine("tiny", precision, compile)
+
+
+def time_train_steps(
+    engine: TrainingEngine, vocab_size: int, steps: int, batch: int, seq_len: int
+) -> list[float]:
+    """Seconds of each of `steps` training steps (the trainer's train_step, gradient clipping
+    at 1) on one random (batch, seq_len) batch of token ids below `vocab_size`."""
+    from data.loader import Batch
+    from trainer.step import LossTracker, StepSettings, train_step
+
+    x = torch.randint(0, vocab_size, (batch, seq_len))
+    tokens = Batch(x, torch.roll(x, -1, 1), torch.zeros_like(x, dtype=torch.int32))
+    seconds = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        train_step(engine, tokens, StepSettings(grad_clip=1.0), LossTracker(0.0))
+        seconds.append(time.perf_counter() - start)
+    return seconds
