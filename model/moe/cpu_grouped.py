@@ -26,7 +26,7 @@ import itertools
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager
 
 import torch
@@ -132,8 +132,8 @@ def _run_range(work: Callable[[int, int], None], lo: int, hi: int, inference: bo
 def run_in_parallel(work: Callable[[int, int], None], ranges: list[tuple[int, int]]) -> None:
     """work(lo, hi) for every range, each on its own single-threaded pool thread (one range
     too, so that every GEMM is computed alike whatever the thread count); the caller waits for
-    all of them, even when one raised (they write into the caller's buffers), then raises the
-    first error. Under a TorchDispatchMode the ranges run here, one after another."""
+    all of them, even when one raised or the caller is interrupted (they write into the caller's
+    buffers), then raises the first error. Under a TorchDispatchMode the ranges run here, one after another."""
     if not ranges:
         return
     inference = torch.is_inference_mode_enabled()
@@ -146,7 +146,13 @@ def run_in_parallel(work: Callable[[int, int], None], ranges: list[tuple[int, in
         _borrowed_pool(len(ranges)) as pool,
     ):
         futures = [pool.submit(_run_range, work, lo, hi, inference) for lo, hi in ranges]
-        errors = [f.exception() for f in futures]
+        try:
+            errors = [f.exception() for f in futures]
+        except BaseException:  # Ctrl-C while waiting: stop what has not begun, let the running
+            for future in futures:  # ranges end (they write into the caller's buffers), raise
+                future.cancel()
+            wait(futures)
+            raise
     for error in errors:
         if error is not None:
             raise error

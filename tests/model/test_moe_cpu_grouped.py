@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing
+import signal
 import threading
 import time
 
@@ -132,6 +133,21 @@ def test_an_error_in_a_pool_thread_reaches_the_caller_after_every_range_ended():
     with pytest.raises(RuntimeError, match="range 2"):
         run_in_parallel(work, [(0, 2), (2, 3), (3, 4)])
     assert sorted(done) == [0, 2, 3]
+
+
+def test_an_interrupted_caller_raises_only_after_the_running_ranges_ended():
+    done, main, both_running = [], threading.main_thread().ident, threading.Barrier(2, timeout=10)
+
+    def work(lo: int, hi: int) -> None:
+        both_running.wait()
+        if lo == 0:
+            signal.pthread_kill(main, signal.SIGINT)  # Ctrl-C while the caller waits
+        time.sleep(0.3)  # both still writing into the caller's buffers
+        done.append(lo)
+
+    with pytest.raises(KeyboardInterrupt):
+        run_in_parallel(work, [(0, 1), (1, 2)])
+    assert sorted(done) == [0, 1]  # nothing left running once the caller has the interrupt
 
 
 def _child_result(queue) -> None:
