@@ -25,9 +25,11 @@ already spans 7e-5 .. 2). At the start pre ~ 1/2 and post ~ 1 per stream and com
 the streams start equal, out_k ~ x + F(norm(x)), the pre-norm update, with fn's noise breaking
 the symmetry between streams (with fn = 0 they would stay equal forever).
 
-Memory: the maps are small per token ((2 + n) n numbers) but the Sinkhorn steps keep 2 iters
-(B, T, n, n) tensors for backward, more than the (B, T, n C) streams themselves at n = 4 and
-C = 256: `mhc.recompute_maps` recomputes them in backward instead (bench/residual_streams.py).
+Memory: the maps are small per token ((2 + n) n numbers). Autograd through the Sinkhorn steps
+keeps 2 iters (B, T, n, n) tensors for backward, more than the (B, T, n C) streams themselves at
+n = 4 and C = 256: eager runs take model/mhc_sinkhorn.py's version, which keeps only the logits
+(and is 3x faster); compiled blocks keep what Inductor chooses. `mhc.recompute_maps` recomputes
+all the maps in backward (bench/residual_streams.py).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from torch.utils.checkpoint import checkpoint
 
 from model import roles
 from model.config import ModelConfig
+from model.mhc_sinkhorn import sinkhorn_tokens_last
 from model.norms import wide_dtype
 from model.registry import RESIDUALS
 from model.residual import (
@@ -111,7 +114,9 @@ class HyperConnection(Connection, Fp32Parameters):
             pre = torch.sigmoid(pre_w * s_pre + pre_b) + self.eps
             post = 2 * torch.sigmoid(post_w * s_post + post_b)
             logits = comb_w.unflatten(-1, (n, n)) * s_comb + comb_b.view(n, n)
-            return pre, post, sinkhorn(logits, self.iters, self.eps)
+            if torch.compiler.is_compiling():  # Inductor fuses the recipe's loop
+                return pre, post, sinkhorn(logits, self.iters, self.eps)
+            return pre, post, sinkhorn_tokens_last(logits, self.iters, self.eps)
 
     def forward(self, x: Tensor, sublayer: Sublayer, norm: nn.Module) -> Tensor:
         if self.recompute and torch.is_grad_enabled():
