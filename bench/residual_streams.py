@@ -1,10 +1,11 @@
 """The 2026 residual streams against the plain pre-norm `tiny`, on this CPU.
 
 `step`: training-step time and peak memory of one process (forward + backward + AdamW, bf16
-autocast, the default batch of 8 x 256), each variant in its own process, in the same run:
+autocast or fp32, the default batch of 8 x 256), each variant in its own process, in the same run:
 pre-norm, Full AttnRes (also with the aggregation through plain autograd instead of the custom
-Function), Block AttnRes (k = 2, 4), mHC n = 4 (maps recomputed in backward, or
-kept), and compiled per block (`trainer.compile=true`) against the compiled pre-norm model.
+Function), Block AttnRes (k = 2, 4), mHC n = 4 (maps recomputed in backward, or kept; also with
+the Sinkhorn steps through plain autograd instead of model/mhc_sinkhorn.py's Function), and
+compiled per block (`trainer.compile=true`) against the compiled pre-norm model.
 Peak memory is the growth of the process's peak RSS over the model and optimizer
 (the CPU has no allocator statistics).
 
@@ -12,9 +13,11 @@ Peak memory is the growth of the process's peak RSS over the model and optimizer
 the same batches and tokens) for `tiny`, `tiny_attnres` (Block AttnRes, k = 2) and `tiny_mhc`, at
 the default learning rate and at twice it; the validation curves, and one plot of them.
 
-    python bench/residual_streams.py step [--repeats 5]
+    python bench/residual_streams.py step [--repeats 5] [--precision fp32] [--variants "mHC n=4"]
     python bench/residual_streams.py corpus [--only tiny_mhc]   (reruns those, keeps the rest)
-Writes bench/results/residual_streams_{step,corpus}_cpu.json (+ residual_streams_corpus.png).
+Writes bench/results/residual_streams_{step,corpus}_cpu.json (+ residual_streams_corpus.png; step
+in fp32: residual_streams_step_cpu_fp32.json). --variants: a subset (the pre-norm rows they are
+compared with always run).
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ VARIANTS = {  # name: (preset, overrides)
     "AttnRes block k=4": ("tiny_attnres", {"attnres.block_layers": 4}),
     "mHC n=4": ("tiny_mhc", {}),
     "mHC n=4, maps kept": ("tiny_mhc", {"mhc.recompute_maps": False}),
+    "mHC n=4, Sinkhorn through autograd": ("tiny_mhc", {}),
+    "mHC n=4, maps kept, Sinkhorn through autograd": ("tiny_mhc", {"mhc.recompute_maps": False}),
     "pre (tiny), compiled": ("tiny", {}),
     "AttnRes block k=2, compiled": ("tiny_attnres", {"attnres.block_layers": 2}),
     "mHC n=4, compiled": ("tiny_mhc", {}),
@@ -53,7 +58,7 @@ CORPUS_PRESETS = ("tiny", "tiny_attnres", "tiny_mhc")
 LRS = (3e-3, 6e-3)
 
 
-def measure_step(name: str, repeats: int) -> dict:
+def measure_step(name: str, repeats: int, precision: str = "bf16") -> dict:
     """In this process: median step time and peak RSS growth of one variant."""
     from model.presets import load_preset
     from model.transformer import build_model
@@ -66,6 +71,10 @@ def measure_step(name: str, repeats: int) -> dict:
             return attnres.reference_depth_attention(sources, self.query, self.gain, self.eps)
 
         attnres.DepthQuery.forward = plain
+    if "Sinkhorn through autograd" in name:  # the baseline of the eager Sinkhorn Function
+        import model.mhc as mhc
+
+        mhc.sinkhorn_tokens_last = mhc.sinkhorn
     torch.manual_seed(0)
     model = build_model(load_preset(preset, overrides), seed=0)
     if name.endswith("compiled"):
@@ -78,7 +87,7 @@ def measure_step(name: str, repeats: int) -> dict:
     times = []
     for i in range(repeats + 2):
         start = time.perf_counter()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
             loss = model(tokens[:, :-1], tokens[:, 1:])
         loss.backward()
         optimizer.step()
@@ -94,10 +103,14 @@ def measure_step(name: str, repeats: int) -> dict:
     }
 
 
-def step_benchmark(repeats: int) -> None:
+def step_benchmark(repeats: int, precision: str, only: list[str]) -> None:
     rows = {}
-    for name in VARIANTS:
+    wanted = set(only or VARIANTS) | {"pre (tiny)"}
+    if any(name.endswith("compiled") for name in wanted):
+        wanted.add("pre (tiny), compiled")
+    for name in [n for n in VARIANTS if n in wanted]:
         command = [sys.executable, __file__, "worker", "--variant", name, "--repeats", str(repeats)]
+        command += ["--precision", precision]
         out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
         rows[name] = json.loads(out.strip().splitlines()[-1])
     for name, row in rows.items():
@@ -109,8 +122,10 @@ def step_benchmark(repeats: int) -> None:
             f"({row['time_vs_pre']:.2f}x)  peak +{row['peak_rss_growth_mib']:.0f} MiB "
             f"({row['memory_vs_pre']:.2f}x)"
         )
+    suffix = "_fp32" if precision == "fp32" else ""
     save_result(
-        "residual_streams_step_cpu.json", {"batch": [8, 256], "precision": "bf16", "rows": rows}
+        f"residual_streams_step_cpu{suffix}.json",
+        {"batch": [8, 256], "precision": precision, "rows": rows},
     )
 
 
@@ -190,11 +205,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--variant", help=argparse.SUPPRESS)
     parser.add_argument("--only", nargs="*", default=[], choices=CORPUS_PRESETS)
+    parser.add_argument("--precision", default="bf16", choices=("bf16", "fp32"), help="step only")
+    parser.add_argument("--variants", nargs="*", default=[], choices=list(VARIANTS), help="step")
     args = parser.parse_args()
     if args.mode == "worker":
-        print(json.dumps(measure_step(args.variant, args.repeats)))
+        print(json.dumps(measure_step(args.variant, args.repeats, args.precision)))
     elif args.mode == "step":
-        step_benchmark(args.repeats)
+        step_benchmark(args.repeats, args.precision, args.variants)
     else:
         corpus_benchmark(args.only)
 
