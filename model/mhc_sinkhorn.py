@@ -12,7 +12,7 @@ out = c / (c.sum(axis) + eps) has the vector-Jacobian product
 and the softmax + eps that starts it grad_logits = p (grad_p - sum_last(grad_p p)).
 The result equals the recipe's to rounding (the sums add the same n numbers in the same order;
 tested, with gradients against float64). Under torch.compile the recipe is used instead:
-Inductor fuses its whole loop into one kernel.
+Inductor fuses its loop (this Function compiled made the tiny_mhc step 1.08-1.09x slower).
 """
 
 from __future__ import annotations
