@@ -29,7 +29,7 @@ from parallel.precision import resolve_precision
 
 
 def one_round(steps: int, workers: int) -> dict:
-    """The trainer's in-run tokens/s (median of its windows after the first), then the step
+    """The trainer's in-run tokens/s (median of its windows after the first two), then the step
     alone, then transformers with the same allocator, each in a fresh process."""
     overrides = [
         "trainer.compile=false",

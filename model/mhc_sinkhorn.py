@@ -34,27 +34,40 @@ def _steps(comb: Tensor, iters: int, eps: float, keep: bool) -> tuple[Tensor, li
     return comb, kept
 
 
+def _start(logits: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """The recipe's softmax over the last axis (..., n, n), and softmax + eps laid out (n, n, M)."""
+    probs = torch.softmax(logits, dim=-1)
+    return probs, _tokens_last(probs + eps)
+
+
+def _tokens_last(t: Tensor) -> Tensor:
+    """(..., n, n) -> contiguous (n, n, M), M = the product of the leading dims."""
+    return t.flatten(0, -3).permute(1, 2, 0).contiguous()
+
+
+def _tokens_first(t: Tensor, shape: torch.Size) -> Tensor:
+    """(n, n, M) -> contiguous `shape` (..., n, n): a strided result would send matmul's bmm
+    (the streams' mixing) to its slow per-matrix path."""
+    return t.permute(2, 0, 1).contiguous().view(shape)
+
+
 class _SinkhornTokensLast(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: Tensor, iters: int, eps: float) -> Tensor:
-        probs = torch.softmax(logits, dim=-1)  # (..., n, n) over the last axis, as the recipe
-        comb = (probs + eps).flatten(0, -3).permute(1, 2, 0).contiguous()  # (n, n, M)
-        comb, _ = _steps(comb, iters, eps, keep=False)
+        comb, _ = _steps(_start(logits, eps)[1], iters, eps, keep=False)
         ctx.save_for_backward(logits)
         ctx.iters, ctx.eps = iters, eps
-        # contiguous in the logits' layout: strided batches would send matmul's bmm to a slow path
-        return comb.permute(2, 0, 1).contiguous().view(logits.shape)
+        return _tokens_first(comb, logits.shape)
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
         (logits,) = ctx.saved_tensors
-        probs = torch.softmax(logits, dim=-1)
-        start = (probs + ctx.eps).flatten(0, -3).permute(1, 2, 0).contiguous()
+        probs, start = _start(logits, ctx.eps)
         _, kept = _steps(start, ctx.iters, ctx.eps, keep=True)
-        g = grad.flatten(0, -3).permute(1, 2, 0).contiguous()  # (n, n, M)
+        g = _tokens_last(grad)
         for out, denominator, axis in reversed(kept):
             g = (g - (g * out).sum(axis, keepdim=True)) / denominator
-        g = g.permute(2, 0, 1).reshape(logits.shape)  # d loss / d (probs + eps) = d / d probs
+        g = _tokens_first(g, logits.shape)  # d loss / d (probs + eps) = d loss / d probs
         grad_logits = probs * (g - (g * probs).sum(-1, keepdim=True))
         return grad_logits, None, None
 

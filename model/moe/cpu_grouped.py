@@ -133,7 +133,8 @@ def run_in_parallel(work: Callable[[int, int], None], ranges: list[tuple[int, in
     """work(lo, hi) for every range, each on its own single-threaded pool thread (one range
     too, so that every GEMM is computed alike whatever the thread count); the caller waits for
     all of them, even when one raised or the caller is interrupted (they write into the caller's
-    buffers), then raises the first error. Under a TorchDispatchMode the ranges run here, one after another."""
+    buffers), then raises the first error. Under a TorchDispatchMode the ranges run here, one
+    after another."""
     if not ranges:
         return
     inference = torch.is_inference_mode_enabled()
