@@ -43,7 +43,7 @@ class PrepareConfig:
     token_dtype: str = "auto"  # auto (uint16 when the vocabulary fits) | uint16 | uint32
     max_documents: int = 0  # stop after this many source documents; 0 = all
     workers: int = 0  # encoding threads; 0 = one per available core
-    progress: bool = True  # show a progress bar
+    progress: bool = True  # progress bars (BPE input and merges, tokenizing, verifying)
 
     def __post_init__(self) -> None:
         if self.decode_errors not in DECODE_ERRORS:

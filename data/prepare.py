@@ -272,7 +272,7 @@ def _obtain_tokenizer(cfg: PrepareConfig, out: Path, source: Source, split: Assi
         token_dtype(cfg.token_dtype, cfg.vocab_size)  # before spending the training time
         log.info("training a %d-token BPE on %s", cfg.vocab_size, cfg.source)
         texts = _training_texts(cfg, source, split)
-        tokenizer = train_bpe(texts, cfg.vocab_size, name=out.name)
+        tokenizer = train_bpe(texts, cfg.vocab_size, name=out.name, progress=cfg.progress)
     else:
         tokenizer = load_tokenizer(cfg.tokenizer)
     token_dtype(cfg.token_dtype, tokenizer.vocab_size)  # fail before saving anything
@@ -285,8 +285,9 @@ def _obtain_tokenizer(cfg: PrepareConfig, out: Path, source: Source, split: Assi
 def _training_texts(cfg: PrepareConfig, source: Source, split: Assigner) -> Iterator[str]:
     """Training-split text only, up to `tokenizer_train_chars` characters."""
     budget = cfg.tokenizer_train_chars
+    total = _bpe_input_bound(cfg, source)
     bar = tqdm(
-        total=budget, unit="char", unit_scale=True, desc="BPE input", disable=not cfg.progress
+        total=total, unit="char", unit_scale=True, desc="BPE input", disable=not cfg.progress
     )
     for doc in split.documents(source):
         if budget <= 0:
@@ -296,7 +297,18 @@ def _training_texts(cfg: PrepareConfig, source: Source, split: Assigner) -> Iter
             budget -= len(text)
             bar.update(len(text))
             yield text
+    bar.total = bar.n  # the bound counts validation text and bytes: end the bar at what was read
     bar.close()
+
+
+def _bpe_input_bound(cfg: PrepareConfig, source: Source) -> int | None:
+    """At most what BPE training reads: the character cap, or a smaller corpus of text files
+    (their bytes bound their characters); None (a bar without a total) when the size is unknown,
+    rather than the cap: a 6 MB corpus read against a 1e9-character cap looks stuck at 1%."""
+    known = source.kind in ("text", "stdlib") and not cfg.max_documents
+    if not known or source.total_bytes is None:
+        return None
+    return min(cfg.tokenizer_train_chars, source.total_bytes)
 
 
 def _limited(docs: Iterator[Document], max_documents: int) -> Iterator[Document]:

@@ -6,10 +6,10 @@
     python -m model.inspect model=llama3_70b model.attention.n_kv_heads=64 dp_shard=64 format=json
 
 Options: model=<preset>[,<preset>...], model.<key>=<value> (any ModelConfig field), seq_len=<T>
-(default: each model's max_seq_len), dtype=bf16|fp32|fp8 (the KV cache), param_dtype=fp32|bf16
-(training weights: fp32, or bf16 with an fp32 master copy), dp_shard=<N> (FSDP ranks the training
-state is sharded over), format=table|json. Models are built on the meta
-device, so the largest presets cost no memory.
+(default: 8192, or the model's max_seq_len when shorter), dtype=bf16|fp32|fp8 (the KV cache),
+param_dtype=fp32|bf16 (training weights: fp32, or bf16 with an fp32 master copy), dp_shard=<N>
+(FSDP ranks the training state is sharded over), format=table|json. Models are built on the meta
+device, so the largest presets cost no memory. Sizes print in KiB, MiB, GiB, TiB (powers of 1024).
 """
 
 from __future__ import annotations
@@ -31,12 +31,16 @@ from model.config import ConfigError, ModelConfig
 from model.presets import load_preset, parse_value, preset_names
 from model.transformer import build_model
 
+# The README's tables use it; a preset's full context (163,840 for DeepSeek-V3) would make the
+# attention term dominate the FLOPs of the default table.
+DEFAULT_SEQ_LEN = 8192
+
 
 @dataclass
 class InspectArgs:
     presets: list[str] = field(default_factory=lambda: ["tiny"])
     model_overrides: dict[str, Any] = field(default_factory=dict)
-    seq_len: int = 0  # 0 = each model's max_seq_len
+    seq_len: int = 0  # 0 = DEFAULT_SEQ_LEN, or the model's max_seq_len when shorter
     dtype: str = "bf16"  # KV cache
     param_dtype: str = "fp32"  # training weights (bf16 adds an fp32 master copy)
     dp_shard: int = 1
@@ -76,6 +80,11 @@ def parse_args(argv: list[str]) -> InspectArgs:
     if args.dp_shard < 1 or args.seq_len < 0:
         raise ConfigError(f"dp_shard={args.dp_shard} must be >= 1 and seq_len={args.seq_len} >= 0")
     return args
+
+
+def default_seq_len(cfg: ModelConfig, seq_len: int) -> int:
+    """`seq_len` when given, else DEFAULT_SEQ_LEN within the model's context."""
+    return seq_len or min(DEFAULT_SEQ_LEN, cfg.max_seq_len)
 
 
 def describe(cfg: ModelConfig, seq_len: int, args: InspectArgs) -> dict[str, Any]:
@@ -203,8 +212,15 @@ def _count(n: float) -> str:
     return f"{n:.0f}"
 
 
-def _bytes(n: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+def format_bytes(n: float) -> str:
+    """Binary units up to PiB: 1024 GiB and more print in TiB."""
+    for unit, size in (
+        ("PiB", 2**50),
+        ("TiB", 2**40),
+        ("GiB", 2**30),
+        ("MiB", 2**20),
+        ("KiB", 2**10),
+    ):
         if n >= size:
             return f"{n / size:.2f} {unit}"
     return f"{n:.0f} B"
@@ -234,16 +250,16 @@ ROWS: list[tuple[str, str, Any]] = [
     ("Training FLOPs / token", "train_flops_attention", _count),
     ("Training FLOPs / token", "train_flops_residual", _count),
     ("Training FLOPs / token", "six_n", _count),
-    ("KV cache", "kv_bytes_per_token", _bytes),
-    ("KV cache", "kv_bytes_per_sequence", _bytes),
-    ("KV cache", "kv_mha_bytes_per_token", _bytes),
+    ("KV cache", "kv_bytes_per_token", format_bytes),
+    ("KV cache", "kv_bytes_per_sequence", format_bytes),
+    ("KV cache", "kv_mha_bytes_per_token", format_bytes),
     ("KV cache", "kv_reduction_vs_mha", lambda r: f"{r:.1f}x"),
-    ("KV cache", "state_bytes_32k", _bytes),
-    ("KV cache", "attention_twin_state_bytes_32k", _bytes),
-    ("KV cache", "state_bytes_128k", _bytes),
-    ("KV cache", "attention_twin_state_bytes_128k", _bytes),
-    ("AdamW training state", "train_state_bytes", _bytes),
-    ("AdamW training state", "train_state_bytes_per_device", _bytes),
+    ("KV cache", "state_bytes_32k", format_bytes),
+    ("KV cache", "attention_twin_state_bytes_32k", format_bytes),
+    ("KV cache", "state_bytes_128k", format_bytes),
+    ("KV cache", "attention_twin_state_bytes_128k", format_bytes),
+    ("AdamW training state", "train_state_bytes", format_bytes),
+    ("AdamW training state", "train_state_bytes_per_device", format_bytes),
 ]
 
 LABELS = {
@@ -277,8 +293,10 @@ def render_table(results: dict[str, dict[str, Any]], args: InspectArgs) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    seq_len = args.seq_len or f"min({DEFAULT_SEQ_LEN}, context)"
     table = Table(
-        title=f"Model inspection (KV cache {args.dtype}, weights {args.param_dtype}, dp_shard {args.dp_shard})"
+        title=f"Model inspection (seq_len {seq_len}, KV cache {args.dtype}, "
+        f"weights {args.param_dtype}, dp_shard {args.dp_shard})"
     )
     table.add_column("")
     table.add_column("")
@@ -309,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         results = {}
         for name in args.presets:
             cfg = load_preset(name, args.model_overrides)
-            results[name] = describe(cfg, args.seq_len or cfg.max_seq_len, args)
+            results[name] = describe(cfg, default_seq_len(cfg, args.seq_len), args)
     except (ConfigError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from model.inspect import main
+from model.inspect import format_bytes, main
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
@@ -67,3 +67,25 @@ def test_bad_arguments_exit_2_with_a_message(args, message, capsys):
 def test_help_lists_the_presets(capsys):
     assert main(["--help"]) == 0
     assert "llama3_8b" in capsys.readouterr().out
+
+
+def test_default_seq_len_is_the_readme_tables_8192_within_each_context(capsys):
+    """Not a preset's full context (163,840 for DeepSeek-V3): the README's table is at 8192."""
+    assert main(["model=deepseek_v3,llama3_8b,llama2_7b,tiny", "format=json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {name: row["seq_len"] for name, row in rows.items()} == {
+        "deepseek_v3": 8192,
+        "llama3_8b": 8192,
+        "llama2_7b": 4096,
+        "tiny": 512,
+    }
+    assert round(rows["deepseek_v3"]["train_flops_per_token"] / 1e9, 1) == 281.2  # README's row
+    assert main(["model=deepseek_v3"]) == 0
+    assert "seq_len min(8192, context)" in capsys.readouterr().out
+
+
+def test_sizes_of_1024_gib_and_more_print_in_tib(capsys):
+    assert main(["model=deepseek_v3"]) == 0
+    table = capsys.readouterr().out
+    assert "9.76 TiB" in table and "9999" not in table  # AdamW state: 16 bytes x 671B
+    assert format_bytes(1023 * 2**30) == "1023.00 GiB" and format_bytes(2**40) == "1.00 TiB"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -34,6 +35,33 @@ def test_prepare_trains_a_tokenizer_and_writes_shards(corpus_dir, tmp_path):
     assert not (tmp_path / "outputs").exists() and not (tmp_path / ".hydra").exists()
     again = run_prepare(*args, "progress=false", cwd=tmp_path)
     assert again.returncode == 0 and "already prepared" in again.stderr
+
+
+def test_bpe_training_shows_our_bars_not_rustbpes_log(corpus_dir, tmp_path):
+    """rustbpe logs a line per percent of the merges: none reaches the console or prepare.log. The
+    BPE input bar counts up to the corpus, not to the 1e9-character cap, and ends at 100%."""
+    out = tmp_path / "out"
+    args = (f"source={corpus_dir}", f"out={out}", "vocab_size=1000", "workers=1")
+    result = run_prepare(*args, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    for text in (result.stderr, (out / "prepare.log").read_text()):
+        assert "rustbpe" not in text and "Progress:" not in text
+    bars = re.findall(r"BPE input: +(\d+)%\|[^|]*\| ([\d.]+[kMG]?)/([\d.]+[kMG]?) ", result.stderr)
+    assert bars, result.stderr
+    assert all(total != "1.00G" for _, _, total in bars)
+    percent, done, total = bars[-1]
+    assert percent == "100" and done == total
+    assert "BPE merges: 100%" in result.stderr
+    assert "learned 743 BPE merges" in result.stderr
+
+
+def test_help_lists_the_settings_of_prepare_only(tmp_path):
+    """conf/ also holds the trainer's groups; `data.prepare --help` does not list them."""
+    result = run_module("data.prepare", "--help", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "vocab_size: 8192" in result.stdout and "tokenizer_train_chars:" in result.stdout
+    for trainer_only in ("Configuration groups", "optim", "llama3_8b", "parallel", "checkpoint"):
+        assert trainer_only not in result.stdout
 
 
 @pytest.mark.parametrize(
