@@ -7,6 +7,10 @@ reads the ranks from the vocabulary, the split pattern from the pre-tokenizer, t
 from `added_tokens`, and the token that ends a document from the checkpoint's EOS. It refuses,
 naming the reason, what tiktoken cannot reproduce: other models (WordPiece, Unigram), a
 normalizer other than a Unicode form (NFC, as Qwen's, is applied before encoding), a prefix space, merges whose priority is not their result's id, missing single bytes.
+Our own export (data/hf_tokenizer_export.py) writes the split regex in the `tokenizers`
+library's dialect and records tiktoken's pattern beside it; that pattern is used when it
+translates to the regex (data/hf_regex.py), so the tokenizer reads back with its identity. A
+file that is not JSON (truncated) is a DataError naming it.
 The tests encode text both ways and compare the ids.
 """
 
@@ -18,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from data.errors import DataError
+from data.hf_regex import TIKTOKEN_PATTERN_KEY, onig_pattern
 from data.tokenizer import NORMALIZERS, Tokenizer
 
 # GPT-2's split (the ByteLevel pre-tokenizer's own regex, use_regex=true)
@@ -40,22 +45,24 @@ def load_hf_tokenizer(directory: Path) -> Tokenizer:
     path = directory / "tokenizer.json"
     if not path.is_file():
         raise DataError(f"tokenizer=hf:{directory}: no tokenizer.json there")
-    spec = json.loads(path.read_text())
-    model = spec.get("model") or {}
+    spec = _json(path)
+    model = spec.get("model") if isinstance(spec.get("model"), dict) else {}
     where = f"tokenizer=hf:{directory}"
     if model.get("type") != "BPE":
         raise DataError(
             f"{where}: a {model.get('type')} tokenizer cannot be represented (tiktoken encodings "
             "are byte-level BPE)"
         )
+    if not isinstance(model.get("vocab"), dict) or not isinstance(model.get("merges", []), list):
+        raise DataError(f"{where}: {path} has no BPE vocabulary and merges (model.vocab, .merges)")
     normalizer = (spec.get("normalizer") or {}).get("type", "")
     if normalizer not in NORMALIZERS:
         raise DataError(
             f"{where}: its {normalizer} normalizer has no equivalent here (Unicode forms only: "
             f"{', '.join(n for n in NORMALIZERS if n)})"
         )
-    pattern = _split_pattern(spec.get("pre_tokenizer"), where)
-    special = {t["content"]: int(t["id"]) for t in spec.get("added_tokens", [])}
+    pattern = _tiktoken_pattern(_split_pattern(spec.get("pre_tokenizer"), where), directory)
+    special = _added_tokens(spec, path)
     ranks = _ranks(model, special, where)
     eos = _eos(directory, special)
     return Tokenizer(f"hf:{directory.name}", pattern, ranks, special, eos, normalizer)
@@ -82,9 +89,16 @@ def _split_pattern(pre: dict[str, Any] | None, where: str) -> str:
     raise DataError(f"{where}: pre-tokenizer {kinds} is not a single regex split (tiktoken's)")
 
 
+def _tiktoken_pattern(regex: str, directory: Path) -> str:
+    """The pattern tiktoken matches as `tokenizers` matches `regex`: the one our export records
+    beside it (data/hf_regex.py) when that translates to `regex`, else `regex` itself."""
+    recorded = _json(directory / "tokenizer_config.json").get(TIKTOKEN_PATTERN_KEY)
+    return recorded if isinstance(recorded, str) and onig_pattern(recorded) == regex else regex
+
+
 def _ranks(model: dict[str, Any], special: dict[str, int], where: str) -> dict[bytes, int]:
-    """Token bytes -> id; checked to be a valid tiktoken rank table (all 256 bytes, and each
-    merge's priority equal to its result's id order)."""
+    """Token bytes -> id; checked to be a valid tiktoken rank table (all 256 bytes, and the
+    merges in the order of their results' ids)."""
     table = unicode_to_byte()
     ranks: dict[bytes, int] = {}
     for text, index in model["vocab"].items():
@@ -99,9 +113,13 @@ def _ranks(model: dict[str, Any], special: dict[str, int], where: str) -> dict[b
         raise DataError(f"{where}: {missing} of the 256 single bytes are not in the vocabulary")
     last = -1
     for merge in model.get("merges", []):
-        left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
-        merged = ranks.get(bytes(table[c] for c in left + right))
-        if merged is None or merged <= last:
+        try:
+            left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
+            merged = ranks.get(bytes(table[c] for c in left + right))
+        except (KeyError, TypeError, ValueError):
+            raise DataError(f"{where}: the merge {merge!r} is not a byte-level pair") from None
+        # not smaller: a token that several splits make has several merges of one id
+        if merged is None or merged < last:
             raise DataError(
                 f"{where}: the merge {left!r} + {right!r} does not have the next larger id: its "
                 "merge order is not its id order, which tiktoken's ranks need"
@@ -131,5 +149,22 @@ def _eos(directory: Path, special: dict[str, int]) -> str:
     )
 
 
+def _added_tokens(spec: dict[str, Any], path: Path) -> dict[str, int]:
+    try:
+        return {str(t["content"]): int(t["id"]) for t in spec.get("added_tokens") or []}
+    except (KeyError, TypeError, ValueError):
+        raise DataError(f"{path}: added_tokens is not a list of {{content, id}}") from None
+
+
 def _json(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text()) if path.is_file() else {}
+    """A JSON object from `path` ({} when there is no file); one that is not JSON (a truncated
+    download, say) is a DataError naming it."""
+    if not path.is_file():
+        return {}
+    try:
+        spec = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise DataError(f"{path} is not valid JSON (truncated or damaged?): {err}") from None
+    if not isinstance(spec, dict):
+        raise DataError(f"{path} is not a JSON object")
+    return spec

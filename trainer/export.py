@@ -95,8 +95,12 @@ def copy_tokenizer(extra: dict, out: Path) -> None:
         expected = TokenizerIdentity.from_dict(extra["tokenizer"])
     else:  # older checkpoints: the dataset's manifest says which tokenizer it was
         expected = Manifest.load(directory.parent).tokenizer
-    load_verified_tokenizer(directory, expected, "the checkpoint")
+    tokenizer = load_verified_tokenizer(directory, expected, "the checkpoint")
     shutil.copytree(directory, out / "tokenizer", dirs_exist_ok=True)
+    # and as Hugging Face's tokenizer.json + tokenizer_config.json (AutoTokenizer, init_from=hf:)
+    from data.hf_tokenizer_export import write_hf_tokenizer  # (imported here: one edit)
+
+    write_hf_tokenizer(tokenizer, out)
 
 
 def export(cfg: ExportConfig) -> Path:

@@ -5,12 +5,15 @@ The model is the checkpoint's: its config comes from `config.json` through the f
 they keep every weight's shape (sequence length, kernels, loss chunking, balancing rates, ...);
 one that changes a shape is refused, naming it. The data must have been tokenized with the
 checkpoint's own tokenizer (`python -m data.prepare tokenizer=hf:<dir>`), whose ids the weights
-were trained on: another tokenizer is refused, naming the fix. The weights load into the
-engine's model (sharded or not) part by part (the embedding and head, then one layer at a
-time, memory-mapped): every rank converts each part to ours and keeps its shard of it, reading
-only its own rows of the tensors that convert unchanged; the ranks agree on the outcome. (The
-DeepSpeed engine holds the whole model on every rank until ZeRO partitions it, so it merges
-the parts.)
+were trained on: another tokenizer is refused, naming the fix (an export of ours carries the
+run's tokenizer as tokenizer.json, which reads back with the same identity). Before any engine
+is built, config.json's values and the weights' shapes (from the safetensors headers) are
+checked against each other on every rank: a damaged or inconsistent directory is one line
+naming the file, exit 2, on all of them. The weights load into the engine's model (sharded or
+not) part by part (the embedding and head, then one layer at a time, memory-mapped): every rank
+converts each part to ours and keeps its shard of it, reading only its own rows of the tensors
+that convert unchanged; the ranks agree on the outcome. (The DeepSpeed engine holds the whole
+model on every rank until ZeRO partitions it, so it merges the parts.)
 """
 
 from __future__ import annotations
@@ -30,8 +33,10 @@ from data.tokenizer import load_tokenizer
 from model.config import ModelConfig, config_from_dict
 from model.errors import ConfigError
 from model.hf import HFWeights, config_from_hf, from_hf_parts
+from model.hf.config_values import check_value_types
 from model.hf.family import family_for_hf
 from model.hf.mtp_layers import without_missing
+from model.hf.weights_check import check_hf_weights
 from model.presets import set_dotted
 from model.transformer import build_model
 from parallel.collective import all_true
@@ -56,11 +61,31 @@ def hf_directory(init_from: str) -> Path:
 
 def hf_model_config(init_from: str, manifest: Manifest, overrides: list[str]) -> ModelConfig:
     """The checkpoint's model config with the run's shape-keeping `model.*` overrides, checked
-    against the data's tokenizer."""
+    against the data's tokenizer and against the weights' shapes (from the safetensors headers:
+    a mismatch is refused here, before any engine is built). Every rank checks; they agree on
+    the outcome, so a problem is one ConfigError (exit 2) on all of them."""
+    problem, cfg = "", None
+    try:
+        cfg = _checked_config(init_from, manifest, overrides)
+    except ConfigError as err:
+        problem = str(err)
+    if not all_true(not problem):
+        raise ConfigError(problem or f"init_from={init_from} was refused on another rank")
+    return cfg
+
+
+def _checked_config(init_from: str, manifest: Manifest, overrides: list[str]) -> ModelConfig:
     directory = hf_directory(init_from)
-    hf = json.loads((directory / "config.json").read_text())
-    base = without_missing(config_from_hf(hf), HFWeights(directory).names())
-    cfg = _with_overrides(base, overrides, init_from)
+    hf = read_hf_config(directory, init_from)
+    try:
+        weights = HFWeights(directory)
+        base = without_missing(_config_from_hf(hf, directory), weights.names())
+        cfg = _with_overrides(base, overrides, init_from)
+        check_hf_weights(weights, cfg, family_for_hf(hf))
+    except (OSError, ValueError) as err:  # (ConfigError too) a damaged file or a mismatch, named
+        message = str(err)
+        prefix = "" if message.startswith("init_from=") else f"init_from={init_from}: "
+        raise ConfigError(prefix + message) from None
     _check_tokenizer(directory, manifest, init_from)
     if manifest.vocab_size > cfg.vocab_size:
         raise ConfigError(
@@ -68,6 +93,36 @@ def hf_model_config(init_from: str, manifest: Manifest, overrides: list[str]) ->
             f"checkpoint's embedding {cfg.vocab_size}"
         )
     return cfg
+
+
+def read_hf_config(directory: Path, init_from: str) -> dict:
+    """config.json as a dict; one that is not a JSON object is a ConfigError naming it."""
+    path = directory / "config.json"
+    try:
+        hf = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(f"init_from={init_from}: {path} cannot be read as JSON ({err})") from None
+    if not isinstance(hf, dict):
+        raise ConfigError(f"init_from={init_from}: {path} is not a JSON object")
+    return hf
+
+
+def _config_from_hf(hf: dict, directory: Path) -> ModelConfig:
+    """config_from_hf, with what a damaged or hand-edited config.json raises named in one line."""
+    where = directory / "config.json"
+    try:
+        check_value_types(hf)
+        return config_from_hf(hf)
+    except KeyError as err:
+        raise ConfigError(
+            f"{where} has no {err.args[0]!r}, which a {hf.get('model_type')} config needs"
+        ) from None
+    except ConfigError as err:
+        raise ConfigError(f"{where}: {err}") from None
+    except (TypeError, ValueError, AttributeError, ZeroDivisionError) as err:
+        raise ConfigError(
+            f"{where} holds a malformed value ({type(err).__name__}: {err})"
+        ) from None
 
 
 def _with_overrides(base: ModelConfig, overrides: list[str], init_from: str) -> ModelConfig:

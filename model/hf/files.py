@@ -85,10 +85,7 @@ class HFWeights:
         self.path = Path(path)
         index = self.path / INDEX
         if index.is_file():
-            try:
-                self.file_of: dict[str, str] = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as err:
-                raise ValueError(f"{index} is not a safetensors index ({err!r})") from None
+            self.file_of: dict[str, str] = _weight_map(index)
         elif (self.path / "model.safetensors").is_file():
             with _open(self.path / "model.safetensors") as f:
                 self.file_of = dict.fromkeys(f.keys(), "model.safetensors")
@@ -113,6 +110,25 @@ class HFWeights:
                 except SafetensorError as err:  # e.g. an index naming the wrong file
                     raise ValueError(f"{self.path / filename} cannot be read: {err}") from None
             yield tensors
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    """An index's tensor -> file map; files must lie in the index's directory (as a data
+    manifest's must: a crafted index would otherwise read any file the user can)."""
+    try:
+        file_of = json.loads(index.read_text())["weight_map"]
+        if not all(isinstance(n, str) and isinstance(f, str) for n, f in file_of.items()):
+            raise TypeError("weight_map is not names -> file names")
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as err:
+        raise ValueError(f"{index} is not a safetensors index ({err})") from None
+    for filename in sorted(set(file_of.values())):
+        normal = os.path.normpath(filename)
+        if os.path.isabs(normal) or normal == ".." or normal.startswith(".." + os.sep):
+            raise ValueError(
+                f"{index} names {filename!r}, which lies outside its directory: refused (a "
+                "shard index names the safetensors files beside it)"
+            )
+    return file_of
 
 
 def _open(path: Path) -> Any:
