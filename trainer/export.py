@@ -3,6 +3,12 @@ a training checkpoint (of either engine) -> a Hugging Face directory (config.jso
 with model.safetensors.index.json when there are several files) for the families that
 transformers knows (model/hf/).
 
+Nothing is written where it could cost data (trainer/export_target.py: never over the run, the
+checkpoint or the working directory; overwrite=true replaces only a previous export), and
+nothing half-done is left: the export is written into a temporary sibling of `out` (the
+tokenizer first, verified before any weight is written) and renamed into place at the end;
+any failure removes it. Weights holding NaN or inf are refused unless allow_nonfinite=true.
+
 The checkpoint holds the resolved model config (vocabulary included), so nothing else is needed;
 a run directory means its newest checkpoint whose files verify. A sharded (DCP) checkpoint is
 streamed: read a layer at a time, converted, and written into files of at most max_shard_size,
@@ -12,6 +18,7 @@ so the whole model is never in memory (DeepSpeed's checkpoints are consolidated 
 from __future__ import annotations
 
 import logging
+import math
 import shutil
 import sys
 from collections.abc import Iterable, Iterator
@@ -24,15 +31,17 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
+from data.atomic import is_disk_full
 from data.errors import DataError
 from data.manifest import Manifest
 from data.tokenizer import TokenizerIdentity, load_verified_tokenizer
 from model.config import ModelConfig
 from model.errors import ConfigError
-from model.hf import save_hf_parts
+from model.hf import hf_architecture, staged_dir, write_hf_parts
 from trainer.checkpoint import CheckpointError
-from trainer.checkpoint_weights import newest_weights
+from trainer.checkpoint_weights import WeightParts, candidates, newest_weights
 from trainer.config import CONF_DIR
+from trainer.export_target import check_out, write_marker
 
 log = logging.getLogger("trainer.export")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -43,7 +52,8 @@ class ExportConfig:
     path: str = ""  # a checkpoint directory (step_<N>) or a run directory (its newest one)
     out: str = ""  # the Hugging Face directory to write
     dtype: str = "bf16"  # fp32 | bf16: the dtype of the saved weights
-    overwrite: bool = False  # replace an existing `out`
+    overwrite: bool = False  # replace an existing `out` that is a previous export
+    allow_nonfinite: bool = False  # export weights holding NaN or inf (refused by default)
     max_shard_size: str = (
         "5GB"  # the largest safetensors file (transformers' default), e.g. 2GB, 500MB
     )
@@ -67,7 +77,7 @@ def _bytes(size: str) -> int:
         value = float(text[: len(text) - len(unit)]) * UNITS.get(unit, 1)
     except ValueError:
         value = 0
-    if value < 1:
+    if not math.isfinite(value) or value < 1:  # nan, inf: no size (int() of them raises)
         raise ConfigError(f"max_shard_size={size!r} is not a size like 5GB, 500MB or 2GiB")
     return int(value)
 
@@ -103,21 +113,58 @@ def copy_tokenizer(extra: dict, out: Path) -> None:
     write_hf_tokenizer(tokenizer, out)
 
 
+def finite(parts: WeightParts, ckpt: Path) -> Iterator:
+    """The parts, refused at the first tensor holding NaN or inf (a diverged run's weights),
+    each part checked as it is read, before it is converted."""
+    for part, state in parts:
+        for name, tensor in state.items():
+            if tensor.is_floating_point():
+                bad = tensor.numel() - int(torch.isfinite(tensor).sum())
+                if bad:
+                    raise CheckpointError(
+                        f"{ckpt} holds non-finite weights: {name} has {bad} NaN or infinite "
+                        f"values (of {tensor.numel()}); export an earlier checkpoint (path=<its "
+                        f"step_ directory>) or pass allow_nonfinite=true"
+                    )
+        yield part, state
+        del state  # before the next part is read
+
+
 def export(cfg: ExportConfig) -> Path:
-    ckpt, extra, model_cfg, parts = newest_weights(Path(cfg.path).expanduser())
-    out = Path(cfg.out).expanduser()
+    source, out = Path(cfg.path).expanduser(), Path(cfg.out).expanduser()
+    protected = {
+        "the run or checkpoint being exported": source,
+        "the working directory": Path.cwd(),
+    }
+    check_out(out, cfg.overwrite, protected, candidates(source))  # before anything is read
+    ckpt, extra, model_cfg, parts = newest_weights(source)
+    hf_architecture(model_cfg)  # a model HF cannot express: refused before anything is written
     parts = _with_progress(parts, model_cfg)
-    save_hf_parts(
-        model_cfg,
-        parts,
-        out,
-        dtype=DTYPES[cfg.dtype],
-        max_shard_bytes=_bytes(cfg.max_shard_size),
-        overwrite=cfg.overwrite,
-    )
-    copy_tokenizer(extra, out)
+    if not cfg.allow_nonfinite:
+        parts = finite(parts, ckpt)
+    with staged_dir(out) as tmp:  # renamed to `out` at the end; removed on any failure
+        copy_tokenizer(extra, tmp)  # verified before any weight is written
+        write_hf_parts(
+            model_cfg,
+            parts,
+            tmp,
+            dtype=DTYPES[cfg.dtype],
+            max_shard_bytes=_bytes(cfg.max_shard_size),
+        )
+        write_marker(tmp, ckpt, extra["step"], cfg.dtype)
     log.info("exported %s (step %d) to %s", ckpt, extra["step"], out)
     return out
+
+
+def _os_problem(err: OSError, out: str) -> str:
+    """One line for a file-system failure (nothing is left in `out`: the temporary is gone)."""
+    if is_disk_full(err):
+        return (
+            f"no space left on the device of {out}: nothing was exported; free space and run "
+            f"the same command again, or choose another out="
+        )
+    where = f" ({err.filename})" if err.filename else ""
+    return f"{err.strerror or err}{where}: nothing was exported; choose an out= you can write"
 
 
 ConfigStore.instance().store(name="export_schema", node=ExportConfig)
@@ -128,8 +175,11 @@ def main(dict_cfg: DictConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         export(OmegaConf.to_object(dict_cfg))
-    except (ConfigError, DataError, CheckpointError, FileExistsError) as err:
+    except (ConfigError, DataError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
+        sys.exit(1)
+    except OSError as err:  # a read-only or full file system, a folder one may not write
+        print(f"error: {_os_problem(err, dict_cfg.out)}", file=sys.stderr)
         sys.exit(1)
 
 

@@ -48,7 +48,14 @@ from model.hf.family import (
     hf_part,
     our_part,
 )
-from model.hf.files import MAX_SHARD_BYTES, HFWeights, read_hf_state_dict, write_hf_dir
+from model.hf.files import (
+    MAX_SHARD_BYTES,
+    HFWeights,
+    read_hf_state_dict,
+    staged_dir,
+    write_hf_dir,
+    write_hf_files,
+)
 from model.transformer import Transformer, build_model
 
 Params = dict[str, Tensor]
@@ -69,8 +76,10 @@ __all__ = [
     "read_hf_state_dict",
     "save_hf",
     "save_hf_parts",
+    "staged_dir",
     "to_hf_parts",
     "to_hf_state_dict",
+    "write_hf_parts",
 ]
 
 
@@ -167,17 +176,35 @@ def save_hf_parts(
     """`save_hf` of weights streamed part by part (a sharded checkpoint read a layer at a time):
     each converted tensor goes to its place in its file as it comes, so one part is in memory
     at a time, whatever the files' size."""
-    family = family_for_config(cfg)  # refuses what HF cannot express before touching the disk
+    family_for_config(cfg)  # refuses what HF cannot express before touching the disk
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not overwrite:
+        raise FileExistsError(f"{out_dir} exists; pass overwrite=True or choose another directory")
+    with staged_dir(out_dir) as tmp:
+        write_hf_parts(cfg, parts, tmp, dtype=dtype, max_shard_bytes=max_shard_bytes)
+    return out_dir
+
+
+def write_hf_parts(
+    cfg: ModelConfig,
+    parts: Iterable[tuple[int, Params]],
+    directory: Path,
+    *,
+    dtype: torch.dtype,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+) -> None:
+    """`save_hf_parts` into an existing directory (a caller's temporary one, which the caller
+    renames into place once everything else it holds is written: model/hf/files.staged_dir)."""
+    family = family_for_config(cfg)
     # every tensor's name and shape in advance: the conversion of the model on the meta device
     meta = dict(build_model(cfg, device="meta").state_dict())
     layout = [(n, tuple(t.shape)) for n, t in mtp_layers.to_hf(family, meta, cfg).items()]
-    return write_hf_dir(
+    write_hf_files(
         to_hf_parts(parts, cfg),
         lambda dt: hf_config(cfg, dt),
-        out_dir,
+        directory,
         dtype=dtype,
         max_shard_bytes=max_shard_bytes,
-        overwrite=overwrite,
         keep_fp32=family.keep_fp32,
         layout=layout,
     )

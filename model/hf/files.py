@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
-import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -37,8 +37,36 @@ def write_hf_dir(
     keep_fp32: tuple[str, ...] = (),
     layout: Layout | None = None,
 ) -> Path:
-    """Write config(dtype) + the tensors (HF names) to `out_dir` atomically (a temporary sibling,
-    then rename): one state dict, or parts of one streamed in turn with their `layout` and
+    """Write config(dtype) + the tensors (HF names) to `out_dir` atomically (`staged_dir`):
+    `write_hf_files` into a temporary sibling, then renamed into place."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not overwrite:
+        raise FileExistsError(f"{out_dir} exists; pass overwrite=True or choose another directory")
+    with staged_dir(out_dir) as tmp:
+        write_hf_files(
+            parts,
+            config,
+            tmp,
+            dtype=dtype,
+            max_shard_bytes=max_shard_bytes,
+            keep_fp32=keep_fp32,
+            layout=layout,
+        )
+    return out_dir
+
+
+def write_hf_files(
+    parts: dict[str, Tensor] | Iterable[dict[str, Tensor]],
+    config: Callable[[torch.dtype], dict[str, Any]],
+    directory: Path,
+    *,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+    keep_fp32: tuple[str, ...] = (),
+    layout: Layout | None = None,
+) -> None:
+    """Write config(dtype) + the tensors (HF names) into `directory`, which exists (a caller's
+    temporary one): one state dict, or parts of one streamed in turn with their `layout` and
     `dtype` given in advance (each tensor then goes to disk as it comes: model/hf/
     safetensors_stream.py). `dtype`: by default the state dict's first tensor's. Tensors whose
     names end with one of `keep_fp32` stay fp32 (a router's selection bias rounded to bf16
@@ -49,31 +77,52 @@ def write_hf_dir(
         parts = [parts]
     elif layout is None or dtype is None:
         raise ValueError("streamed parts need their layout and dtype in advance")
-    out_dir = Path(out_dir)
-    if out_dir.exists() and not overwrite:
-        raise FileExistsError(f"{out_dir} exists; pass overwrite=True or choose another directory")
 
     def stored(name: str) -> torch.dtype:
         return torch.float32 if name.endswith(keep_fp32) else dtype
 
+    specs = [TensorSpec(name, stored(name), shape) for name, shape in layout]
+    writer = StreamedFiles(directory, specs, max_shard_bytes)
+    for part in parts:
+        for name, tensor in part.items():
+            writer.add(name, tensor.detach().to("cpu", stored(name)))
+        part = tensor = None  # before the next part is read
+    writer.close()
+    (directory / "config.json").write_text(json.dumps(config(dtype), indent=2) + "\n")
+
+
+@contextmanager
+def staged_dir(out_dir: Path) -> Iterator[Path]:
+    """A temporary sibling of `out_dir` to write into, renamed to `out_dir` when the block ends
+    without an error, removed whatever the error. A directory already at `out_dir` (the caller
+    decided it may go) is moved aside first and deleted only once the new one is in place, so
+    there is always a complete directory under one of the two names."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    tmp = _sibling(out_dir, "tmp")
+    tmp.mkdir()  # not tempfile.mkdtemp: its mode 0700 would stay the export's
+    old = None
     try:
-        specs = [TensorSpec(name, stored(name), shape) for name, shape in layout]
-        writer = StreamedFiles(tmp, specs, max_shard_bytes)
-        for part in parts:
-            for name, tensor in part.items():
-                writer.add(name, tensor.detach().to("cpu", stored(name)))
-            part = tensor = None  # before the next part is read
-        writer.close()
-        (tmp / "config.json").write_text(json.dumps(config(dtype), indent=2) + "\n")
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
+        yield tmp
+        if out_dir.exists() or out_dir.is_symlink():
+            old = _sibling(out_dir, "old")
+            out_dir.rename(old)
         tmp.rename(out_dir)
     except BaseException:
+        if old is not None and not out_dir.exists():  # the last rename failed: the old one back
+            old.rename(out_dir)
+            old = None
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return out_dir
+    if old is not None:
+        if old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink()
+
+
+def _sibling(path: Path, what: str) -> Path:
+    """An unused hidden name beside `path` (`.name.tmp-<pid>-<random>`)."""
+    return path.with_name(f".{path.name}.{what}-{os.getpid()}-{secrets.token_hex(4)}")
 
 
 class HFWeights:
