@@ -11,6 +11,11 @@ from torch import Tensor
 from model.transformer import Transformer
 
 
+class NonFiniteOutput(ValueError):
+    """The model's next-token probabilities hold NaN or inf (its weights or activations
+    overflowed): there is nothing to sample from."""
+
+
 def sample_next(
     logits: Tensor,
     temperature: float = 1.0,
@@ -25,6 +30,8 @@ def sample_next(
         kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
+    if not bool(torch.isfinite(probs).all()):  # multinomial would fail (a device assert on GPUs)
+        raise NonFiniteOutput("the model's next-token probabilities are not finite")
     return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
 

@@ -14,6 +14,7 @@ names (`layers.3.attn.q_proj.weight`) stay the same for checkpoints and export.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -121,6 +122,16 @@ CPU_INDUCTOR_OPTIONS = {
 }
 
 
+def quiet_complex_rope_warning() -> None:
+    """The RoPE rotations enter each compiled block as one complex tensor (model/rope.py: so
+    that FSDP2's input casting leaves them fp32), which the block splits into real cos/sin with
+    view_as_real. Inductor runs that one view eagerly and warns once per graph; nothing else in
+    the block is affected (the numbers are eager's), so the warning says nothing to act on."""
+    warnings.filterwarnings(  # an identical filter replaces itself: calling again adds none
+        "ignore", message="Torchinductor does not support code generation for complex operators"
+    )
+
+
 def compile_model(model: Transformer, device_type: str) -> None:
     """Compile each block on its own (FSDP2's gather/reduce hooks run between blocks; or its two
     sublayers, for residual streams that ask for it), and each chunk of the fused head +
@@ -129,6 +140,7 @@ def compile_model(model: Transformer, device_type: str) -> None:
     train_throughput.py: *_compiled vs *_compiled_whole_model, with Inductor's default options).
     device_type: where the model
     will run ("cpu" takes CPU_INDUCTOR_OPTIONS)."""
+    quiet_complex_rope_warning()
     options = CPU_INDUCTOR_OPTIONS if device_type == "cpu" else None
     whole = model.stream.compile_whole_blocks
     if whole and any(is_checkpointed(block) for block in model.blocks()):

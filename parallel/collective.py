@@ -45,6 +45,16 @@ def max_over_ranks(value: int) -> int:
     return int(flag.item())
 
 
+def worst_over_ranks(verdict: int, reason: str) -> tuple[int, str]:
+    """The highest `verdict` of any rank, with the `reason` of the first rank that has it (so
+    rank 0 can say what another rank found)."""
+    if not several_ranks():
+        return verdict, reason
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (verdict, reason))
+    return max(every, key=lambda item: item[0])
+
+
 def from_main(obj: Any) -> Any:
     """Rank 0's `obj` on every rank (any picklable value)."""
     if not several_ranks():

@@ -1,25 +1,23 @@
-"""DeepSpeed's checkpoint files (`<step dir>/deepspeed/`) outside its engine: how many ranks
-wrote them, their conversion to DeepSpeed's universal checkpoint (resharding), and their whole
-fp32 weights in one process (export, and starting a run of either engine from them).
+"""DeepSpeed's checkpoint files (`<step dir>/deepspeed/`) outside its engine: which ZeRO stage
+and how many ranks wrote them, whether all their files are there, and their whole fp32 weights
+in one process (export, and starting a run of either engine from them).
 
-DeepSpeed's files are pickles beyond tensors (its config, step counters): like DeepSpeed itself,
-this reads them with `weights_only=False`, so load only checkpoints you trust.
+DeepSpeed's files are pickles beyond tensors (its config, step counters, a few classes of its
+own): they are read with torch's weights-only unpickler and those classes allowed
+(parallel.deepspeed_safe_load), never with DeepSpeed's full one before they were vetted.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from model.errors import ConfigError
+from parallel.deepspeed_safe_load import load_file, vet_folder
 from parallel.deepspeed_tables import table_weights
 
 CHECKPOINT_FOLDER = "deepspeed"  # inside the trainer's step directory
@@ -27,9 +25,9 @@ MODEL_STATES = "mp_rank_00_model_states.pt"  # ZeRO-0 and 1-2: the module (and 0
 LAYOUT = "lmforge_layout.json"  # the run's layout beside DeepSpeed's files (ranks, ep)
 
 
-def write_layout(folder: Path, ranks: int, ep: int) -> None:
+def write_layout(folder: Path, ranks: int, ep: int, zero_stage: int) -> None:
     """What DeepSpeed's files do not say about the run that wrote them (rank 0, after them)."""
-    (folder / LAYOUT).write_text(json.dumps({"ranks": ranks, "ep": ep}))
+    (folder / LAYOUT).write_text(json.dumps({"ranks": ranks, "ep": ep, "zero_stage": zero_stage}))
 
 
 def read_layout(folder: Path) -> dict:
@@ -38,24 +36,16 @@ def read_layout(folder: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def convert_to_universal(folder: Path, out: Path) -> None:
-    """DeepSpeed's own converter (`python -m deepspeed.checkpoint.ds_to_universal`) in a child
-    process: ZeRO partitions of any number of ranks -> one folder per parameter with its fp32
-    weights and optimizer states, which any number of ranks can load."""
-    shutil.rmtree(out.parent, ignore_errors=True)  # a conversion an earlier crash left
-    out.parent.mkdir(parents=True)
-    workers = max(1, min(8, (os.cpu_count() or 1) // 2))
-    command = [
-        sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
-        "--input_folder", str(folder), "--output_folder", str(out), "--inject_missing_state",
-        "--num_extract_workers", str(workers), "--num_merge_workers", str(max(1, workers // 2)),
-    ]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0:
-        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
-        raise RuntimeError(
-            f"DeepSpeed could not convert {folder} to a universal checkpoint: {tail[0]}"
-        )
+def saved_stage(folder: Path) -> int:
+    """The ZeRO stage that wrote `folder`: recorded, or (older checkpoints) told by the files:
+    ZeRO-3 partitions the module too (a model file per rank), ZeRO-1/2 only the optimizer
+    (same files for both: 1 and 2 load each other's), ZeRO-0 partitions nothing."""
+    recorded = read_layout(folder).get("zero_stage")
+    if recorded is not None:
+        return int(recorded)
+    if any(folder.glob("*zero_pp_rank_*_model_states.pt")):
+        return 3
+    return 2 if any(folder.glob("*zero_pp_rank_*_optim_states.pt")) else 0
 
 
 def saved_ranks(folder: Path) -> int:
@@ -63,6 +53,24 @@ def saved_ranks(folder: Path) -> int:
     return len(list(folder.glob("*zero_pp_rank_*_optim_states.pt"))) or len(
         list(folder.glob("*zero_pp_rank_*_model_states.pt"))
     )
+
+
+def check_partitions(folder: Path) -> int:
+    """saved_ranks(folder), once every file of every rank that wrote it is there (the layout
+    record says how many did; older checkpoints: the rank numbers must run 0..N-1). A missing
+    file is damage (FileNotFoundError), never a checkpoint of fewer ranks."""
+    stage, found = saved_stage(folder), saved_ranks(folder)
+    ranks = read_layout(folder).get("ranks", found) if stage else 0
+    kinds = ["optim", "model"] if stage == 3 else ["optim"] if stage else []
+    missing = [] if stage == 3 or (folder / MODEL_STATES).is_file() else [MODEL_STATES]
+    for kind in kinds:
+        for rank in range(ranks):
+            if not any(folder.glob(f"*zero_pp_rank_{rank}_mp_rank_00_{kind}_states.pt")):
+                missing.append(f"rank {rank}'s {kind} states")
+    if missing or found != ranks:
+        what = ", ".join(missing) or f"{found} ranks' partitions"
+        raise FileNotFoundError(f"{folder} lacks {what} ({ranks} ranks wrote it)")
+    return ranks
 
 
 def consolidated_weights(step_dir: Path) -> dict[str, Tensor]:
@@ -76,7 +84,7 @@ def consolidated_weights(step_dir: Path) -> dict[str, Tensor]:
     if layout.get("ep", 1) > 1:
         return expert_parallel_weights(folder, layout["ranks"], layout["ep"]) | tables
     if not saved_ranks(folder):
-        state = torch.load(folder / MODEL_STATES, map_location="cpu", weights_only=False)
+        state = load_file(folder / MODEL_STATES)
         return {
             name: t.float() if t.is_floating_point() else t for name, t in state["module"].items()
         } | tables
@@ -87,6 +95,7 @@ def consolidated_weights(step_dir: Path) -> dict[str, Tensor]:
             f'{step_dir} is a DeepSpeed checkpoint; reading it needs DeepSpeed: pip install -e ".[deepspeed]"'
         ) from None
 
+    vet_folder(folder)  # zero_to_fp32 reads them with DeepSpeed's full unpickler
     whole = get_fp32_state_dict_from_zero_checkpoint(str(step_dir), tag=CHECKPOINT_FOLDER)
     return dict(whole) | tables
 
@@ -97,7 +106,7 @@ def expert_parallel_weights(folder: Path, ranks: int, ep: int) -> dict[str, Tens
     every rank, in rank order; an expert group over the ranks that hold the same experts (those
     of ep rank e: e, e + ep, ...), each list of partitions giving its ep rank's local experts,
     which are concatenated along the expert dimension in ep-rank order."""
-    model = torch.load(folder / MODEL_STATES, map_location="cpu", weights_only=False)
+    model = load_file(folder / MODEL_STATES)
     parts = [_fp32_partitions(folder, rank) for rank in range(ranks)]
     counts, paddings = parts[0]["partition_count"], parts[0].get("param_alignment_paddings")
     state = {  # buffers (integer ones keep their dtype: Engram's hash multipliers)
@@ -129,9 +138,7 @@ def _fp32_partitions(folder: Path, rank: int) -> dict:
     paths = list(folder.glob(f"*zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"))
     if len(paths) != 1:
         raise FileNotFoundError(f"{folder}: {len(paths)} optimizer files of rank {rank}, not 1")
-    return torch.load(paths[0], map_location="cpu", mmap=True, weights_only=False)[
-        "optimizer_state_dict"
-    ]
+    return load_file(paths[0], mmap=True)["optimizer_state_dict"]
 
 
 def _unflatten(flat: Tensor, shapes: dict, paddings: list[int] | None) -> dict[str, Tensor]:

@@ -17,8 +17,9 @@ trainer's semantics carry over:
 
 Checkpoints are DeepSpeed's own files in `<step dir>/deepspeed/`, written and committed by the
 trainer's scheme (temporary directory, checksums, `latest`, fallback past damaged ones); on
-another number of ranks they load through DeepSpeed's universal checkpoint (converted beside the
-step directory, then removed). ZeRO stages 1-3 need a process group; one process gets a 1-rank
+another number of ranks or another ZeRO stage (1-3) they load through DeepSpeed's universal
+checkpoint (converted beside the step directory, then removed). Every file is read with the
+weights-only unpickler (parallel.deepspeed_safe_load). ZeRO stages 1-3 need a process group; one process gets a 1-rank
 gloo group. Muon and MuonClip run through DeepSpeed's own Muon (parallel.deepspeed_muon); expert
 parallelism through DeepSpeed's expert groups (parallel.deepspeed_experts, ZeRO 1-2); Engram's
 tables outside ZeRO, whole on every rank (parallel.deepspeed_tables).
@@ -30,10 +31,9 @@ import json
 import logging
 import math
 import os
-import shutil
 import socket
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -48,8 +48,9 @@ from parallel.activation import apply_activation_checkpointing, compile_model
 from parallel.collective import all_true
 from parallel.deepspeed_checkpoint import (
     CHECKPOINT_FOLDER,
+    check_partitions,
     read_layout,
-    saved_ranks,
+    saved_stage,
     write_layout,
 )
 from parallel.deepspeed_experts import (
@@ -60,7 +61,8 @@ from parallel.deepspeed_experts import (
     split_expert_groups,
 )
 from parallel.deepspeed_muon import MUON_OPTIMIZERS, deepspeed_muon, muon_problems
-from parallel.deepspeed_reshard import convert_on_main, load_universal
+from parallel.deepspeed_reshard import convert_on_main, load_universal, remove_conversion
+from parallel.deepspeed_safe_load import guard_engine
 from parallel.deepspeed_tables import (
     AllGroups,
     HiddenTables,
@@ -381,6 +383,10 @@ class DeepSpeedEngine(TrainingEngine):
         whole.load_state_dict(state)
         yield whole.train(self.model.training)
 
+    def local_part(self, param: Tensor) -> Tensor:
+        """ZeRO-3's partition of `param` on this rank (the module keeps an empty placeholder)."""
+        return getattr(param, "ds_tensor", param)
+
     # checkpoints: DeepSpeed's own files in <step dir>/deepspeed/, inside the trainer's scheme
     # (trainer/checkpoint.py: temporary directory, checksums, commit, latest, fallback)
     checkpoint_format = CHECKPOINT_FOLDER
@@ -389,46 +395,63 @@ class DeepSpeedEngine(TrainingEngine):
         """DeepSpeed's save (collective): model, optimizer partitions, its step counters."""
         self.ds.save_checkpoint(str(directory), tag=CHECKPOINT_FOLDER, save_latest=False)
         if dist.get_rank() == 0:
-            write_layout(directory / CHECKPOINT_FOLDER, ranks=dist.get_world_size(), ep=self.ep)
+            folder = directory / CHECKPOINT_FOLDER
+            write_layout(folder, ranks=dist.get_world_size(), ep=self.ep, zero_stage=self.stage)
             if self.tables is not None:
-                self.tables.write(directory / CHECKPOINT_FOLDER)
+                self.tables.write(folder)
 
     def checkpoint_conflict(self, directory: Path) -> str | None:
         """Why this run cannot load the checkpoint in `directory` (None: it can; collective).
-        A checkpoint of another number of ranks is converted here to DeepSpeed's universal
-        checkpoint (rank 0 runs DeepSpeed's converter into this run's scratch directory while
-        the others wait on its status file), which read_checkpoint then loads; Muon's momentum
-        has no universal form, so such checkpoints are refused."""
+        A checkpoint of another number of ranks or another ZeRO stage (1-3) is converted here
+        to DeepSpeed's universal checkpoint (rank 0 runs DeepSpeed's converter into this run's
+        scratch directory while the others wait on its status file), which read_checkpoint
+        then loads; Muon's momentum and expert-parallel partitions have no universal form, and
+        ZeRO-0 keeps no partitions, so such changes are refused. Partition files missing
+        against the layout record raise: the checkpoint is damaged, not in conflict."""
         folder = directory / CHECKPOINT_FOLDER
         if not folder.is_dir():
             return f"{directory} has no {CHECKPOINT_FOLDER}/ folder"
         self._universal = None
-        written, size = saved_ranks(folder), dist.get_world_size()
-        saved_ep = read_layout(folder).get("ep", 1)
+        written, size = check_partitions(folder), dist.get_world_size()
+        stage, saved_ep = saved_stage(folder), read_layout(folder).get("ep", 1)
         if saved_ep != self.ep:
             return (
                 f"{directory} holds experts split over parallel.ep={saved_ep} and this run has "
                 f"parallel.ep={self.ep}: resume with parallel.ep={saved_ep}, or start a new run "
                 f"from its weights: init_from={directory}"
             )
-        if not written or written == size:
+        same_stage = stage == self.stage or {stage, self.stage} == {1, 2}  # same files
+        if same_stage and (not written or written == size):
             return None
-        if self.ep > 1:
-            return (
-                f"{directory} holds expert-parallel ZeRO partitions of {written} ranks and this "
-                f"run has {size}: DeepSpeed's universal checkpoint knows only its own MoE "
-                f"layers. Resume on {written} ranks, or start a new run from its weights: "
-                f"init_from={directory}"
-            )
-        if self.muon:
-            return (
-                f"{directory} holds ZeRO partitions of {written} ranks with Muon's momentum and "
-                f"this run has {size}: DeepSpeed's universal checkpoint has no Muon state. Resume "
-                f"on {written} ranks, or start a new run from its weights: init_from={directory}"
-            )
+        change = (
+            f"partitions of {written} ranks and this run has {size}"
+            if same_stage
+            else f"ZeRO-{stage} partitions and this run has parallel.deepspeed.zero_stage="
+            f"{self.stage}"
+        )
+        keep = (
+            f"on {written} ranks" if same_stage else f"with parallel.deepspeed.zero_stage={stage}"
+        )
+        if 0 in (stage, self.stage) and not same_stage:
+            why = "ZeRO-0 keeps no partitions to convert"
+        elif self.ep > 1:
+            why = "DeepSpeed's universal checkpoint knows only its own MoE layers"
+        elif self.muon:
+            why = "DeepSpeed's universal checkpoint has no Muon state"
+        else:
+            return self._convert(directory, folder, written or 1, size, stage)
+        return (
+            f"{directory} holds {change}: {why}. Resume {keep}, or start a new run from its "
+            f"weights: init_from={directory}"
+        )
+
+    def _convert(self, directory: Path, folder: Path, written: int, size: int, stage: int):
+        """Convert `folder` to the universal form read_checkpoint loads (None), or the reason
+        it could not be (its scratch folder is removed either way)."""
         name = directory.resolve().name  # never "..": the folder below is emptied first
         universal = (self.scratch_dir or directory.parent) / ".deepspeed-universal" / name
-        problem = convert_on_main(folder, universal / CHECKPOINT_FOLDER, written, size)
+        what = f"ZeRO-{stage} on {written} rank(s) -> ZeRO-{self.stage} on {size}"
+        problem = convert_on_main(folder, universal / CHECKPOINT_FOLDER, what, self.stage == 3)
         if problem:
             return problem
         self._universal = universal
@@ -436,26 +459,26 @@ class DeepSpeedEngine(TrainingEngine):
 
     def read_checkpoint(self, directory: Path) -> None:
         """DeepSpeed's load (collective): weights, optimizer partitions, its step counters;
-        from the universal checkpoint checkpoint_conflict made when the rank counts differ
-        (removed after, whatever happens); Engram's tables from their own file."""
+        from the universal checkpoint checkpoint_conflict made when the rank count or the ZeRO
+        stage differs (removed after, whatever happens); Engram's tables from their own file."""
         if self.tables is not None:
             self.tables.read(directory / CHECKPOINT_FOLDER)
         if getattr(self, "_universal", None) is not None:
             universal, self._universal = self._universal, None
+            problem = "on another rank"
             try:
-                ok = False
                 load_universal(self.ds, universal, CHECKPOINT_FOLDER)
-                ok = True
+                problem = ""
+            except Exception as err:  # agreed on below: an incompatibility, not damage
+                problem = f"{type(err).__name__}: {err}".splitlines()[0]
             finally:
-                loaded_everywhere = all_true(ok)
                 if dist.get_rank() == 0:
-                    shutil.rmtree(universal, ignore_errors=True)
-                    with suppress(OSError):  # the scratch folder, once empty
-                        universal.parent.rmdir()
-            if not loaded_everywhere:
+                    remove_conversion(universal)
+            if not all_true(not problem):
                 raise CheckpointRefusal(
-                    f"the universal form of {directory} (converted for {dist.get_world_size()} "
-                    f"ranks) did not load on every rank; resume on the rank count that wrote it"
+                    f"the universal form of {directory} (converted for this run's ranks and "
+                    f"ZeRO stage) did not load ({problem}): resume with the rank count and "
+                    f"parallel.deepspeed.zero_stage that wrote it"
                 )
             return
         path, _ = self.ds.load_checkpoint(
@@ -523,6 +546,7 @@ def build_deepspeed(request: EngineRequest) -> DeepSpeedEngine:
     with declared_expert_layers(experts) if ep > 1 else nullcontext():
         ds_engine, *_ = deepspeed.initialize(model=model, config=config, **kwargs)
     check_zero_optimizer(ds_engine)
+    guard_engine(ds_engine)  # its checkpoint loads through the weights-only unpickler
     if request.parallel.deepspeed.zero_stage == 3:
         register_external_parameters(model)
     if initial is not None and request.precision == "bf16_master":

@@ -19,6 +19,7 @@ and the optimizer and offers:
   state_dict() / load_state_dict(state)   model + optimizer state for checkpoints, in DCP's
                          form (names independent of the layout, so loading reshards)
   state_module           the module whose weights the optimizer updates and checkpoints hold
+  nonfinite_weights()    the weights holding NaN or inf on this rank (never saved, sampled)
 
 Engines register by name in `ENGINES` (`parallel.engine`). `fsdp2` is the built-in one: one
 process or FSDP2/HSDP (+ expert parallelism), built by one composition path (`build_fsdp2`).
@@ -37,6 +38,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from model.moe import pop_aux_loss
 from model.registry import Registry
@@ -134,6 +136,19 @@ class TrainingEngine:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         raise NotImplementedError
+
+    def nonfinite_weights(self) -> list[str]:
+        """The names of the weights that hold NaN or inf in this rank's part of them (no
+        collective: the caller agrees with the other ranks)."""
+        return [
+            name
+            for name, param in self.state_module.named_parameters()
+            if not bool(torch.isfinite(self.local_part(param)).all())
+        ]
+
+    def local_part(self, param: Tensor) -> Tensor:
+        """This rank's values of `param` (a DTensor's local shard)."""
+        return param.to_local() if isinstance(param, DTensor) else param
 
     def set_token_compression(self, canonical: Tensor) -> None:
         """Engram's canonical-id map (model.transformer.Transformer.set_token_compression) on

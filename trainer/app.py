@@ -48,7 +48,7 @@ from trainer.config import (
 )
 from trainer.cpu_malloc import keep_freed_memory
 from trainer.distributed import is_collective_timeout
-from trainer.evaluate import describe_evaluation
+from trainer.evaluate import data_prompt, describe_evaluation
 from trainer.fingerprint import Fingerprint
 from trainer.hf_init import hf_model_config, hf_weights_reader, is_hf
 from trainer.loop import Training
@@ -89,14 +89,16 @@ def build_training(cfg: RootConfig, run_dir: Path, ranks: Ranks) -> Training:
         cfg.data, manifest, tcfg.batch_size, ranks.rank, ranks.world_size, cfg.seed
     )
     loader.manifest.check_tokenizer(manifest.tokenizer)
-    canonical = token_compression(model_cfg, loader, run_dir, ranks.is_main)
+    canonical = token_compression(model_cfg, loader, run_dir)  # checked; written once started
     reader = hf_weights_reader if hf else init_weights_reader
     initial = reader(cfg.init_from, model_cfg)  # also after failed resumes
     resuming = from_main(resumes_its_own(cfg.resume, run_dir))  # listings may differ per node
     if initial is not None and resuming:
         log.info("init_from=%s is not used: the run resumes its checkpoint", cfg.init_from)
     engine = build_state(cfg, model_cfg, dims, device, canonical, None if resuming else initial)
-    peak, peak_source = device_peak(device, compute_dtype(tcfg.precision), tcfg.peak_flops)
+    peak, peak_source = from_main(
+        device_peak(device, compute_dtype(tcfg.precision), tcfg.peak_flops, ranks.is_main)
+    )  # one value for every rank (MFU is averaged over them)
     flops = training_flops_per_token(engine.model, cfg.data.seq_len).total
     log.info("%s; device %s; %s", describe_environment(), device, dims.describe())
     _log_model_and_data(cfg, engine, model_cfg, flops, loader, micro_batches, ranks.world_size)
@@ -116,6 +118,8 @@ def build_training(cfg: RootConfig, run_dir: Path, ranks: Ranks) -> Training:
     del engine  # the restart holds it (and drops it if it must be rebuilt)
     restart = _resume(cfg, run_dir, ranks, checkpointer, restart, loader, tracker, metrics)
     restart.engine = _fresh_if_needed(cfg, model_cfg, dims, device, restart, canonical, initial)
+    if canonical is not None:  # the start is accepted: a refused one writes nothing
+        save_or_check(run_dir, loader.tokenizer, canonical.tolist(), write=ranks.is_main)
     wandb = WandbRun(
         cfg.logging,
         run_dir,
@@ -153,6 +157,7 @@ def build_training(cfg: RootConfig, run_dir: Path, ranks: Ranks) -> Training:
         config_yaml=OmegaConf.to_yaml(OmegaConf.structured(cfg)),
         restored_step=restart.restored_step,
         eval_coverage=coverage,
+        sample_prompt=tcfg.sample_prompt or data_prompt(loader),
     )
 
 
@@ -178,9 +183,11 @@ def _log_model_and_data(
     world_size: int,
 ) -> None:
     counts = param_counts(engine.model)
+    active = f" ({counts.active:,} active per token)" if counts.active != counts.total else ""
     log.info(
-        "model: %s parameters, %.3g training FLOPs/token at seq_len %d; vocab %d (tokenizer %s)",
+        "model: %s parameters%s, %.3g training FLOPs/token at seq_len %d; vocab %d (tokenizer %s)",
         f"{counts.total:,}",
+        active,
         flops,
         cfg.data.seq_len,
         model_cfg.vocab_size,
@@ -188,6 +195,7 @@ def _log_model_and_data(
     )
     log.info("layers: %s", model_cfg.layout_summary())
     log.info("torch.compile: %s", compile_summary(cfg.trainer))
+    warn_short_schedule(cfg)
     log.info(
         "data: %s, %d training windows of %d tokens; %d micro-batch(es) of %d per step",
         loader.manifest.root,
@@ -196,6 +204,17 @@ def _log_model_and_data(
         micro_batches,
         cfg.trainer.batch_size // world_size // micro_batches,
     )
+
+
+def warn_short_schedule(cfg: RootConfig) -> None:
+    """A run shorter than its warmup never reaches optim.lr: said at the start, in one line."""
+    warmup, steps = cfg.optim.warmup_steps, cfg.trainer.max_steps
+    if warmup > steps:
+        log.warning(
+            "optim.warmup_steps=%d > trainer.max_steps=%d: the learning rate never reaches "
+            "optim.lr=%g (it peaks at %.3g on the last step); lower optim.warmup_steps",
+            warmup, steps, cfg.optim.lr, cfg.optim.lr * steps / warmup,
+        )  # fmt: skip
 
 
 def compile_summary(trainer: TrainerConfig) -> str:
@@ -212,15 +231,16 @@ def compile_summary(trainer: TrainerConfig) -> str:
 
 
 def token_compression(
-    model_cfg: ModelConfig, loader: TokenLoader, run_dir: Path, is_main: bool
+    model_cfg: ModelConfig, loader: TokenLoader, run_dir: Path
 ) -> torch.Tensor | None:
-    """Engram's canonical-id map from the data's tokenizer (recorded in, or checked against, the
-    run directory); None without Engram layers or with model.engram.compress_tokens=false."""
+    """Engram's canonical-id map from the data's tokenizer (checked against the one the run
+    directory records, if any); None without Engram layers or with
+    model.engram.compress_tokens=false."""
     if not (model_cfg.engram.enabled and model_cfg.engram.compress_tokens):
         return None
     tokenizer = loader.tokenizer
     ids = canonical_ids(tokenizer, model_cfg.vocab_size)
-    save_or_check(run_dir, tokenizer, ids, write=is_main)
+    save_or_check(run_dir, tokenizer, ids, write=False)
     log.info(
         "engram: %d token ids compress to %d canonical ids (%s)",
         len(ids),

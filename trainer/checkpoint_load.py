@@ -17,7 +17,8 @@ from typing import Any, Protocol
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from parallel.collective import barrier, from_main, max_over_ranks
+from parallel.collective import barrier, from_main, rank_and_size, worst_over_ranks
+from parallel.deepspeed_safe_load import UnsafeFileError, vet_folder
 from parallel.engine import CheckpointRefusal
 from trainer.checkpoint_errors import CheckpointConflict, CheckpointError, UnsafeCheckpointError
 from trainer.checkpoint_record import LATEST, CommitRecord, Listed, file_problem, list_checkpoints
@@ -89,13 +90,15 @@ def load_checkpoint(
         extra, metadata = read_checked(path, rank, verify, checkpoint_format(target))
     except UnsafeCheckpointError as err:
         problem, unsafe = str(err), True
+    except CheckpointError as err:  # a missing file, a checksum: its own words
+        problem = str(err)
     except Exception as err:  # I/O, format: this rank's view; agreed on below
         problem = _brief(err)
-    verdict = max_over_ranks(2 if unsafe else 1 if problem else 0)  # the one agreement
-    if verdict == 2:
-        raise UnsafeCheckpointError(problem or f"{path} was refused on another rank")
+    verdict, problem = worst_over_ranks(2 if unsafe else 1 if problem else 0, problem)
+    if verdict == 2:  # the one agreement, with the reason of the rank that found it
+        raise UnsafeCheckpointError(problem)
     if verdict == 1:
-        raise CheckpointError(f"{path} is incomplete or damaged ({problem or 'on another rank'})")
+        raise CheckpointError(problem)
     if fingerprint is not None and (differences := fingerprint.differences(extra)):
         raise CheckpointConflict(
             f"{path} was written with other settings ({'; '.join(differences)}). Resume with "
@@ -134,6 +137,11 @@ def read_checked(
     metadata = None
     if form == DCP:
         metadata = read_dcp_metadata(path / METADATA)  # refuses a crafted pickle by name
+    else:  # an engine's own files, this rank's share: refused by name if crafted
+        try:
+            vet_folder(path / form, *rank_and_size())
+        except UnsafeFileError as err:
+            raise UnsafeCheckpointError(str(err)) from None
     extra_path = path / f"trainer_rank{rank}.pt"
     if not extra_path.is_file():
         extra_path = path / "trainer_rank0.pt"

@@ -37,7 +37,7 @@ class CommitRecord:
     run_id: str
     sequence: int  # write order within the checkpoints directory (1, 2, ...)
     step: int
-    files: dict[str, str]  # file name -> checksum (xxh3_128)
+    files: dict[str, str]  # file path relative to the checkpoint -> checksum (xxh3_128)
 
     @classmethod
     def read(cls, directory: Path) -> CommitRecord | None:
@@ -104,11 +104,17 @@ def protect(directory: Path, reason: str) -> None:
     (directory / PROTECTED).write_text(reason + "\n")
 
 
+def checkpoint_files(directory: Path) -> list[str]:
+    """Every file under `directory`, in its folders too (an engine's own format keeps its files
+    in one: `deepspeed/`), as sorted paths relative to it."""
+    return sorted(p.relative_to(directory).as_posix() for p in directory.rglob("*") if p.is_file())
+
+
 def checksum_files(directory: Path) -> dict[str, str]:
-    """Checksums of every file in `directory`, computed by all ranks together; the full table
-    on rank 0 (an empty one elsewhere). A rank that cannot read its share makes every rank
-    raise (no rank is left waiting in a collective)."""
-    names = from_main(sorted(p.name for p in directory.iterdir() if p.is_file()))
+    """Checksums of every file under `directory` (checkpoint_files), computed by all ranks
+    together; the full table on rank 0 (an empty one elsewhere). A rank that cannot read its
+    share makes every rank raise (no rank is left waiting in a collective)."""
+    names = from_main(checkpoint_files(directory))
     rank, size = rank_and_size()
     mine: dict[str, str] = {}
     problem = ""
@@ -128,6 +134,8 @@ def file_problem(directory: Path, files: dict[str, str]) -> str:
     rank, size = rank_and_size()
     for name in sorted(files)[rank::size]:
         path = directory / name
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            return f"its record names {name!r}, outside the checkpoint"
         try:
             if not path.is_file():
                 return f"{name} is missing"

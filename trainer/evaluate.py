@@ -7,12 +7,13 @@ import math
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from data.loader import Batch, TokenLoader
 from data.tokenizer import Tokenizer
-from model.generate import generate
+from model.generate import NonFiniteOutput, generate
 from model.transformer import Transformer
 from parallel.collective import several_ranks
 from parallel.engine import TrainingEngine
@@ -77,6 +78,21 @@ def perplexity(loss: float) -> float:
     return math.exp(min(loss, 50.0))
 
 
+def data_prompt(loader: TokenLoader, tokens: int = 12) -> str:
+    """A sample's prompt from the data itself: the first `tokens` tokens of the first document
+    that starts in the first validation window (training sample without a validation split),
+    so prose gets a prose prompt and code a code one; "" without either."""
+    sample = loader.val_sample if loader.val_batches else loader.train_sample
+    if not len(sample.windows):
+        return ""
+    window, doc_ids = sample.reader.window(int(sample.windows[0]), sample.seq_len)
+    starts = np.flatnonzero(np.diff(doc_ids)) + 1  # where a document begins inside the window
+    first = int(starts[0]) if starts.size else 0
+    end = int(starts[1]) if starts.size > 1 else len(doc_ids)
+    ids = [int(t) for t in window[first : min(end, first + tokens)]]
+    return loader.tokenizer.decode([t for t in ids if t < loader.tokenizer.vocab_size])
+
+
 @torch.no_grad()
 def sample_text(
     engine: TrainingEngine,
@@ -85,24 +101,28 @@ def sample_text(
     max_new_tokens: int,
     device: torch.device,
     seed: int,
-) -> str:
+) -> str | None:
     """Temperature-0.8, top-50 continuation of `prompt`, from a private generator (the training
-    RNG streams are left untouched, so sampling never changes the run). With several ranks every
-    rank must call it (the forwards are collective); all ranks draw the same tokens."""
+    RNG streams are left untouched, so sampling never changes the run); None when the model's
+    outputs are not finite. With several ranks every rank must call it (the forwards are
+    collective); all ranks draw the same tokens, and agree on a failure."""
     ids = tokenizer.encode_ordinary(prompt) or [tokenizer.eot_id]
     prompt_ids = torch.tensor([ids], device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
     with engine.full_weights() as model:  # sampling calls methods, not forward: whole weights
-        out = generate(
-            model,
-            prompt_ids,
-            max_new_tokens,
-            temperature=0.8,
-            top_k=50,
-            # several ranks: no early stop, which each rank would decide from its own logits
-            eos_id=None if several_ranks() else tokenizer.eot_id,
-            generator=gen,
-        )
+        try:
+            out = generate(
+                model,
+                prompt_ids,
+                max_new_tokens,
+                temperature=0.8,
+                top_k=50,
+                # several ranks: no early stop, which each rank would decide from its own logits
+                eos_id=None if several_ranks() else tokenizer.eot_id,
+                generator=gen,
+            )
+        except NonFiniteOutput:  # every rank sees the same logits: they all stop here
+            return None
     new = out[0, len(ids) :].tolist()
     if tokenizer.eot_id in new:  # the sample ends at the end of its document
         new = new[: new.index(tokenizer.eot_id)]

@@ -19,12 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from data.loader import Batch, TokenLoader
 from model.config import ModelConfig
 from optim.schedules import Schedule
-from parallel.collective import from_main
+from parallel.collective import from_main, worst_over_ranks
 from parallel.engine import TrainingEngine
 from trainer.checkpoint import Checkpointer
 from trainer.checkpoint_record import protect
@@ -35,10 +34,10 @@ from trainer.config import (
     compiles_evaluation,
     evaluations_left,
 )
-from trainer.console import console
 from trainer.evaluate import perplexity, sample_text, validation_loss
 from trainer.metrics import MetricsFile, memory_bytes
 from trainer.plot import plot_losses
+from trainer.progress import RunClock, progress_bar, summary
 from trainer.runtime import Ranks, rng_state
 from trainer.signals import StopFlag
 from trainer.slurm import requeue_slurm_job
@@ -76,6 +75,9 @@ class Training:
     restored_step: int = -1  # the step of the checkpoint this run resumed from
     eval_coverage: dict[str, int] = field(default_factory=dict)  # val_windows, val_tokens, ...
     compiled_evaluation: bool = False  # validation forwards compiled (a compiled run's choice)
+    val_loss: float | None = None  # the last validation loss
+    clock: RunClock | None = None  # this process's training time (trainer.progress)
+    sample_prompt: str = ""  # the evaluation sample's prompt (trainer.sample_prompt or the data's)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -108,8 +110,10 @@ class Training:
             "tokenizer": self.loader.manifest.tokenizer.to_dict(),
         }
 
-    def save(self, reason: str, final: bool = False) -> None:
-        """Checkpoint now; `final` (end, stop, give-up) also waits for a background write."""
+    def save(self, reason: str, final: bool = False) -> bool:
+        """Checkpoint now; `final` (end, stop, give-up) also waits for a background write.
+        False when the weights hold non-finite values: those are never saved (the newest good
+        checkpoint is protected instead)."""
         if self.step == self.restored_step and self.checkpointer.last_committed is not None:
             # nothing happened since the resume (a stop signal right away): that checkpoint
             # is this state, and replacing it would leave a moment with no checkpoint at all
@@ -118,13 +122,41 @@ class Training:
                 self.checkpointer.last_committed,
                 reason,
             )
-            return
+            return True
+        if problem := self._nonfinite_weights():
+            good = self._protect_newest(
+                f"the last checkpoint before non-finite weights at step {self.step}"
+            )
+            log.error(
+                "not saving a checkpoint at step %d (%s): %s. The newest good checkpoint is %s "
+                "(kept whatever checkpoint.keep says); resume=auto continues from it",
+                self.step, reason, problem, good or "none (nothing was saved before)",
+            )  # fmt: skip
+            return False
         path = self.checkpointer.save(self.step, self.engine, self.extra_state())
         if self.checkpointer.async_save and not final:
             log.info("checkpoint %s writing in the background (%s)", path, reason)
-            return
+            return True
         self.checkpointer.wait()
         log.info("checkpoint %s saved (%s)", path, reason)
+        return True
+
+    def _nonfinite_weights(self) -> str:
+        """What is non-finite in the weights, agreed by every rank ("" when nothing is)."""
+        names = self.engine.nonfinite_weights()
+        total = sum(1 for _ in self.engine.state_module.parameters())
+        mine = f"{len(names)} of {total} weight tensors hold NaN or inf ({', '.join(names[:3])}"
+        mine += ", ...)" if len(names) > 3 else ")"
+        return worst_over_ranks(int(bool(names)), mine if names else "")[1]
+
+    def _protect_newest(self, reason: str) -> Path | None:
+        """Protect the newest committed checkpoint (the pre-streak one during a bad streak)."""
+        self.checkpointer.wait()
+        good = self.pre_streak if self.bad_streak else self.checkpointer.last_committed
+        good = from_main(good if good is not None and good.is_dir() else None)
+        if good is not None and self.ranks.is_main:
+            protect(good, reason)
+        return good
 
     # -- the loop ------------------------------------------------------------------------------
     def run(self) -> int:
@@ -136,7 +168,11 @@ class Training:
         if self.step == 0 and not self._evaluate():  # the starting validation loss
             return self._stop_now()
         window = _Window()  # opened after that evaluation: it is not training time either
-        with self._progress() as progress:
+        self.clock = RunClock(self.step)
+        if compiles(tcfg) and self.step < tcfg.max_steps:
+            log.info("compiling the model (torch.compile): the first steps take longer")
+        bar = self.ranks.is_main and self.cfg.logging.progress
+        with progress_bar(bar) as progress:
             task = progress.add_task("training", total=tcfg.max_steps, completed=self.step)
             while self.step < tcfg.max_steps:
                 self.phase = f"training step {self.step + 1}"
@@ -166,33 +202,63 @@ class Training:
                 self.phase = f"the evaluation at step {self.step}"
                 if evaluate and not self._evaluate():
                     continue  # stopped inside evaluation: the next check saves and exits
-                every = self.cfg.checkpoint.every
                 self.phase = f"the checkpoint at step {self.step}"
-                if last:
-                    self.save("end of training", final=True)
-                elif every and self.step % every == 0 and self.bad_streak:
-                    log.info(
-                        "checkpoint at step %d postponed: the last %d step(s) were skipped",
-                        self.step,
-                        self.bad_streak,
-                    )
-                elif every and self.step % every == 0:
-                    self.save("scheduled")
-                elif committed := self.checkpointer.poll():
-                    log.info("checkpoint %s saved (background write finished)", committed)
+                if not self._checkpoint_after_step(last):  # the end, on non-finite weights
+                    self.wandb.finish()
+                    return 1
                 window.start += time.perf_counter() - paused
                 self._maybe_inject_fault()
         self.phase = "the end of training"
         if self.stop.requested():  # stopped inside the last evaluation: save before leaving
             return self._stop_now()
         self.wandb.finish()
-        log.info(
-            "done: %d steps, %d tokens, %d skipped steps",
-            self.step,
-            self.tokens,
-            self.skipped_total,
-        )
+        checkpoint = self.checkpointer.last_committed
+        for line in summary(
+            self.step, self.clock, self.skipped_total, self.val_loss, self.run_dir, checkpoint
+        ):
+            log.info("%s", line)
         return 0
+
+    def _checkpoint_after_step(self, last: bool) -> bool:
+        """Save at the end or on schedule (postponed while steps are being skipped), else
+        commit a finished background write; False when the run must end as failed."""
+        every = self.cfg.checkpoint.every
+        due = bool(every) and self.step % every == 0
+        if last:
+            return self._end_in_streak() if self.bad_streak else self.save("end of training", True)
+        if due and self.bad_streak:
+            log.info(
+                "checkpoint at step %d postponed: the last %d step(s) were skipped",
+                self.step,
+                self.bad_streak,
+            )
+        elif due:
+            self.save("scheduled")
+        elif committed := self.checkpointer.poll():
+            log.info("checkpoint %s saved (background write finished)", committed)
+        return True
+
+    def _end_in_streak(self) -> bool:
+        """The run ends while its last steps were skipped: the streak's rule, not a save of
+        what may be a broken state (its weights are those of before the streak, or worse).
+        False when the weights hold non-finite values (the run failed)."""
+        first_bad = self.step - self.bad_streak + 1
+        good = self._protect_newest(
+            f"the last good state before the skipped steps from {first_bad}"
+        )
+        kept = (
+            f"the last good one is {good}, kept whatever checkpoint.keep says"
+            if good
+            else "no checkpoint was saved before them"
+        )
+        problem = self._nonfinite_weights()
+        log.log(
+            logging.ERROR if problem else logging.WARNING,
+            "training ended with %d skipped step(s) in a row (from step %d)%s: no checkpoint of "
+            "this state; %s",
+            self.bad_streak, first_bad, f" and {problem}" if problem else "", kept,
+        )  # fmt: skip
+        return not problem
 
     def _set_mtp_weight(self) -> None:
         """MTP's lambda for the step about to be taken (model.mtp.weight, then final_weight)."""
@@ -219,17 +285,6 @@ class Training:
             return False
         return requeue_slurm_job(self.ranks)
 
-    def _progress(self) -> Progress:
-        return Progress(
-            TextColumn("[bold]{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeRemainingColumn(),
-            console=console,
-            disable=not (self.ranks.is_main and self.cfg.logging.progress and console.is_terminal),
-            transient=False,
-        )
-
     def _bad_step(self, reason: str) -> bool:
         """Count a skipped step; True when the run must stop."""
         self.bad_streak += 1
@@ -241,11 +296,11 @@ class Training:
         limit = self.cfg.trainer.max_bad_steps
         if self.bad_streak < limit:
             return False
-        good = from_main(self.pre_streak if self.pre_streak and self.pre_streak.is_dir() else None)
-        if good is None:  # nothing saved yet: the weights now are those before the streak
-            self.save("the state before the skipped steps", final=True)
-            good = self.checkpointer.last_committed
         first_bad = self.step - self.bad_streak + 1
+        good = from_main(self.pre_streak if self.pre_streak and self.pre_streak.is_dir() else None)
+        # nothing saved yet: the weights now are those before the streak (saved if finite)
+        if good is None and self.save("the state before the skipped steps", final=True):
+            good = self.checkpointer.last_committed
         if good is not None and self.ranks.is_main:
             protect(good, f"the last good state before the skipped steps from {first_bad}")
         log.error(
@@ -266,6 +321,7 @@ class Training:
     def _log_row(self, window: _Window, lr: float) -> None:
         elapsed = max(time.perf_counter() - window.start, 1e-9)
         tokens_per_s = window.tokens / elapsed
+        self.clock.add_window(elapsed, window.tokens)
         mem_key, mem = memory_bytes(self.device)
         row = {
             "step": self.step,
@@ -284,14 +340,17 @@ class Training:
         }
         self._emit(row)
         log.info(
-            "step %d  loss %.4f  lr %.2e  grad_norm %.3f  %.0f tok/s  mfu %.1f%%  data wait %.2fs",
+            "step %d/%d  loss %.4f  lr %.2e  grad_norm %.3f  %.0f tok/s  mfu %.1f%%  data wait "
+            "%.2fs  %s",
             self.step,
+            self.cfg.trainer.max_steps,
             row["loss"],
             lr,
             row["grad_norm"],
             tokens_per_s,
             100 * row["mfu"],
             window.data_wait,
+            self.clock.where(self.step, self.cfg.trainer.max_steps),
         )
 
     def _emit(self, row: dict[str, Any]) -> None:
@@ -300,7 +359,11 @@ class Training:
             self.wandb.log(row, self.step)
 
     def _evaluate(self) -> bool:
-        """Validation loss (+ sample, plot); False when a stop signal interrupted it."""
+        """Validation loss (+ sample, plot); False when a stop signal interrupted it. Skipped,
+        in one line, on non-finite weights."""
+        if problem := self._nonfinite_weights():
+            log.warning("evaluation and sample at step %d skipped: %s", self.step, problem)
+            return True
         self.model.eval()
         try:
             with self._eager_stance(validation=True):
@@ -313,12 +376,17 @@ class Training:
                     text = sample_text(
                         self.engine,
                         self.loader.tokenizer,
-                        self.cfg.trainer.sample_prompt,
+                        self.sample_prompt,
                         self.cfg.trainer.sample_tokens,
                         self.device,
                         seed=self.cfg.seed + self.step,
                     )
-                log.info("sample at step %d: %r", self.step, text)
+                if text is None:
+                    log.warning(
+                        "sample at step %d skipped: the model's outputs are not finite", self.step
+                    )
+                else:
+                    log.info("sample at step %d: %r", self.step, text)
         finally:
             self.model.train()
         if self.ranks.is_main:
@@ -377,6 +445,7 @@ class Training:
             row["train_eval_loss"] = train
             line += f"  (training sample {train:.4f})"
         row["eval_s"] = time.perf_counter() - started  # both losses, data included
+        self.val_loss = val
         self._emit(row)
         log.info("%s", line)
         return True

@@ -1,15 +1,25 @@
 """Peak FLOP/s of the training device, for MFU = achieved model FLOP/s / peak.
 
 GPUs: dense (no sparsity) tensor-core peaks from the vendors' data sheets, matched by name.
-CPUs have no such table: a short square-matmul measurement in the training dtype at start-up
-stands in for the peak (so CPU MFU reads "fraction of what this machine's matmul reaches").
+CPUs have no such table: a short square-matmul measurement in the training dtype stands in for
+the peak (so CPU MFU reads "fraction of what this machine's matmul reaches"). It is measured
+once per machine, thread count, dtype and torch version and kept in
+`$XDG_CACHE_HOME/lmforge/mfu_peaks.json` (~/.cache by default): a re-measurement at every start
+read 1.09e12 and 4.39e11 FLOP/s in two starts on a busy machine, so a resumed run's MFU jumped.
+Delete the file (or set trainer.peak_flops) to choose again.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import platform
 import time
+from pathlib import Path
 
 import torch
+
+from data.atomic import atomic_write_json
 
 # name fragment -> (bf16 dense peak, tf32 dense peak) in FLOP/s, for SXM parts where both exist
 GPU_PEAKS = {
@@ -78,8 +88,11 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def device_peak(device: torch.device, dtype: torch.dtype, configured: float) -> tuple[float, str]:
-    """(peak FLOP/s, how it was obtained) for MFU."""
+def device_peak(
+    device: torch.device, dtype: torch.dtype, configured: float, write_cache: bool = True
+) -> tuple[float, str]:
+    """(peak FLOP/s, how it was obtained) for MFU; a measurement is cached per machine (see the
+    module docstring), written only when `write_cache` (one rank of a launch)."""
     if configured > 0:
         return configured, "configured (trainer.peak_flops)"
     if device.type == "cuda":
@@ -87,4 +100,52 @@ def device_peak(device: torch.device, dtype: torch.dtype, configured: float) -> 
         peak = gpu_peak(name, dtype)
         if peak is not None:
             return peak, f"data sheet of {name}"
-    return measure_matmul_peak(device, dtype), f"measured {dtype} matmul on {device.type}"
+    path, key = peak_cache(), machine_key(device, dtype)
+    cached = _read_cache(path).get(key)
+    if isinstance(cached, dict) and isinstance(cached.get("flops"), float):
+        return float(
+            cached["flops"]
+        ), f"{key}, measured {cached['when']} ({path}; delete it to re-measure)"
+    peak = measure_matmul_peak(device, dtype)
+    if write_cache:
+        entries = _read_cache(path) | {
+            key: {"flops": peak, "when": time.strftime("%Y-%m-%d %H:%M")}
+        }
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_json(path, entries)
+        except OSError:  # a read-only home: measured again next time
+            return peak, f"{key}, measured now (not cached: {path} is not writable)"
+    return peak, f"{key}, measured now (cached in {path})"
+
+
+def peak_cache() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "lmforge" / "mfu_peaks.json"
+
+
+def machine_key(device: torch.device, dtype: torch.dtype) -> str:
+    """What a measured peak depends on: the processor, the threads, the dtype, torch."""
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_model()
+    threads = f", {torch.get_num_threads()} threads" if device.type == "cpu" else ""
+    return (
+        f"{str(dtype).removeprefix('torch.')} matmul on {where}{threads}, torch {torch.__version__}"
+    )
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _read_cache(path: Path) -> dict:
+    try:
+        entries = json.loads(path.read_text())
+    except (OSError, ValueError):  # none yet, or damaged: measured again
+        return {}
+    return entries if isinstance(entries, dict) else {}

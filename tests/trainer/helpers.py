@@ -37,10 +37,10 @@ SMALL_OVERRIDES = [f"model.{k}={v}" for k, v in SMALL_MODEL.items()] + [
 ]
 
 
-def make_dataset(root: Path) -> Path:
+def make_dataset(root: Path, vocab_size: int = 300) -> Path:
     corpus = write_corpus(root / "corpus")[0].parent
     out = root / "dataset"
-    prepare(prepare_config(corpus, out, "train", vocab_size=300, val_fraction=0.2))
+    prepare(prepare_config(corpus, out, "train", vocab_size=vocab_size, val_fraction=0.2))
     return out
 
 

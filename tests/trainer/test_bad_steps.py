@@ -4,6 +4,7 @@ item 6), retries cannot push it out of `checkpoint.keep`, and skipped steps say 
 from __future__ import annotations
 
 import math
+import signal
 
 import torch
 
@@ -68,3 +69,40 @@ def test_skipped_steps_say_whether_the_loss_or_the_gradient_was_not_finite(datas
     assert rows[4]["skipped/nonfinite_grad_norm"] == 1
     assert isinstance(rows[4]["skipped_loss"], float) and math.isfinite(rows[4]["skipped_loss"])
     assert "skipped/nonfinite_loss" not in rows[4] and not any("skipped/" in k for k in rows[1])
+
+
+def test_a_run_ending_in_a_streak_saves_nothing_and_keeps_the_last_good(dataset, tmp_path, caplog):
+    """The end-of-run save follows the streak's rule: steps 5-6 (the last) are skipped, so the
+    state at 6 is not saved and step 4 is kept protected."""
+    training = build_training(config(dataset, 6), tmp_path, ONE)
+    nan_at(training.model, {5, 6})
+    assert training.run() == 0
+    root = tmp_path / "checkpoints"
+    assert [p.name for p in complete_checkpoints(root)] == ["step_00000004"]
+    assert (root / "step_00000004" / PROTECTED).is_file()
+    assert (
+        "training ended with 2 skipped step(s) in a row (from step 5): no checkpoint" in caplog.text
+    )
+
+
+def test_nonfinite_weights_are_never_saved_evaluated_or_sampled(dataset, tmp_path, caplog):
+    training = build_training(config(dataset, 2), tmp_path, ONE)
+    assert training.run() == 0
+    resumed = build_training(config(dataset, 4), tmp_path, ONE)
+    resumed.step = 3  # as if a step had made the weights overflow
+    with torch.no_grad():
+        resumed.engine.state_module.norm.weight[0] = math.nan
+    assert resumed.save("a test") is False
+    root = tmp_path / "checkpoints"
+    assert [p.name for p in complete_checkpoints(root)] == ["step_00000002"]
+    assert (root / "step_00000002" / PROTECTED).is_file()
+    assert "not saving a checkpoint at step 3 (a test): 1 of" in caplog.text
+    assert "weight tensors hold NaN or inf (norm.weight)" in caplog.text
+    assert resumed._evaluate() is True
+    assert "evaluation and sample at step 3 skipped" in caplog.text
+    assert not [r for r in metric_rows(tmp_path) if r.get("step") == 3]
+    # a stop signal saves nothing either; the run ends with the last good checkpoint named
+    resumed.stop.received = signal.SIGTERM
+    assert resumed.run() == resumed.stop.exit_code()
+    assert "not saving a checkpoint at step 3 (SIGTERM received)" in caplog.text
+    assert [p.name for p in complete_checkpoints(root)] == ["step_00000002"]

@@ -60,7 +60,7 @@ def test_zero3_on_two_ranks_trains_checkpoints_and_resumes_exactly(dataset, tmp_
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert (
-        "converting it to DeepSpeed's universal checkpoint for 1"
+        "converting it to DeepSpeed's universal checkpoint (ZeRO-3 on 2 rank(s) -> ZeRO-3 on 1)"
         in (other / "train.log").read_text()
     )
     one = train_losses(other)

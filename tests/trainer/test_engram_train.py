@@ -68,3 +68,27 @@ def test_a_run_whose_compression_changed_is_refused(dataset, tmp_path):
     path.write_text(json.dumps({"tokenizer": {"name": "other"}, "canonical_ids": [0, 1]}))
     with pytest.raises(DataError, match="another token compression"):
         build_training(engram_config(dataset, 4), tmp_path / "run", ONE)
+
+
+def test_a_refused_start_writes_no_compression_and_the_right_one_then_starts(dataset, tmp_path):
+    """Resuming another run's checkpoint on data of another tokenizer is refused (the model's
+    vocabulary differs); nothing is recorded in the run directory, so the command with the
+    right data then starts."""
+    from tests.trainer.helpers import make_dataset
+    from trainer.checkpoint import CheckpointConflict
+
+    source = build_training(engram_config(dataset, 2), tmp_path / "source", ONE)
+    assert source.run() == 0
+    checkpoint = tmp_path / "source" / "checkpoints" / "step_00000002"
+    other = make_dataset(tmp_path / "other", vocab_size=400)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    wrong = engram_config(other, 4)
+    wrong.resume = str(checkpoint)
+    with pytest.raises(CheckpointConflict, match="other settings"):
+        build_training(wrong, run_dir, ONE)
+    assert not (run_dir / "token_compression.json").exists()
+    right = engram_config(dataset, 4)
+    right.resume = str(checkpoint)
+    assert build_training(right, run_dir, ONE).step == 2
+    assert (run_dir / "token_compression.json").is_file()

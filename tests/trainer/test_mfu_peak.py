@@ -44,3 +44,23 @@ def test_a_configured_peak_or_the_data_sheet_wins():
     assert gpu_peak("NVIDIA H200", torch.bfloat16) == 989e12
     assert gpu_peak("NVIDIA H100 80GB HBM3", torch.float32) == 494e12
     assert gpu_peak("Some Future GPU", torch.bfloat16) is None
+
+
+def test_a_measured_peak_is_cached_per_machine_and_read_back_without_measuring(
+    tmp_path, monkeypatch
+):
+    """Re-measuring at every start gave 1.09e12 and 4.39e11 FLOP/s on a busy machine: the first
+    measurement is kept (per processor, threads, dtype and torch) and said where."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cpu = torch.device("cpu")
+    with CountMatmuls() as counted:
+        first, how = device_peak(cpu, torch.float32, 0.0)
+    assert counted.sizes and "measured now (cached in" in how and "float32 matmul on" in how
+    with CountMatmuls() as counted:
+        again, how = device_peak(cpu, torch.float32, 0.0)
+    assert counted.sizes == [] and again == first and "delete it to re-measure" in how
+    assert f"{torch.get_num_threads()} threads" in how
+    (tmp_path / "lmforge" / "mfu_peaks.json").write_text("{not json")  # damaged: measured again
+    with CountMatmuls() as counted:
+        device_peak(cpu, torch.float32, 0.0, write_cache=False)
+    assert counted.sizes
