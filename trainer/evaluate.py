@@ -80,17 +80,24 @@ def perplexity(loss: float) -> float:
 
 def data_prompt(loader: TokenLoader, tokens: int = 12) -> str:
     """A sample's prompt from the data itself: the first `tokens` tokens of the first document
-    that starts in the first validation window (training sample without a validation split),
-    so prose gets a prose prompt and code a code one; "" without either."""
+    that starts in one of the validation sample's windows (the training sample's without a
+    validation split; a window's own start if none does), so prose gets a prose prompt and code
+    a code one; "" without either sample."""
     sample = loader.val_sample if loader.val_batches else loader.train_sample
     if not len(sample.windows):
         return ""
-    window, doc_ids = sample.reader.window(int(sample.windows[0]), sample.seq_len)
-    starts = np.flatnonzero(np.diff(doc_ids)) + 1  # where a document begins inside the window
-    first = int(starts[0]) if starts.size else 0
+    for index in sample.windows[:64]:
+        window, doc_ids = sample.reader.window(int(index), sample.seq_len)
+        starts = np.flatnonzero(np.diff(doc_ids)) + 1  # where documents begin in the window
+        if starts.size:
+            break
+    else:
+        window, doc_ids = sample.reader.window(int(sample.windows[0]), sample.seq_len)
+        starts = np.zeros(1, dtype=np.int64)
     end = int(starts[1]) if starts.size > 1 else len(doc_ids)
-    ids = [int(t) for t in window[first : min(end, first + tokens)]]
-    return loader.tokenizer.decode([t for t in ids if t < loader.tokenizer.vocab_size])
+    ids = [int(t) for t in window[int(starts[0]) : min(end, int(starts[0]) + tokens)]]
+    text = loader.tokenizer.decode([t for t in ids if t < loader.tokenizer.vocab_size])
+    return text.strip("\ufffd")  # a character cut by the window's edges
 
 
 @torch.no_grad()

@@ -173,7 +173,8 @@ class Training:
             log.info("compiling the model (torch.compile): the first steps take longer")
         bar = self.ranks.is_main and self.cfg.logging.progress
         with progress_bar(bar) as progress:
-            task = progress.add_task("training", total=tcfg.max_steps, completed=self.step)
+            first = "compiling" if compiles(tcfg) else "training"
+            task = progress.add_task(first, total=tcfg.max_steps, completed=self.step)
             while self.step < tcfg.max_steps:
                 self.phase = f"training step {self.step + 1}"
                 if self.stop.requested():
@@ -200,6 +201,8 @@ class Training:
                 paused = time.perf_counter()  # evaluation and saving are not training time
                 evaluate = (tcfg.eval_every and self.step % tcfg.eval_every == 0) or last
                 self.phase = f"the evaluation at step {self.step}"
+                if evaluate:
+                    progress.update(task, description="evaluating")
                 if evaluate and not self._evaluate():
                     continue  # stopped inside evaluation: the next check saves and exits
                 self.phase = f"the checkpoint at step {self.step}"

@@ -197,6 +197,7 @@ def test_experts_and_engram_under_zero2_train_resume_and_move_to_fsdp2(dataset, 
     assert result.returncode == 0, result.stderr[-4000:]
     resumed = train_losses(run_dir)
     assert {step: resumed[step] for step in (3, 4)} == {step: first[step] for step in (3, 4)}
+    refuses_a_payload_in_every_file(run_dir / "checkpoints" / "step_00000004", tmp_path)
 
     fsdp2 = tmp_path / "fsdp2"
     result = run_trainer(
@@ -205,3 +206,23 @@ def test_experts_and_engram_under_zero2_train_resume_and_move_to_fsdp2(dataset, 
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert "starting from the weights of" in (fsdp2 / "train.log").read_text()
+
+
+def refuses_a_payload_in_every_file(ckpt, tmp_path):
+    """Every file this layout writes (the module, each rank's optimizer partitions with their
+    experts, Engram's tables) refuses a pickled payload, named, without running it."""
+    from tests.trainer.test_deepspeed_safety import plant
+    from trainer.checkpoint_errors import UnsafeCheckpointError
+    from trainer.checkpoint_load import read_checked
+
+    names = sorted(p.name for p in (ckpt / "deepspeed").glob("*.pt"))
+    assert "lmforge_tables.pt" in names and len(names) == 4, names
+    marker = tmp_path / "pwned"
+    for name in names:
+        copy = tmp_path / "payload" / ckpt.name
+        shutil.rmtree(copy.parent, ignore_errors=True)
+        shutil.copytree(ckpt, copy)
+        plant(copy / "deepspeed" / name, marker)
+        with pytest.raises(UnsafeCheckpointError, match=f"{name} refused"):
+            read_checked(copy, rank=0, form="deepspeed")
+    assert not marker.exists()
