@@ -9,15 +9,7 @@ import os
 import platform
 from pathlib import Path
 
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+from trainer.mfu import cpu_model
 
 
 def machine(packages: tuple[str, ...] = ("torch", "numpy"), **extra: object) -> dict:

@@ -126,14 +126,15 @@ def peak_cache() -> Path:
 
 def machine_key(device: torch.device, dtype: torch.dtype) -> str:
     """What a measured peak depends on: the processor, the threads, the dtype, torch."""
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_model()
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model()
     threads = f", {torch.get_num_threads()} threads" if device.type == "cpu" else ""
     return (
         f"{str(dtype).removeprefix('torch.')} matmul on {where}{threads}, torch {torch.__version__}"
     )
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The processor's name (/proc/cpuinfo's model name where there is one)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
