@@ -17,6 +17,7 @@ so the whole model is never in memory (DeepSpeed's checkpoints are consolidated 
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import shutil
@@ -31,10 +32,10 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from data.atomic import is_disk_full
+from data.atomic import atomic_write_json, is_disk_full
 from data.errors import DataError
 from data.manifest import Manifest
-from data.tokenizer import TokenizerIdentity, load_verified_tokenizer
+from data.tokenizer import Tokenizer, TokenizerIdentity, load_verified_tokenizer
 from model.config import ModelConfig
 from model.errors import ConfigError
 from model.hf import hf_architecture, staged_dir, write_hf_parts
@@ -92,15 +93,16 @@ def _with_progress(parts: Iterable, cfg: ModelConfig) -> Iterator:
             bar.update()
 
 
-def copy_tokenizer(extra: dict, out: Path) -> None:
-    """The training data's tokenizer, verified to be the one the checkpoint was trained with."""
+def copy_tokenizer(extra: dict, out: Path, model_max_length: int | None = None) -> Tokenizer | None:
+    """The training data's tokenizer, verified to be the one the checkpoint was trained with
+    (returned; None when the checkpoint's is gone)."""
     if not extra.get("tokenizer_dir"):
         log.warning("the checkpoint names no tokenizer: exported without one")
-        return
+        return None
     directory = Path(extra["tokenizer_dir"])
     if not directory.is_dir():
         log.warning("the tokenizer %s is not there any more: exported without it", directory)
-        return
+        return None
     if "tokenizer" in extra:
         expected = TokenizerIdentity.from_dict(extra["tokenizer"])
     else:  # older checkpoints: the dataset's manifest says which tokenizer it was
@@ -110,7 +112,17 @@ def copy_tokenizer(extra: dict, out: Path) -> None:
     # and as Hugging Face's tokenizer.json + tokenizer_config.json (AutoTokenizer, init_from=hf:)
     from data.hf_tokenizer_export import write_hf_tokenizer  # (imported here: one edit)
 
-    write_hf_tokenizer(tokenizer, out)
+    write_hf_tokenizer(tokenizer, out, model_max_length=model_max_length)
+    return tokenizer
+
+
+def write_generation_defaults(out: Path, eos_id: int) -> None:
+    """The end-of-text token as the model's EOS (config.json, generation_config.json), so that
+    transformers' generate() stops at a document's end as the trainer's sampler does."""
+    config = json.loads((out / "config.json").read_text())
+    config["eos_token_id"] = eos_id
+    atomic_write_json(out / "config.json", config)
+    atomic_write_json(out / "generation_config.json", {"eos_token_id": eos_id})
 
 
 def finite(parts: WeightParts, ckpt: Path) -> Iterator:
@@ -143,7 +155,7 @@ def export(cfg: ExportConfig) -> Path:
     if not cfg.allow_nonfinite:
         parts = finite(parts, ckpt)
     with staged_dir(out) as tmp:  # renamed to `out` at the end; removed on any failure
-        copy_tokenizer(extra, tmp)  # verified before any weight is written
+        tokenizer = copy_tokenizer(extra, tmp, model_cfg.max_seq_len)  # before any weight
         write_hf_parts(
             model_cfg,
             parts,
@@ -151,6 +163,8 @@ def export(cfg: ExportConfig) -> Path:
             dtype=DTYPES[cfg.dtype],
             max_shard_bytes=_bytes(cfg.max_shard_size),
         )
+        if tokenizer is not None:
+            write_generation_defaults(tmp, tokenizer.eot_id)
         write_marker(tmp, ckpt, extra["step"], cfg.dtype)
     log.info("exported %s (step %d) to %s", ckpt, extra["step"], out)
     return out

@@ -38,6 +38,7 @@ def test_an_export_continues_training_on_the_same_data(dataset, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     tokenizer = load_tokenizer(f"hf:{export}")
     assert tokenizer.identity.hash == Manifest.load(dataset).tokenizer.hash
+    generates_with_transformers_alone(export, tokenizer.eot_id)
 
     result = run_trainer(
         *RUN, f"data.path={dataset}", f"init_from=hf:{export}", f"hydra.run.dir={second}",
@@ -48,3 +49,17 @@ def test_an_export_continues_training_on_the_same_data(dataset, tmp_path):
     before, after = val_losses(first), val_losses(second)
     assert after[0] == pytest.approx(before[2], rel=1e-5)
     assert after[0] != pytest.approx(before[0], rel=1e-4)  # (trained weights, not initial ones)
+
+
+def generates_with_transformers_alone(export, eot_id: int) -> None:
+    """transformers alone loads the export and generates; its EOS is the end-of-text token (so
+    generate() stops at a document's end, as the trainer's sampler does)."""
+    transformers = pytest.importorskip("transformers")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(export)
+    model = transformers.AutoModelForCausalLM.from_pretrained(export)
+    assert model.config.eos_token_id == eot_id == tokenizer.eos_token_id
+    assert model.generation_config.eos_token_id == eot_id
+    prompt = tokenizer("the", return_tensors="pt")
+    out = model.generate(**prompt, max_new_tokens=4, do_sample=False)
+    assert out.shape[1] > prompt["input_ids"].shape[1]
+    assert tokenizer.decode(out[0]).startswith("the")
