@@ -12,7 +12,8 @@ torchrun, with the checks and settings a cluster launch needs.
   before SIGKILL.
 
 Before anything starts it checks: the node count against the SLURM allocation, the rendezvous
-port on the node that hosts it, and that the run directory is writable. It prints the exact
+port on the node that hosts it, that the run directory is writable, and the trainer's settings
+(composed and validated as `python -m trainer` does, trainer.settings). It prints the exact
 command, then replaces itself with torchrun (signals sent to this process reach torchrun).
 """
 
@@ -25,8 +26,8 @@ import socket
 import sys
 from collections.abc import Mapping
 
-from model.errors import ConfigError
 from trainer.cluster_env import check_run_dir, first_node, slurm_port
+from trainer.settings import CONFIG_ERRORS, check_settings, checkable, hydra_args
 
 SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2"
 
@@ -192,13 +193,22 @@ def check_port(args: argparse.Namespace) -> None:
             ) from None
 
 
+def check_trainer_settings(overrides: list[str]) -> None:
+    """Compose and validate the trainer's settings here, once: a wrong one is one line before any
+    worker starts, instead of the same message from every rank and torchrun's traceback."""
+    trainer_args = hydra_args(overrides)
+    if checkable(trainer_args):
+        check_settings(trainer_args.overrides, trainer_args.config_name)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         resolve_rendezvous(args)
         check_port(args)
         check_run_dir(args.overrides)
-    except (LaunchError, ConfigError) as err:
+        check_trainer_settings(args.overrides)
+    except (LaunchError, *CONFIG_ERRORS) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     command = build_command(args)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from optim.bounds import BELOW_ONE, NON_NEGATIVE, POSITIVE, UNIT, Bounds, broken_rule
 from optim.errors import OptimConfigError
 from optim.matrix_blocks import SCALINGS, SPLIT_MODES
 from optim.newton_schulz import SCHEDULES as NS_TABLES
@@ -14,6 +15,31 @@ NS_SCHEDULES = tuple(NS_TABLES)  # optim.newton_schulz
 MUON_SCALINGS = SCALINGS  # optim.matrix_blocks.update_scale
 MUON_SPLITS = SPLIT_MODES  # optim.matrix_blocks
 DECAY_SHAPES = ("linear", "cosine", "sqrt")
+CHOICES = {  # field -> the values it may take
+    "name": OPTIMIZERS,
+    "schedule": SCHEDULES,
+    "decay_shape": DECAY_SHAPES,
+    "ns_schedule": NS_SCHEDULES,
+    "muon_scaling": MUON_SCALINGS,
+    "muon_split": MUON_SPLITS,
+}
+NUMBER_RULES = {  # every numeric field -> its rule (finite, in the interval)
+    "lr": POSITIVE,
+    "beta1": BELOW_ONE,
+    "beta2": BELOW_ONE,
+    "eps": POSITIVE,
+    "weight_decay": NON_NEGATIVE,
+    "warmup_steps": NON_NEGATIVE,
+    "min_lr_ratio": UNIT,
+    "decay_fraction": Bounds(0, 1, low_open=True),
+    "muon_momentum": BELOW_ONE,
+    "muon_momentum_warmup": Bounds(0, note="0 = off"),
+    "muon_momentum_start": BELOW_ONE,
+    "ns_steps": Bounds(1, 20),
+    "adamw_lr": Bounds(0, note="0 = optim.lr"),
+    "qk_clip_tau": Bounds(0, note="0 = off"),
+    "memory_lr_multiplier": POSITIVE,
+}
 
 
 def _require(ok: bool, message: str) -> None:
@@ -52,60 +78,16 @@ class OptimConfig:
     memory_lr_multiplier: float = 5.0
 
     def __post_init__(self) -> None:
-        _require(
-            self.name in OPTIMIZERS,
-            f"optim.name={self.name!r} is not available; choose one of: {', '.join(OPTIMIZERS)}",
-        )
-        _require(self.lr > 0, f"optim.lr={self.lr} must be > 0")
-        _require(
-            0 <= self.beta1 < 1 and 0 <= self.beta2 < 1,
-            f"optim.beta1={self.beta1} and optim.beta2={self.beta2} must be in [0, 1)",
-        )
-        _require(self.eps > 0, f"optim.eps={self.eps} must be > 0")
-        _require(
-            self.memory_lr_multiplier > 0,
-            f"optim.memory_lr_multiplier={self.memory_lr_multiplier} must be > 0",
-        )
-        _require(self.weight_decay >= 0, f"optim.weight_decay={self.weight_decay} must be >= 0")
-        _require(
-            self.schedule in SCHEDULES,
-            f"optim.schedule={self.schedule!r} is not one of {SCHEDULES}",
-        )
-        _require(
-            self.decay_shape in DECAY_SHAPES,
-            f"optim.decay_shape={self.decay_shape!r} is not one of {DECAY_SHAPES}",
-        )
-        _require(
-            self.ns_schedule in NS_SCHEDULES,
-            f"optim.ns_schedule={self.ns_schedule!r} is not one of {NS_SCHEDULES}",
-        )
-        _require(
-            self.muon_scaling in MUON_SCALINGS,
-            f"optim.muon_scaling={self.muon_scaling!r} is not one of {MUON_SCALINGS}",
-        )
-        _require(
-            self.muon_split in MUON_SPLITS,
-            f"optim.muon_split={self.muon_split!r} is not one of {MUON_SPLITS}",
-        )
-        _require(1 <= self.ns_steps <= 20, f"optim.ns_steps={self.ns_steps} must be in [1, 20]")
-        _require(
-            0 <= self.muon_momentum < 1,
-            f"optim.muon_momentum={self.muon_momentum} must be in [0, 1)",
-        )
-        _require(
-            self.muon_momentum_warmup >= 0 and 0 <= self.muon_momentum_start < 1,
-            f"optim.muon_momentum_warmup={self.muon_momentum_warmup} must be >= 0 and "
-            f"optim.muon_momentum_start={self.muon_momentum_start} in [0, 1)",
-        )
-        _require(self.adamw_lr >= 0, f"optim.adamw_lr={self.adamw_lr} must be >= 0 (0 = optim.lr)")
-        _require(
-            self.qk_clip_tau >= 0, f"optim.qk_clip_tau={self.qk_clip_tau} must be >= 0 (0 = off)"
-        )
-        _require(self.warmup_steps >= 0, f"optim.warmup_steps={self.warmup_steps} must be >= 0")
-        _require(
-            0 <= self.min_lr_ratio <= 1, f"optim.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]"
-        )
-        _require(
-            0 < self.decay_fraction <= 1,
-            f"optim.decay_fraction={self.decay_fraction} must be in (0, 1]",
-        )
+        for key, choices in CHOICES.items():
+            value = getattr(self, key)
+            _require(value in choices, f"optim.{key}={value!r} is not one of: {', '.join(choices)}")
+        broken = broken_rule("optim", self, NUMBER_RULES)
+        _require(broken is None, str(broken))
+        for key in ("lr", "adamw_lr"):  # decoupled decay: W <- W (1 - lr wd) every step
+            lr = getattr(self, key)
+            _require(
+                lr * self.weight_decay < 1,
+                f"optim.weight_decay={self.weight_decay} with optim.{key}={lr} multiplies the "
+                f"weights by 1 - lr x weight_decay = {1 - lr * self.weight_decay:g} every step: "
+                "lower optim.weight_decay so that lr x weight_decay < 1",
+            )

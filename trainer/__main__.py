@@ -1,19 +1,25 @@
 """`python -m trainer [overrides]`: train (the same command under torchrun or srun).
 
-Hydra composes `conf/config.yaml` with the overrides, typed by trainer.config.RootConfig, so a
-misspelled key or a wrong type stops here before anything starts. Errors in the values (a rule
-of a config dataclass, a dataset problem) end the run with their message and exit code 2
-(settings) or 1 (data, checkpoints), without a traceback; a run directory that this launch
-created is removed again after a settings error.
+Before Hydra runs, the settings are composed and validated once (trainer.settings: a wrong
+type, an unknown key or preset, a rule of a config dataclass) and any problem ends in one line
+and exit code 2, printed by rank 0 only, before any file exists. Then the run directory is
+chosen (unique per launch) and locked by rank 0, so a second trainer on it stops before writing
+anything (trainer.run_dir). Commands that only print (`--help`, `--cfg`, `--info`, ...) and
+sweeps (`-m`) go straight to Hydra.
 
-Before Hydra runs, the run directory is chosen (unique per launch) and locked by rank 0, so a
-second trainer on it stops before writing anything (trainer.run_dir).
+Hydra then composes `conf/config.yaml` with the overrides, typed by trainer.config.RootConfig.
+Errors found later (rules across groups, a dataset problem, a checkpoint that does not fit) end
+the run with their message and exit code 2 (settings) or 1 (data, checkpoints), without a
+traceback; a run directory that this launch created and that holds only what start-up wrote is
+removed again.
 """
 
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
+from typing import NoReturn
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -37,16 +43,26 @@ from trainer.runtime import (
     register_resolvers,
     setup_logging,
 )
+from trainer.settings import (
+    CONFIG_ERRORS,
+    check_settings,
+    checkable,
+    hydra_args,
+    is_sweep,
+    runs_a_job,
+)
 
 register_configs()
 register_resolvers()
 SETTINGS_ERRORS = (ConfigError, OptimConfigError)
 EXPECTED_ERRORS = (ConfigError, DataError, OptimConfigError, CheckpointError)
+QUIET_RANK_WAIT_S = 10.0  # see _refuse
 
 
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
 def main(dict_cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    ranks = None
     try:
         cfg = OmegaConf.to_object(dict_cfg)
         ranks = ranks_from_env()
@@ -54,8 +70,11 @@ def main(dict_cfg: DictConfig) -> None:
             run_dirs.lock(run_dir)  # a no-op when the entry point already holds it
         device = pick_device(cfg.trainer.device, ranks.local_rank)
         init_distributed(ranks, cfg.parallel.backend, device, cfg.parallel.timeout_s)
-    except (ConfigError, DataError, OptimConfigError) as err:
-        print(f"error: {err}", file=sys.stderr)
+    except CONFIG_ERRORS as err:
+        if ranks is None or ranks.is_main:  # the other ranks' copies of the line add nothing
+            print(f"error: {err}", file=sys.stderr)
+        if ranks is not None:
+            _discard(run_dir, ranks)
         _finish(2, run_dir)
         return
     except KeyboardInterrupt:
@@ -77,6 +96,7 @@ def _train(cfg, run_dir: Path, ranks: Ranks) -> int:
         code = train(cfg, run_dir, ranks)
     except EXPECTED_ERRORS as err:
         log.error("%s", err)
+        _discard(run_dir, ranks)  # a start-up refusal (settings, data) leaves no run directory
         code = 2 if isinstance(err, SETTINGS_ERRORS) else getattr(err, "exit_code", 1)
     except KeyboardInterrupt:
         return _interrupted()
@@ -100,12 +120,16 @@ def _interrupted() -> int:
     return 130
 
 
+def _discard(run_dir: Path, ranks: Ranks) -> None:
+    """After an error the user can fix: remove the run directory if this launch created it and
+    it holds only what start-up writes (trainer.run_dir.remove_if_unused)."""
+    if ranks.is_main and run_dirs.remove_if_unused(run_dir):
+        print(f"removed the run directory {run_dir} that this launch had created", file=sys.stderr)
+
+
 def _finish(code: int, run_dir: Path) -> None:
     """Exit with `code`; in a sweep (`-m`, also on SLURM through submitit) the other jobs go on,
-    so a job reports its failure by raising instead. A settings error removes the run directory
-    this launch created; a sweep job releases its lock."""
-    if code == 2 and ranks_from_env().is_main and run_dirs.remove_if_created(run_dir):
-        print(f"removed the run directory {run_dir} that this launch had created", file=sys.stderr)
+    so a job reports its failure by raising instead, and releases its lock."""
     if HydraConfig.get().mode != RunMode.MULTIRUN:
         sys.exit(code)
     run_dirs.release(run_dir)
@@ -113,10 +137,10 @@ def _finish(code: int, run_dir: Path) -> None:
         raise RuntimeError(f"training ended with exit code {code}: see the job's train.log")
 
 
-def choose_run_dir(argv: list[str], ranks: Ranks) -> None:
+def choose_run_dir(overrides: list[str], argv: list[str], ranks: Ranks) -> None:
     """Before Hydra: check (and for rank 0, create and lock) the run directory; without
     `hydra.run.dir`, pick a unique default and pass it to Hydra as that override."""
-    explicit = run_dirs.explicit_run_dir(argv[1:])
+    explicit = run_dirs.explicit_run_dir(overrides)
     if explicit is not None and "${" in explicit:
         return  # an interpolation: only Hydra can resolve it (main() locks it then)
     run_dir = Path(explicit or default_run_dir())
@@ -129,12 +153,37 @@ def choose_run_dir(argv: list[str], ranks: Ranks) -> None:
         run_dirs.lock(run_dir)
 
 
-if __name__ == "__main__":
-    try:  # before Hydra: the run directory and `.hydra/` depend on the rank
-        launch_ranks = ranks_from_env()
-        if "-m" not in sys.argv[1:] and "--multirun" not in sys.argv[1:]:
-            choose_run_dir(sys.argv, launch_ranks)
+def before_hydra(argv: list[str]) -> None:
+    """Check the settings, then choose the run directory: a wrong setting stops (exit 2, one
+    line from rank 0) before anything exists. Commands that print only and sweeps skip both."""
+    args = hydra_args(argv[1:])  # as hydra.main parses them (--version prints and exits here)
+    if not runs_a_job(args) or is_sweep(args):
+        return
+    try:
+        ranks = ranks_from_env()
     except ConfigError as err:
+        _refuse(err, loud=True)
+    try:
+        if checkable(args):
+            check_settings(args.overrides, args.config_name)
+    except CONFIG_ERRORS as err:
+        _refuse(err, loud=ranks.is_main)  # every rank finds the same: rank 0 says it
+    try:
+        choose_run_dir(args.overrides, argv, ranks)
+    except ConfigError as err:  # this node's file system: every rank says it
+        _refuse(err, loud=True)
+
+
+def _refuse(err: Exception, loud: bool) -> NoReturn:
+    """Exit 2, saying why; a quiet rank (not rank 0, which says it) first gives rank 0 time to:
+    torchrun stops every worker once one exits, and would stop rank 0 before its line."""
+    if loud:
         print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    else:
+        time.sleep(QUIET_RANK_WAIT_S)  # torchrun ends this wait when rank 0 exits
+    sys.exit(2)
+
+
+if __name__ == "__main__":
+    before_hydra(sys.argv)
     main()

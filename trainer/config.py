@@ -19,6 +19,7 @@ from hydra.core.config_store import ConfigStore
 from data.config import LoaderConfig
 from model.config import ModelConfig
 from model.errors import ConfigError
+from optim.bounds import AT_LEAST_ONE, NON_NEGATIVE, Bounds, broken_rule
 from optim.config import OptimConfig
 from parallel.config import ParallelConfig
 
@@ -48,6 +49,27 @@ COMPILE_EVAL_CHOICES = ("auto", "true", "false")
 EVAL_COMPILE_MIN_BATCHES = 300
 
 
+# every numeric field of TrainerConfig -> its rule (finite, in the interval; optim.bounds)
+TRAINER_NUMBERS = {
+    "max_steps": AT_LEAST_ONE,
+    "batch_size": AT_LEAST_ONE,
+    "micro_batch_size": Bounds(0, note="0 = the whole local batch"),
+    "log_every": AT_LEAST_ONE,
+    "eval_every": Bounds(0, note="0 = only at the end"),
+    "sample_tokens": NON_NEGATIVE,
+    "grad_clip": Bounds(0, note="0 = off"),
+    "max_bad_steps": AT_LEAST_ONE,
+    "spike_factor": Bounds(
+        1, low_open=True, or_zero=True, note="0 = off; a multiple of the mean loss"
+    ),
+    "threads": Bounds(0, note="0 = torch's default"),
+    "peak_flops": Bounds(0, note="0 = the device table or a measurement"),
+    "fault_step": Bounds(-1, note="-1 = off"),
+    "fault_rank": Bounds(-1, note="-1 = every rank"),
+    "orphan_grace_s": NON_NEGATIVE,
+}
+
+
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
@@ -61,7 +83,7 @@ class TrainerConfig:
     log_every: int = 10  # steps between metrics.jsonl rows
     eval_every: int = 100  # steps between evaluations (and at the end); 0 = only at the end
     sample_tokens: int = 48  # tokens sampled after each evaluation (0 = none)
-    sample_prompt: str = "def "  # prompt of that sample
+    sample_prompt: str = ""  # prompt of that sample; "" = the start of a validation document
     grad_clip: float = 1.0  # global gradient-norm clip; 0 = off
     # auto (bf16 where the device multiplies bf16 natively, else fp32: parallel/precision.py) |
     # bf16 (autocast over fp32 weights) | bf16_master (bf16 weights, fp32 masters in the
@@ -90,11 +112,8 @@ class TrainerConfig:
     orphan_grace_s: float = 120.0  # under torchrun: seconds to save and exit once the agent died
 
     def __post_init__(self) -> None:
-        for key in ("max_steps", "batch_size", "log_every"):
-            _require(getattr(self, key) >= 1, f"trainer.{key}={getattr(self, key)} must be >= 1")
-        for key in ("micro_batch_size", "eval_every", "sample_tokens", "max_bad_steps", "threads"):
-            _require(getattr(self, key) >= 0, f"trainer.{key}={getattr(self, key)} must be >= 0")
-        _require(self.grad_clip >= 0, f"trainer.grad_clip={self.grad_clip} must be >= 0")
+        broken = broken_rule("trainer", self, TRAINER_NUMBERS)
+        _require(broken is None, str(broken))
         _require(
             self.precision in PRECISIONS,
             f"trainer.precision={self.precision!r} is not one of {PRECISIONS}",
@@ -113,14 +132,6 @@ class TrainerConfig:
         _require(
             self.compile_eval in COMPILE_EVAL_CHOICES,
             f"trainer.compile_eval={self.compile_eval!r} is not one of {COMPILE_EVAL_CHOICES}",
-        )
-        _require(
-            self.max_bad_steps >= 1, f"trainer.max_bad_steps={self.max_bad_steps} must be >= 1"
-        )
-        _require(
-            self.spike_factor == 0 or self.spike_factor > 1,
-            f"trainer.spike_factor={self.spike_factor} must be 0 (off) or > 1 (a multiple of the "
-            "running mean loss)",
         )
 
 

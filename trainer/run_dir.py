@@ -7,7 +7,8 @@
 - Rank 0 holds an exclusive lock (`<run dir>/.lock`, flock) for the whole run: a second trainer
   on the same directory stops at once with the holder's pid instead of mixing its rows and
   checkpoints in. The lock goes with the process, so a killed run leaves nothing to clean up.
-- A launch that created the directory and fails on a config error removes it again.
+- A launch that created the directory and stops before training on an error the user can fix
+  (settings, data) removes it again.
 """
 
 from __future__ import annotations
@@ -24,8 +25,12 @@ from typing import TextIO
 from model.errors import ConfigError
 
 LOCK_FILE = ".lock"
+# what a run directory holds before training begins: the lock, Hydra's resolved config, the
+# logs, Engram's token map (trainer/app.py); anything else means the run trained
+STARTUP_ENTRIES = frozenset({LOCK_FILE, ".hydra", "train.log", "logs", "token_compression.json"})
 _held: dict[Path, TextIO] = {}  # run directories this process has locked
 _created: set[Path] = set()  # run directories this launch created
+_parents_made: list[Path] = []  # their parents that this launch created, outermost first
 
 
 class RunDirError(ConfigError):
@@ -57,14 +62,12 @@ def check_writable(run_dir: Path) -> None:
 
 def claim_unique(base: Path) -> Path:
     """`base`, or `base-2`, `base-3`, ...: the first name this process creates itself."""
-    base.parent.mkdir(parents=True, exist_ok=True)
     for n in range(1, 10_000):
         candidate = base if n == 1 else base.with_name(f"{base.name}-{n}")
         try:
-            candidate.mkdir()
+            _make(candidate)
         except FileExistsError:
             continue
-        _created.add(candidate.resolve())
         return candidate
     raise RunDirError(f"no free run directory name next to {base}; pass hydra.run.dir=<dir>")
 
@@ -72,8 +75,28 @@ def claim_unique(base: Path) -> Path:
 def create(run_dir: Path) -> None:
     """Make `run_dir` (and remember whether this launch made it)."""
     if not run_dir.exists():
-        run_dir.mkdir(parents=True, exist_ok=True)
+        _make(run_dir, exist_ok=True)
+
+
+def _make(run_dir: Path, exist_ok: bool = False) -> None:
+    """mkdir -p that remembers what it made: the run directory and its missing parents (`runs/`
+    in a fresh checkout), so that remove_if_unused can take back all of it."""
+    for _ in range(3):  # another launch may remove an empty parent between the two mkdirs
+        for parent in reversed(run_dir.parents):
+            if not parent.exists():
+                try:
+                    parent.mkdir()
+                    _parents_made.append(parent.resolve())
+                except FileExistsError:
+                    pass
+        try:
+            run_dir.mkdir(exist_ok=exist_ok)
+        except FileNotFoundError:
+            continue
         _created.add(run_dir.resolve())
+        return
+    run_dir.mkdir(parents=True, exist_ok=exist_ok)  # the last try: its error says what is wrong
+    _created.add(run_dir.resolve())
 
 
 def lock(run_dir: Path) -> None:
@@ -107,12 +130,23 @@ def release(run_dir: Path) -> None:
         handle.close()
 
 
-def remove_if_created(run_dir: Path) -> bool:
-    """Delete `run_dir` when this launch created it (after a config error); True if removed."""
+def remove_if_unused(run_dir: Path) -> bool:
+    """Delete `run_dir` when this launch created it and it holds only what start-up writes
+    (STARTUP_ENTRIES: no metrics, no checkpoint); True if removed. After an error that stopped
+    the run before it trained, the directory holds nothing worth keeping; after one later on, its
+    rows and checkpoints stay."""
     key = run_dir.resolve()
-    if key not in _created:
+    if key not in _created or not run_dir.is_dir():
+        return False
+    if any(entry.name not in STARTUP_ENTRIES for entry in run_dir.iterdir()):
         return False
     release(run_dir)
     shutil.rmtree(run_dir, ignore_errors=True)
     _created.discard(key)
+    for parent in reversed(_parents_made):  # deepest first; one that is not empty stays
+        if parent in key.parents:
+            try:
+                parent.rmdir()
+            except OSError:
+                break
     return True

@@ -86,6 +86,28 @@ def test_bad_launches_are_refused_before_anything_starts(
     assert result.returncode == 2 and "cannot be created" in result.stderr
 
 
+def test_a_settings_error_is_one_line_before_any_worker_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """Issue 52: the launcher composes the trainer's settings once; an unknown key is one line
+    (exit 2), not a message per rank plus torchrun's ChildFailedError traceback."""
+    from launch.torchrun import main
+
+    monkeypatch.chdir(tmp_path)
+    code = main(["--dry-run", "--nproc-per-node=2", "--", "trainer.nonsense=1"])  # this process
+    out = capsys.readouterr()
+    assert code == 2 and not out.out, out
+    assert out.err.splitlines() == [
+        "error: trainer.nonsense is not a setting (TrainerConfig has no field 'nonsense'): check "
+        "its spelling; `python -m trainer --cfg job` lists every setting with its default"
+    ]
+    result = launch("--nproc-per-node=2", "trainer.batch_size=abc", cwd=tmp_path)  # for real
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and result.stdout == "", result.stderr[-3000:]  # no torchrun
+    assert len(lines) == 1 and "trainer.batch_size=abc" in lines[0], result.stderr[-3000:]
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_the_sbatch_templates_name_missing_slurm_commands(tmp_path: Path) -> None:
     for template in ("train.sbatch", "train_srun.sbatch"):
         script = ROOT / "launch" / "slurm" / template

@@ -133,7 +133,7 @@ def test_sigterm_saves_and_exits_then_resume_finishes(dataset, tmp_path):
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["trainer.max_step=3"], "Could not override 'trainer.max_step'"),
+        (["trainer.max_step=3"], "trainer.max_step is not a setting"),
         (["trainer.max_steps=abc"], "Value 'abc' of type 'str' could not be converted to Integer"),
         (
             ["trainer.batch_size=6", "trainer.micro_batch_size=4"],

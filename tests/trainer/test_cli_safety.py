@@ -5,6 +5,7 @@ written, and a disk that fills up gives one line."""
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import signal
@@ -15,9 +16,11 @@ from pathlib import Path
 
 import pytest
 
+from model.errors import ConfigError
 from tests.commands import OFFLINE, ROOT
 from tests.trainer.helpers import SMALL_OVERRIDES, metric_rows, run_trainer
 from trainer import run_dir as run_dirs
+from trainer.config import TrainerConfig
 from trainer.signals import StopFlag
 
 pytestmark = pytest.mark.integration
@@ -124,8 +127,8 @@ def test_claiming_a_name_taken_in_the_same_second_adds_a_suffix(tmp_path):
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("optim.name=adamx", "optim.name='adamx' is not available; choose one of: adamw, muon"),
-        ("trainer.spike_factor=-2", "trainer.spike_factor=-2.0 must be 0 (off) or > 1"),
+        ("optim.name=adamx", "optim.name='adamx' is not one of: adamw, muon"),
+        ("trainer.spike_factor=-2", "trainer.spike_factor=-2.0 must be 0 or > 1 (0 = off"),
         ("parallel.ep=2", "parallel.ep=2"),
         ("trainer.batch_size=3", "trainer.batch_size=3 is not divisible"),
     ],
@@ -145,6 +148,83 @@ def test_settings_errors_touch_no_file(tmp_path, override, message):
     assert result.returncode == 2, result.stderr[-3000:]
     assert message in result.stderr and "Traceback" not in result.stderr
     assert not run_dir.exists() and not data_dir.exists()
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("trainer.batch_size=abc", "trainer.batch_size=abc: Value 'abc' of type 'str'"),
+        ("trainer.nonsense=1", "trainer.nonsense is not a setting (TrainerConfig has no field"),
+        ("+trainer.nonsense=1", "trainer.nonsense is not a setting"),
+        ("model=nonexistent", "model=nonexistent is not a preset of model: choose one of"),
+        ("optim.weight_decay=inf", "optim.weight_decay=inf must be finite and >= 0"),
+        ("trainer.grad_clip=nan", "trainer.grad_clip=nan must be finite and >= 0 (0 = off)"),
+        ("data.seq_len=0", "data.seq_len=0 must be >= 1"),
+    ],
+)
+def test_a_settings_error_is_one_line_and_creates_nothing(tmp_path, override, message):
+    """Issue 52, bug 11: Hydra's errors (a type, an unknown key or preset) and the config
+    dataclasses' rules stop before a run directory (or `runs/`) exists, in one line, exit 2."""
+    result = run_trainer(override, "logging.progress=false", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr[-3000:]
+    assert message in lines[0] and "Traceback" not in result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_help_and_the_config_printouts_create_nothing(tmp_path):
+    for flags in (["--help"], ["--cfg", "job"], ["--info", "defaults"]):
+        result = run_trainer(*flags, cwd=tmp_path)
+        assert result.returncode == 0 and result.stdout, (flags, result.stderr[-3000:])
+        assert list(tmp_path.iterdir()) == [], flags
+
+
+def test_a_missing_dataset_keeps_its_exit_code_and_leaves_no_run_directory(tmp_path):
+    missing = tmp_path / "missing"
+    result = run_trainer(f"data.path={missing}", "logging.progress=false", cwd=tmp_path)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert f"no manifest.json in {missing}" in result.stderr and "Traceback" not in result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_only_a_run_directory_that_never_trained_is_removed(tmp_path):
+    fresh = run_dirs.claim_unique(tmp_path / "runs" / "a")
+    trained = run_dirs.claim_unique(tmp_path / "runs" / "b")
+    for run_dir in (fresh, trained):
+        run_dirs.lock(run_dir)
+        (run_dir / ".hydra").mkdir()
+        (run_dir / "train.log").write_text("started\n")
+    (trained / "metrics.jsonl").write_text('{"step": 1}\n')
+    adopted = tmp_path / "adopted"  # there before this launch: never removed
+    adopted.mkdir()
+    assert not run_dirs.remove_if_unused(adopted)
+    assert not run_dirs.remove_if_unused(trained) and (trained / "metrics.jsonl").is_file()
+    assert run_dirs.remove_if_unused(fresh) and not fresh.exists()
+    assert (tmp_path / "runs").is_dir()  # still holds `trained`
+    (trained / "metrics.jsonl").unlink()
+    assert run_dirs.remove_if_unused(trained) and not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "rule"),
+    [
+        ("grad_clip", math.inf, "must be finite and >= 0 (0 = off)"),
+        ("grad_clip", -1.0, "must be >= 0"),
+        ("spike_factor", math.nan, "must be finite and 0 or > 1"),
+        ("spike_factor", 0.5, "must be 0 or > 1"),
+        ("peak_flops", -1e12, "must be >= 0"),
+        ("peak_flops", math.inf, "must be finite and >= 0"),
+        ("orphan_grace_s", math.inf, "must be finite and >= 0"),
+        ("max_steps", 0, "must be >= 1"),
+        ("max_bad_steps", 0, "must be >= 1"),
+        ("fault_rank", -2, "must be >= -1"),
+    ],
+)
+def test_a_bad_trainer_number_is_refused_naming_the_field(key, value, rule):
+    with pytest.raises(ConfigError) as refused:
+        TrainerConfig(**{key: value})
+    assert str(refused.value).startswith(f"trainer.{key}={value} {rule}")
 
 
 def test_without_validation_no_validation_rows_are_written(dataset, tmp_path):

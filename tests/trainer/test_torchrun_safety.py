@@ -142,3 +142,19 @@ def test_a_stopped_rank_ends_the_job_after_the_collective_timeout(dataset, tmp_p
     log = (run_dir / "train.log").read_text()
     assert "rank 0: a collective in training step" in log, log[-3000:]
     assert "waited more than 5 s (parallel.timeout_s)" in log
+
+
+def test_a_settings_error_under_plain_torchrun_is_said_once_by_rank_0(tmp_path):
+    """Issue 52: every rank finds the same wrong setting; rank 0 alone says it (torchrun's own
+    ChildFailedError report follows, which the trainer cannot suppress), and rank 0's exit
+    code 2 is the root cause torchrun names. No run directory is created."""
+    result = torchrun(2, "trainer.nonsense=1", cwd=tmp_path)
+    assert result.returncode != 0
+    mentions = [line for line in result.stderr.splitlines() if "trainer.nonsense" in line]
+    assert mentions == [
+        "error: trainer.nonsense is not a setting (TrainerConfig has no field 'nonsense'): check "
+        "its spelling; `python -m trainer --cfg job` lists every setting with its default"
+    ], result.stderr[-4000:]
+    root_cause = result.stderr.split("Root Cause")[1]
+    assert "rank      : 0" in root_cause and "exitcode  : 2" in root_cause, root_cause
+    assert list(tmp_path.iterdir()) == []
