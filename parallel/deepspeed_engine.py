@@ -45,7 +45,7 @@ from model.errors import ConfigError
 from model.moe import moe_layers
 from model.transformer import Transformer, build_model
 from parallel.activation import apply_activation_checkpointing, compile_model
-from parallel.collective import all_true
+from parallel.collective import worst_over_ranks
 from parallel.deepspeed_checkpoint import (
     CHECKPOINT_FOLDER,
     check_partitions,
@@ -465,16 +465,17 @@ class DeepSpeedEngine(TrainingEngine):
             self.tables.read(directory / CHECKPOINT_FOLDER)
         if getattr(self, "_universal", None) is not None:
             universal, self._universal = self._universal, None
-            problem = "on another rank"
+            problem = "interrupted"
             try:
                 load_universal(self.ds, universal, CHECKPOINT_FOLDER)
                 problem = ""
-            except Exception as err:  # agreed on below: an incompatibility, not damage
+            except Exception as err:  # an incompatibility, not damage
                 problem = f"{type(err).__name__}: {err}".splitlines()[0]
-            finally:
+            finally:  # the agreement first: no rank may still be reading what rank 0 removes
+                failed, problem = worst_over_ranks(int(bool(problem)), problem)
                 if dist.get_rank() == 0:
                     remove_conversion(universal)
-            if not all_true(not problem):
+            if failed:
                 raise CheckpointRefusal(
                     f"the universal form of {directory} (converted for this run's ranks and "
                     f"ZeRO stage) did not load ({problem}): resume with the rank count and "
