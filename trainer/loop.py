@@ -36,6 +36,7 @@ from trainer.config import (
 )
 from trainer.evaluate import perplexity, sample_text, validation_loss
 from trainer.metrics import MetricsFile, memory_bytes
+from trainer.mfu import peak_cache
 from trainer.plot import plot_losses
 from trainer.progress import RunClock, progress_bar, summary
 from trainer.runtime import Ranks, rng_state
@@ -77,6 +78,7 @@ class Training:
     compiled_evaluation: bool = False  # validation forwards compiled (a compiled run's choice)
     val_loss: float | None = None  # the last validation loss
     clock: RunClock | None = None  # this process's training time (trainer.progress)
+    mfu_warned: bool = False  # an MFU above 100% was reported (once)
     sample_prompt: str = ""  # the evaluation sample's prompt (trainer.sample_prompt or the data's)
 
     @property
@@ -342,6 +344,13 @@ class Training:
             **window.moe,  # the last step's MoE statistics (model.moe.moe_stats keys)
         }
         self._emit(row)
+        if row["mfu"] > 1 and not self.mfu_warned:  # the achieved rate bounds the peak from below
+            self.mfu_warned = True
+            log.warning(
+                "MFU above 100%% (%.0f%%): the peak of %.3g FLOP/s is too low (measured while "
+                "the machine was busy?); set trainer.peak_flops, or delete %s to measure again",
+                100 * row["mfu"], self.peak_flops, peak_cache(),
+            )  # fmt: skip
         log.info(
             "step %d/%d  loss %.4f  lr %.2e  grad_norm %.3f  %.0f tok/s  mfu %.1f%%  data wait "
             "%.2fs  %s",

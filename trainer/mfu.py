@@ -3,7 +3,8 @@
 GPUs: dense (no sparsity) tensor-core peaks from the vendors' data sheets, matched by name.
 CPUs have no such table: a short square-matmul measurement in the training dtype stands in for
 the peak (so CPU MFU reads "fraction of what this machine's matmul reaches"). It is measured
-once per machine, thread count, dtype and torch version and kept in
+once per machine, thread count, dtype and torch version, on a machine not busy with other work
+(a 1-minute load average under half the cores), and kept in
 `$XDG_CACHE_HOME/lmforge/mfu_peaks.json` (~/.cache by default): a re-measurement at every start
 read 1.09e12 and 4.39e11 FLOP/s in two starts on a busy machine, so a resumed run's MFU jumped.
 Delete the file (or set trainer.peak_flops) to choose again.
@@ -106,7 +107,10 @@ def device_peak(
         return float(
             cached["flops"]
         ), f"{key}, measured {cached['when']} ({path}; delete it to re-measure)"
+    load = busy_load()
     peak = measure_matmul_peak(device, dtype)
+    if load is not None:  # other work shared the cores: a low reading must not stay
+        return peak, f"{key}, measured now (not cached: the machine was busy, load {load:.1f})"
     if write_cache:
         entries = _read_cache(path) | {
             key: {"flops": peak, "when": time.strftime("%Y-%m-%d %H:%M")}
@@ -117,6 +121,16 @@ def device_peak(
         except OSError:  # a read-only home: measured again next time
             return peak, f"{key}, measured now (not cached: {path} is not writable)"
     return peak, f"{key}, measured now (cached in {path})"
+
+
+def busy_load() -> float | None:
+    """The 1-minute load average when other work occupies at least half the cores (a peak
+    measured then reads low: 4.39e11 against 1.09e12 FLOP/s on one machine), else None."""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:  # not on this platform: nothing to tell
+        return None
+    return load if load >= 0.5 * (os.cpu_count() or 1) else None
 
 
 def peak_cache() -> Path:

@@ -90,3 +90,10 @@ def test_the_prompt_is_a_document_start_where_one_is_in_the_sample(tmp_path):
     assert re.fullmatch(
         r"Document \d+ says hello to the world\. [\w ]*", data_prompt(training.loader)
     )
+
+
+def test_an_mfu_above_100_percent_says_the_peak_is_too_low_once(dataset, tmp_path, caplog):
+    cfg = small_config(dataset, max_steps=3, eval_every=0, peak_flops=1.0)
+    assert build_training(cfg, tmp_path, ONE).run() == 0
+    assert caplog.text.count("MFU above 100%") == 1
+    assert "the peak of 1 FLOP/s is too low" in caplog.text and "mfu_peaks.json" in caplog.text

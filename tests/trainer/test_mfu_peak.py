@@ -4,6 +4,8 @@ not minutes."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -52,6 +54,7 @@ def test_a_measured_peak_is_cached_per_machine_and_read_back_without_measuring(
     """Re-measuring at every start gave 1.09e12 and 4.39e11 FLOP/s on a busy machine: the first
     measurement is kept (per processor, threads, dtype and torch) and said where."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))  # a quiet machine
     cpu = torch.device("cpu")
     with CountMatmuls() as counted:
         first, how = device_peak(cpu, torch.float32, 0.0)
@@ -64,3 +67,11 @@ def test_a_measured_peak_is_cached_per_machine_and_read_back_without_measuring(
     with CountMatmuls() as counted:
         device_peak(cpu, torch.float32, 0.0, write_cache=False)
     assert counted.sizes
+
+
+def test_a_peak_measured_on_a_busy_machine_is_not_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(os, "getloadavg", lambda: (float(os.cpu_count()), 0.0, 0.0))
+    _, how = device_peak(torch.device("cpu"), torch.float32, 0.0)
+    assert "not cached: the machine was busy, load" in how
+    assert not (tmp_path / "lmforge" / "mfu_peaks.json").exists()
