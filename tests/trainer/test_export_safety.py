@@ -223,3 +223,13 @@ def test_a_full_disk_is_one_line_and_leaves_nothing(run, tmp_path):
     line = one_line_error(result)
     assert "no space left on the device of" in line and "free space" in line, line
     assert left == ""
+
+
+def test_help_lists_the_settings_of_export_only(tmp_path):
+    """conf/ also holds the trainer's groups; `trainer.export --help` does not list them."""
+    result = run_module("trainer.export", "--help", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "allow_nonfinite: false" in result.stdout and "max_shard_size: 5GB" in result.stdout
+    for trainer_only in ("Configuration groups", "optim", "llama3_8b", "parallel"):
+        assert trainer_only not in result.stdout
+    assert not list(tmp_path.iterdir())  # help writes nothing
