@@ -460,28 +460,35 @@ class DeepSpeedEngine(TrainingEngine):
     def read_checkpoint(self, directory: Path) -> None:
         """DeepSpeed's load (collective): weights, optimizer partitions, its step counters;
         from the universal checkpoint checkpoint_conflict made when the rank count or the ZeRO
-        stage differs (removed after, whatever happens); Engram's tables from their own file."""
-        if self.tables is not None:
-            self.tables.read(directory / CHECKPOINT_FOLDER)
+        stage differs (removed after, whatever happens); then Engram's tables from their own
+        file."""
         if getattr(self, "_universal", None) is not None:
             universal, self._universal = self._universal, None
-            problem = "interrupted"
-            try:
-                load_universal(self.ds, universal, CHECKPOINT_FOLDER)
-                problem = ""
-            except Exception as err:  # an incompatibility, not damage
-                problem = f"{type(err).__name__}: {err}".splitlines()[0]
-            finally:  # the agreement first: no rank may still be reading what rank 0 removes
-                failed, problem = worst_over_ranks(int(bool(problem)), problem)
-                if dist.get_rank() == 0:
-                    remove_conversion(universal)
-            if failed:
-                raise CheckpointRefusal(
-                    f"the universal form of {directory} (converted for this run's ranks and "
-                    f"ZeRO stage) did not load ({problem}): resume with the rank count and "
-                    f"parallel.deepspeed.zero_stage that wrote it"
-                )
-            return
+            self._read_universal(directory, universal)
+        else:
+            self._read_own(directory)
+        if self.tables is not None:
+            self.tables.read(directory / CHECKPOINT_FOLDER)
+
+    def _read_universal(self, directory: Path, universal: Path) -> None:
+        problem = "interrupted"
+        try:
+            load_universal(self.ds, universal, CHECKPOINT_FOLDER)
+            problem = ""
+        except Exception as err:  # an incompatibility, not damage
+            problem = f"{type(err).__name__}: {err}".splitlines()[0]
+        finally:  # the agreement first: no rank may still be reading what rank 0 removes
+            failed, problem = worst_over_ranks(int(bool(problem)), problem)
+            if dist.get_rank() == 0:
+                remove_conversion(universal)
+        if failed:
+            raise CheckpointRefusal(
+                f"the universal form of {directory} (converted for this run's ranks and ZeRO "
+                f"stage) did not load ({problem}): resume with the rank count and "
+                f"parallel.deepspeed.zero_stage that wrote it"
+            )
+
+    def _read_own(self, directory: Path) -> None:
         path, _ = self.ds.load_checkpoint(
             str(directory), tag=CHECKPOINT_FOLDER, load_lr_scheduler_states=False
         )

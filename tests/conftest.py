@@ -8,6 +8,7 @@ not installed, unless LMFORGE_REQUIRE_SLURM=1 (set by .ci/run, which installs th
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 import torch
@@ -16,6 +17,9 @@ import torch
 # before triton is first imported (torch.compile may import it), so here, before any test
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# the trainers that tests start keep their measured MFU peaks to themselves (a peak measured
+# while the suite loads the machine must not reach the user's ~/.cache/lmforge)
+os.environ.setdefault("LMFORGE_CACHE_DIR", tempfile.mkdtemp(prefix="lmforge-test-cache-"))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -96,8 +96,9 @@ def build_training(cfg: RootConfig, run_dir: Path, ranks: Ranks) -> Training:
     if initial is not None and resuming:
         log.info("init_from=%s is not used: the run resumes its checkpoint", cfg.init_from)
     engine = build_state(cfg, model_cfg, dims, device, canonical, None if resuming else initial)
+    dtype = compute_dtype(tcfg.precision)  # rank 0 measures alone: no rank slows another's
     peak, peak_source = from_main(
-        device_peak(device, compute_dtype(tcfg.precision), tcfg.peak_flops, ranks.is_main)
+        device_peak(device, dtype, tcfg.peak_flops) if ranks.is_main else None
     )  # one value for every rank (MFU is averaged over them)
     flops = training_flops_per_token(engine.model, cfg.data.seq_len).total
     log.info("%s; device %s; %s", describe_environment(), device, dims.describe())

@@ -39,7 +39,7 @@ from model.hf.mtp_layers import without_missing
 from model.hf.weights_check import check_hf_weights
 from model.presets import set_dotted
 from model.transformer import build_model
-from parallel.collective import all_true
+from parallel.collective import worst_over_ranks
 
 log = logging.getLogger("trainer")
 PREFIX = "hf:"
@@ -69,8 +69,9 @@ def hf_model_config(init_from: str, manifest: Manifest, overrides: list[str]) ->
         cfg = _checked_config(init_from, manifest, overrides)
     except ConfigError as err:
         problem = str(err)
-    if not all_true(not problem):
-        raise ConfigError(problem or f"init_from={init_from} was refused on another rank")
+    failed, problem = worst_over_ranks(int(bool(problem)), problem)  # the finder's words
+    if failed:
+        raise ConfigError(problem)
     return cfg
 
 
@@ -186,7 +187,8 @@ def hf_weights_reader(
             yield from from_hf_parts(weights, model_cfg, family_for_hf(hf))
         except (ConfigError, OSError, ValueError) as err:
             problem = f"init_from={init_from}: {err}"
-        if not all_true(not problem):
-            raise ConfigError(problem or f"init_from={init_from} did not load on every rank")
+        failed, problem = worst_over_ranks(int(bool(problem)), problem)
+        if failed:
+            raise ConfigError(problem)
 
     return read

@@ -244,26 +244,20 @@ class Training:
         return True
 
     def _end_in_streak(self) -> bool:
-        """The run ends while its last steps were skipped: the streak's rule, not a save of
-        what may be a broken state (its weights are those of before the streak, or worse).
-        False when the weights hold non-finite values (the run failed)."""
+        """The run ends while its last steps were skipped: the checkpoint from before them is
+        protected (the streak's rule), and the weights now, those of before the skipped steps,
+        are saved if they are finite (never if not). False when they are not (the run failed)."""
         first_bad = self.step - self.bad_streak + 1
         good = self._protect_newest(
             f"the last good state before the skipped steps from {first_bad}"
         )
-        kept = (
-            f"the last good one is {good}, kept whatever checkpoint.keep says"
-            if good
-            else "no checkpoint was saved before them"
-        )
-        problem = self._nonfinite_weights()
-        log.log(
-            logging.ERROR if problem else logging.WARNING,
-            "training ended with %d skipped step(s) in a row (from step %d)%s: no checkpoint of "
-            "this state; %s",
-            self.bad_streak, first_bad, f" and {problem}" if problem else "", kept,
+        kept = f"{good} is kept whatever checkpoint.keep says" if good else "none was saved before"
+        log.warning(
+            "training ended with %d skipped step(s) in a row (from step %d); the checkpoint from "
+            "before them: %s",
+            self.bad_streak, first_bad, kept,
         )  # fmt: skip
-        return not problem
+        return self.save(f"end of training, after {self.bad_streak} skipped step(s)", final=True)
 
     def _set_mtp_weight(self) -> None:
         """MTP's lambda for the step about to be taken (model.mtp.weight, then final_weight)."""

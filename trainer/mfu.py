@@ -5,7 +5,7 @@ CPUs have no such table: a short square-matmul measurement in the training dtype
 the peak (so CPU MFU reads "fraction of what this machine's matmul reaches"). It is measured
 once per machine, thread count, dtype and torch version, on a machine not busy with other work
 (a 1-minute load average under half the cores), and kept in
-`$XDG_CACHE_HOME/lmforge/mfu_peaks.json` (~/.cache by default): a re-measurement at every start
+`~/.cache/lmforge/mfu_peaks.json` ($LMFORGE_CACHE_DIR or $XDG_CACHE_HOME/lmforge instead): a re-measurement at every start
 read 1.09e12 and 4.39e11 FLOP/s in two starts on a busy machine, so a resumed run's MFU jumped.
 Delete the file (or set trainer.peak_flops) to choose again.
 """
@@ -106,7 +106,7 @@ def device_peak(
     if isinstance(cached, dict) and isinstance(cached.get("flops"), float):
         return float(
             cached["flops"]
-        ), f"{key}, measured {cached['when']} ({path}; delete it to re-measure)"
+        ), f"{key}, measured {cached.get('when', '?')} ({path}; delete it to re-measure)"
     load = busy_load()
     peak = measure_matmul_peak(device, dtype)
     if load is not None:  # other work shared the cores: a low reading must not stay
@@ -134,8 +134,9 @@ def busy_load() -> float | None:
 
 
 def peak_cache() -> Path:
+    """$LMFORGE_CACHE_DIR, else $XDG_CACHE_HOME/lmforge, else ~/.cache/lmforge."""
     root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(root) / "lmforge" / "mfu_peaks.json"
+    return Path(os.environ.get("LMFORGE_CACHE_DIR") or Path(root) / "lmforge") / "mfu_peaks.json"
 
 
 def machine_key(device: torch.device, dtype: torch.dtype) -> str:

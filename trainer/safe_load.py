@@ -26,6 +26,7 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import StorageMeta
 
+from parallel.deepspeed_safe_load import unpickling_problem
 from trainer.checkpoint_errors import UnsafeCheckpointError
 
 METADATA = ".metadata"
@@ -127,7 +128,7 @@ class SafePlanner(DefaultLoadPlanner):
         except pickle.UnpicklingError as err:
             fqn = read_item.dest_index.fqn
             raise UnsafeCheckpointError(
-                f"checkpoint item {fqn!r} refused: {_first_line(err)}"
+                f"checkpoint item {fqn!r} refused: {unpickling_problem(err)}"
             ) from None
         again = io.BytesIO()
         torch.save(plain, again)
@@ -147,11 +148,4 @@ def load_plain(path: Path) -> Any:
         with torch.serialization.safe_globals(_numpy_arrays()):
             return torch.load(path, weights_only=True)
     except pickle.UnpicklingError as err:
-        raise UnsafeCheckpointError(f"{path} refused: {_first_line(err)}") from None
-
-
-def _first_line(err: BaseException) -> str:
-    """The informative line of torch's weights-only error (it names the refused global)."""
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    named = [line for line in lines if "Unsupported global" in line or "GLOBAL" in line]
-    return (named or lines or [type(err).__name__])[0]
+        raise UnsafeCheckpointError(f"{path} refused: {unpickling_problem(err)}") from None

@@ -195,6 +195,17 @@ def resume_and_train(
     return {"losses": losses, "final": whole_weights(engine), "decay": decay}
 
 
+def load_refusal(rank: int, model_cfg: ModelConfig, zero_stage: int, where: str) -> str:
+    """What DeepSpeed's own load of the checkpoint in `where` raised ("" if nothing), called
+    directly: without the trainer's vetting of the files in front of it."""
+    engine = deepspeed_engine(model_cfg, zero_stage)
+    try:
+        engine.read_checkpoint(Path(where))
+    except Exception as err:
+        return f"{type(err).__name__}: {err}"
+    return ""
+
+
 def conflict_with(
     rank: int,
     model_cfg: ModelConfig,

@@ -16,6 +16,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")  # these ranks train on the CPU, 
 pytest.importorskip("deepspeed")
 from tests.parallel.deepspeed_workers import (
     conflict_with,
+    load_refusal,
     masters_after_init,
     muon_beta_after_schedule,
     resume_and_train,
@@ -227,3 +228,23 @@ def test_zero3_muon_follows_the_schedules_momentum():
     """ZeRO-3 reads Muon's momentum once at its start; the engine passes on the value the
     trainer's schedule sets in the groups each step (optim.muon_momentum_warmup)."""
     assert run_ranks(2, muon_beta_after_schedule, small_model()) == [0.5, 0.5]
+
+
+@pytest.mark.parametrize(
+    "name", ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"]
+)
+def test_deepspeeds_own_load_reads_without_running_code(tmp_path, name):
+    """DeepSpeed's engine reads its module and optimizer files through lmforge's weights-only
+    reader (parallel.deepspeed_safe_load.guard_engine), not its full unpickler: a payload
+    planted in either is refused by DeepSpeed's own load, with no vetting in front of it."""
+    from tests.trainer.test_deepspeed_safety import Payload
+
+    where = tmp_path / "step_00000001"
+    run_ranks(1, train_and_save, small_model(), 2, 1, 1, str(where))
+    path, marker = where / "deepspeed" / name, tmp_path / "pwned"
+    state = torch.load(path, weights_only=False)
+    state["extra"] = Payload(marker)
+    torch.save(state, path)
+    (refusal,) = run_ranks(1, load_refusal, small_model(), 2, str(where))
+    assert refusal.startswith("UnsafeFileError") and f"{name} refused" in refusal, refusal
+    assert not marker.exists()

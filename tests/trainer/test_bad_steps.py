@@ -71,18 +71,21 @@ def test_skipped_steps_say_whether_the_loss_or_the_gradient_was_not_finite(datas
     assert "skipped/nonfinite_loss" not in rows[4] and not any("skipped/" in k for k in rows[1])
 
 
-def test_a_run_ending_in_a_streak_saves_nothing_and_keeps_the_last_good(dataset, tmp_path, caplog):
-    """The end-of-run save follows the streak's rule: steps 5-6 (the last) are skipped, so the
-    state at 6 is not saved and step 4 is kept protected."""
+def test_a_run_ending_in_a_streak_keeps_the_last_good_and_its_finite_weights(
+    dataset, tmp_path, caplog
+):
+    """Steps 5-6 (the last) are skipped: the checkpoint from before them (step 4) is protected
+    as a streak stop protects it, and the weights, finite and unchanged since step 4, are saved
+    as step 6 (keep=1 would otherwise delete step 4); nothing of the run's work is lost."""
+    caplog.set_level("INFO")
     training = build_training(config(dataset, 6), tmp_path, ONE)
     nan_at(training.model, {5, 6})
     assert training.run() == 0
     root = tmp_path / "checkpoints"
-    assert [p.name for p in complete_checkpoints(root)] == ["step_00000004"]
+    assert [p.name for p in complete_checkpoints(root)] == ["step_00000006", "step_00000004"]
     assert (root / "step_00000004" / PROTECTED).is_file()
-    assert (
-        "training ended with 2 skipped step(s) in a row (from step 5): no checkpoint" in caplog.text
-    )
+    assert "training ended with 2 skipped step(s) in a row (from step 5)" in caplog.text
+    assert "end of training, after 2 skipped step(s)" in caplog.text
 
 
 def test_nonfinite_weights_are_never_saved_evaluated_or_sampled(dataset, tmp_path, caplog):

@@ -236,5 +236,6 @@ def test_weights_that_overflow_are_neither_sampled_nor_saved(dataset, tmp_path):
     assert "Traceback" not in result.stderr
     log = (run_dir / "train.log").read_text()
     assert "evaluation and sample at step 3 skipped: 20 of 20 weight tensors hold NaN" in log
-    assert "training ended with 2 skipped step(s) in a row (from step 2) and 20 of 20" in log
+    assert "training ended with 2 skipped step(s) in a row (from step 2)" in log
+    assert "not saving a checkpoint at step 3 (end of training, after 2 skipped step(s)): 20" in log
     assert not list((run_dir / "checkpoints").glob("step_*"))

@@ -53,6 +53,7 @@ def test_a_measured_peak_is_cached_per_machine_and_read_back_without_measuring(
 ):
     """Re-measuring at every start gave 1.09e12 and 4.39e11 FLOP/s on a busy machine: the first
     measurement is kept (per processor, threads, dtype and torch) and said where."""
+    monkeypatch.delenv("LMFORGE_CACHE_DIR", raising=False)  # (the tests' own, tests/conftest.py)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))  # a quiet machine
     cpu = torch.device("cpu")
@@ -70,7 +71,7 @@ def test_a_measured_peak_is_cached_per_machine_and_read_back_without_measuring(
 
 
 def test_a_peak_measured_on_a_busy_machine_is_not_cached(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("LMFORGE_CACHE_DIR", str(tmp_path / "lmforge"))
     monkeypatch.setattr(os, "getloadavg", lambda: (float(os.cpu_count()), 0.0, 0.0))
     _, how = device_peak(torch.device("cpu"), torch.float32, 0.0)
     assert "not cached: the machine was busy, load" in how
