@@ -6,5 +6,5 @@ Entry points:
 - `data.loader.TokenLoader`: per-rank batches of one seeded global order, exactly resumable
 - `data.manifest.Manifest`: what a prepared dataset directory holds
 
-Never imports model/, optim/, parallel/ or trainer/ (DESIGN.md section 2).
+Never imports model/, optim/, parallel/ or trainer/ (tests/test_import_rules.py).
 """

@@ -1,6 +1,6 @@
 """Named model presets (`conf/model/<name>.yaml`) and `key=value` overrides, without Hydra.
 
-`model/` may not import Hydra (DESIGN.md section 2), yet `python -m model.inspect` takes the same
+`model/` may not import Hydra (the import rules, tests/test_import_rules.py), yet `python -m model.inspect` takes the same
 `model=<preset> model.<key>=<value>` overrides as the trainer. The presets are plain YAML mappings of
 `ModelConfig` fields, so they load here with PyYAML and in the trainer through Hydra; a test checks
 that both give the same config.

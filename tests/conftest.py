@@ -1,4 +1,4 @@
-"""Test tiers (DESIGN.md section 9): unmarked = unit; `distributed`, `integration`, `slurm`, `gpu`.
+"""Test tiers (README.md, "Tests"): unmarked = unit; `distributed`, `integration`, `slurm`, `gpu`.
 
 `pytest` runs every tier this machine can run: `gpu` tests skip without CUDA; `slurm` tests start
 a single-node SLURM themselves (tests/launch/test_slurm.py) and skip when its Debian packages are

@@ -1,4 +1,4 @@
-"""The dependency arrows of DESIGN.md section 2, checked on the source (every import, even nested)."""
+"""The dependency arrows between the packages (README.md, "Layout"), checked on the source (every import, even nested)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """`metrics.jsonl` (one JSON object per logged step) and process memory.
 
 The keys `step, loss, lr, grad_norm, tokens, tokens_per_s, mfu` are always present on training
-rows and `val_loss` on evaluation rows (DESIGN.md section 8). On resume the file is cut back to
+rows and `val_loss` on evaluation rows (the run directory contract in README.md). On resume the file is cut back to
 the checkpoint's step, so a killed run's rows past it are not counted twice.
 """
 
