@@ -3,20 +3,17 @@ kept and how to continue, no traceback (issue 13, item 17)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 
 import pytest
 
-from tests.commands import OFFLINE, ROOT
+from tests.commands import can_mount_tmpfs, run_on_tmpfs
 from tests.data.helpers import write_corpus
-from tests.trainer.test_cli_safety import _can_mount_tmpfs
 
 pytestmark = pytest.mark.integration
 
 
-@pytest.mark.skipif(not _can_mount_tmpfs(), reason="needs unshare and a user namespace for tmpfs")
+@pytest.mark.skipif(not can_mount_tmpfs(), reason="needs unshare and a user namespace for tmpfs")
 def test_a_full_disk_while_preparing_is_one_line(tokenizer_dir, tmp_path):
     corpus = write_corpus(tmp_path / "corpus", files=400)[0].parent  # about 1 MiB of tokens
     disk = tmp_path / "disk"
@@ -24,14 +21,8 @@ def test_a_full_disk_while_preparing_is_one_line(tokenizer_dir, tmp_path):
     args = [f"source={corpus}", f"out={disk / 'out'}", f"tokenizer={tokenizer_dir}"]
     args += ["shard_tokens=20000", "workers=1", "progress=false", "token_dtype=uint32"]
     command = " ".join(f"'{a}'" for a in args)
-    script = f"mount -t tmpfs -o size=256k none {disk} && exec {sys.executable} -m data.prepare {command}"
-    result = subprocess.run(
-        ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script],
-        cwd=tmp_path,
-        env=os.environ | OFFLINE | {"PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=300,
+    result = run_on_tmpfs(
+        disk, "size=256k", f"exec {sys.executable} -m data.prepare {command}", tmp_path
     )
     assert result.returncode == 1, result.stderr[-3000:]
     assert "no space left on the device" in result.stderr, result.stderr[-3000:]

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -17,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from model.errors import ConfigError
-from tests.commands import OFFLINE, ROOT
+from tests.commands import OFFLINE, ROOT, can_mount_tmpfs, run_on_tmpfs
 from tests.trainer.helpers import SMALL_OVERRIDES, metric_rows, run_trainer
 from trainer import run_dir as run_dirs
 from trainer.config import TrainerConfig
@@ -237,37 +236,15 @@ def test_without_validation_no_validation_rows_are_written(dataset, tmp_path):
     assert "validation loss" not in (run_dir / "train.log").read_text()
 
 
-def _can_mount_tmpfs() -> bool:
-    unshare = shutil.which("unshare")
-    if unshare is None:
-        return False
-    probe = subprocess.run(
-        [unshare, "--user", "--map-root-user", "--mount", "sh", "-c", "mount -t tmpfs none /mnt"],
-        capture_output=True,
-    )
-    return probe.returncode == 0
-
-
-@pytest.mark.skipif(not _can_mount_tmpfs(), reason="needs unshare and a user namespace for tmpfs")
+@pytest.mark.skipif(not can_mount_tmpfs(), reason="needs unshare and a user namespace for tmpfs")
 def test_a_full_disk_is_one_line_that_names_what_was_kept(dataset, tmp_path):
     """The run directory on a 3 MiB tmpfs: the first checkpoint fits, a later one does not."""
     disk = tmp_path / "disk"
     disk.mkdir()
     args = small(dataset, disk / "run", "trainer.max_steps=40", "checkpoint.every=1")
     args += ["checkpoint.keep=40"]
-    script = (
-        f"mount -t tmpfs -o size=3m none {disk} && exec {sys.executable} -m trainer "
-        + " ".join(f"'{a}'" for a in args)
-    )
-    env = os.environ | OFFLINE | {"PYTHONPATH": str(ROOT)}
-    result = subprocess.run(
-        ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    command = f"exec {sys.executable} -m trainer " + " ".join(f"'{a}'" for a in args)
+    result = run_on_tmpfs(disk, "size=3m", command, cwd=tmp_path)
     assert result.returncode == 1, result.stderr[-3000:]
     lines = [line for line in result.stderr.splitlines() if "no space left on" in line]
     assert lines and "the newest complete checkpoint is" in lines[0], result.stderr[-3000:]

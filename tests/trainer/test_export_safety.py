@@ -6,7 +6,6 @@ shard sizes are one line."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -15,9 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.commands import OFFLINE, ROOT, run_module
+from tests.commands import can_mount_tmpfs, run_module, run_on_tmpfs
 from tests.trainer.helpers import small_config
-from tests.trainer.test_cli_safety import _can_mount_tmpfs
 from trainer.app import build_training, train
 from trainer.export_target import MARKER
 from trainer.runtime import Ranks
@@ -25,7 +23,7 @@ from trainer.runtime import Ranks
 ONE = Ranks(rank=0, world_size=1, local_rank=0)
 POISONED = "layers.1.attn.q_proj.weight"  # made 3 NaN + 2 inf in the non-finite checkpoint
 needs_tmpfs = pytest.mark.skipif(
-    not _can_mount_tmpfs(), reason="needs unshare and a user namespace for tmpfs"
+    not can_mount_tmpfs(), reason="needs unshare and a user namespace for tmpfs"
 )
 
 
@@ -192,19 +190,11 @@ def _export_on_tmpfs(
     (the result, what the disk holds afterwards, listed before the mount goes away)."""
     disk = tmp_path / "disk"
     disk.mkdir()
-    script = (
-        f"mount -t tmpfs -o {options} none {disk} && "
+    command = (
         f"{sys.executable} -m trainer.export 'path={run}' 'out={disk / 'hf'}'; "
         f"rc=$?; ls -A {disk}; exit $rc"
     )
-    result = subprocess.run(
-        ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script],
-        cwd=tmp_path,
-        env=os.environ | OFFLINE | {"PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = run_on_tmpfs(disk, options, command, cwd=tmp_path, timeout=300)
     return result, result.stdout.strip()
 
 
