@@ -37,7 +37,7 @@ import torch
 from bench.machine import machine
 from parallel.precision import resolve_precision
 
-BATCH, SEQ_LEN = 8, 256  # conf/trainer/default.yaml, conf/data/default.yaml
+BATCH, SEQ_LEN = 8, 256  # the defaults: TrainerConfig.batch_size, LoaderConfig.seq_len
 DEFAULT_RUN = "python -m trainer (default)"  # run --default-runs times, from an empty cache
 KEEP = "transformers_malloc_keep"
 EAGER_RUN = ("trainer.compile=false (eager)", ["trainer.compile=false"], "fresh")

@@ -138,7 +138,7 @@ def ranks_job(rank: int, world: int, mode: str, size: str, out: str) -> dict:
     }
     before, start = rss_mib(), time.perf_counter()
     build_training_engine(
-        cfg, TrainerConfig(batch_size=world), parallel, OptimConfig(), dims,
+        cfg, TrainerConfig(batch_size=world, compile="false"), parallel, OptimConfig(), dims,
         torch.device("cpu"), 0, readers[mode],
     )  # fmt: skip
     grew = [None] * world

@@ -108,8 +108,10 @@ def default_dataset_name(source: str, tokenizer: str, vocab_size: int) -> str:
 
 @dataclass(kw_only=True)
 class LoaderConfig:
-    path: str = ""  # dataset directory (with manifest.json); "" = prepare the default corpus
-    seq_len: int = 512  # tokens per training sequence (each window holds seq_len + 1)
+    # dataset directory (with manifest.json); "" = the embedded default corpus (Python's standard
+    # library), prepared with an 8192-token BPE on first use and cached
+    path: str = ""
+    seq_len: int = 256  # tokens per training sequence (each window holds seq_len + 1)
     shuffle: bool = True  # a seeded permutation of the windows per epoch (else in order)
     num_workers: int = 1  # background processes that assemble batches (0 = in the trainer)
     prefetch: int = 4  # batches each worker keeps ready

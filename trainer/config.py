@@ -77,23 +77,26 @@ def _require(ok: bool, message: str) -> None:
 
 @dataclass(kw_only=True)
 class TrainerConfig:
+    """The training run. These defaults are `python -m trainer`'s (conf/trainer/default.yaml sets
+    nothing): a few minutes on 2 CPU cores, 300 steps of 8 x 256 tokens (about 0.6M tokens)."""
+
     max_steps: int = 300  # optimizer steps
-    batch_size: int = 16  # sequences per global batch (all ranks, all micro-batches)
+    batch_size: int = 8  # sequences per global batch (all ranks, all micro-batches)
     micro_batch_size: int = 0  # sequences per forward on one rank; 0 = the whole local batch
     log_every: int = 10  # steps between metrics.jsonl rows
-    eval_every: int = 100  # steps between evaluations (and at the end); 0 = only at the end
+    eval_every: int = 50  # steps between evaluations (and at the end); 0 = only at the end
     sample_tokens: int = 48  # tokens sampled after each evaluation (0 = none)
     sample_prompt: str = ""  # prompt of that sample; "" = the start of a validation document
     grad_clip: float = 1.0  # global gradient-norm clip; 0 = off
-    # auto (bf16 where the device multiplies bf16 natively, else fp32: parallel/precision.py) |
-    # bf16 (autocast over fp32 weights) | bf16_master (bf16 weights, fp32 masters in the
-    # optimizer) | fp32
+    # auto (bf16 where the device multiplies bf16 natively: GPUs from Ampere, CPUs with
+    # AVX512-BF16 / AMX; else fp32: parallel/precision.py) | bf16 (autocast over fp32 weights) |
+    # bf16_master (bf16 weights, fp32 masters in the optimizer) | fp32
     precision: str = "auto"
     # torch.compile every block and the fused head + loss (tiny on the README's 2-core CPU:
     # 22-28 s on a fresh machine, 2.5-4 s from the cache on disk, bench/compile_cost.py):
-    # true | false | auto (compile runs of at least COMPILE_MIN_STEPS steps).
-    # `python -m trainer` defaults to auto (conf/trainer/default.yaml); built from Python, false
-    compile: str = "false"
+    # true | false | auto (compile runs of at least COMPILE_MIN_STEPS steps, bench/default_speed.py;
+    # an engine built from Python for a short measurement or test passes false)
+    compile: str = "auto"
     # a compiled run's validation forwards: auto (compiled from EVAL_COMPILE_MIN_BATCHES
     # evaluation batches in the run, else eager) | true | false; samples are always eager
     compile_eval: str = "auto"

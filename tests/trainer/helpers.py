@@ -46,6 +46,7 @@ def make_dataset(root: Path, vocab_size: int = 300) -> Path:
 
 def small_config(dataset: Path, **trainer: object) -> RootConfig:
     settings = dict(batch_size=4, log_every=1, sample_tokens=8, threads=1, eval_every=0)
+    settings["compile"] = "false"  # eager, as SMALL_OVERRIDES (auto compiles 300-step runs)
     settings.update(trainer)
     return RootConfig(
         model=load_preset("tiny", SMALL_MODEL),

@@ -160,7 +160,7 @@ def two_rank_engine(cfg: ModelConfig, directory: str | None):
     parallel = ParallelConfig()
     return build_training_engine(
         cfg,
-        TrainerConfig(precision="fp32", batch_size=2),
+        TrainerConfig(precision="fp32", batch_size=2, compile="false"),
         parallel,
         OptimConfig(),
         ParallelDims.resolve(parallel, 2),
