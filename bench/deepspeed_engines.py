@@ -36,6 +36,7 @@ from parallel.config import DeepSpeedConfig, ParallelConfig
 from parallel.mesh import ParallelDims
 from trainer.build import build_training_engine
 from trainer.config import TrainerConfig
+from trainer.hooks import start_hooks
 from trainer.step import LossTracker, StepSettings, train_step
 
 MODELS = {  # name -> preset overrides (vocabulary 8192 as the default run's)
@@ -60,7 +61,7 @@ def measure(rank: int, world: int, model: str, engine_name: str, args: argparse.
     cfg = load_preset("tiny", MODELS[model])
     pcfg = ENGINES[engine_name]
     before = peak_rss_mib()
-    tcfg = TrainerConfig(precision="bf16", batch_size=args.batch, grad_clip=1.0)
+    tcfg = TrainerConfig(precision="bf16", batch_size=args.batch, grad_clip=1.0, compile="false")
     engine = build_training_engine(
         cfg, tcfg, pcfg, OptimConfig(warmup_steps=0), ParallelDims.resolve(pcfg, world),
         torch.device("cpu"), 0,
@@ -71,9 +72,10 @@ def measure(rank: int, world: int, model: str, engine_name: str, args: argparse.
     part = tokens[rank * local : (rank + 1) * local]
     batch = Batch(part[:, :-1], part[:, 1:], torch.zeros_like(part[:, 1:]))
     settings, tracker, times, losses = StepSettings(grad_clip=1.0), LossTracker(0.0), [], []
+    hooks = start_hooks(engine, 0.0, None)
     for step in range(2 + args.steps):
         start = time.perf_counter()
-        result = train_step(engine, batch, settings, tracker)
+        result = train_step(engine, batch, settings, tracker, hooks)
         if step >= 2:
             times.append(time.perf_counter() - start)
         losses.append(result.loss)

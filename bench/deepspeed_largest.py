@@ -47,6 +47,7 @@ from parallel.config import DeepSpeedConfig, ParallelConfig
 from parallel.mesh import ParallelDims
 from trainer.build import build_training_engine
 from trainer.config import TrainerConfig
+from trainer.hooks import start_hooks
 from trainer.step import LossTracker, StepSettings, train_step
 
 WIDTH = {"d_model": 1024, "attention.n_heads": 16, "attention.n_kv_heads": 4, "vocab_size": 8192}
@@ -84,7 +85,7 @@ def parameters(layers: int) -> int:
 def train_steps(rank: int, world: int, layers: int, engine_name: str, steps: int) -> dict:
     """Each rank's peak resident memory (summed over ranks) over `steps` training steps."""
     pcfg = ENGINES[engine_name]
-    tcfg = TrainerConfig(precision="fp32", batch_size=BATCH, grad_clip=1.0)
+    tcfg = TrainerConfig(precision="fp32", batch_size=BATCH, grad_clip=1.0, compile="false")
     engine = build_training_engine(
         config(layers), tcfg, pcfg, OptimConfig(warmup_steps=0), ParallelDims.resolve(pcfg, world),
         torch.device("cpu"), 0,
@@ -92,9 +93,10 @@ def train_steps(rank: int, world: int, layers: int, engine_name: str, steps: int
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 8192, (BATCH, SEQ + 1), generator=gen)[rank : rank + 1]
     batch = Batch(tokens[:, :-1], tokens[:, 1:], torch.zeros_like(tokens[:, 1:]))
-    start, losses = time.perf_counter(), []
+    start, losses, hooks = time.perf_counter(), [], start_hooks(engine, 0.0, None)
     for _ in range(steps):
-        losses.append(train_step(engine, batch, StepSettings(grad_clip=1.0), LossTracker(0.0)).loss)
+        step = train_step(engine, batch, StepSettings(grad_clip=1.0), LossTracker(0.0), hooks)
+        losses.append(step.loss)
     peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0])
     torch.distributed.all_reduce(peak)  # both ranks share this machine's memory
     return {"peak_bytes": peak.item(), "seconds": time.perf_counter() - start, "losses": losses}

@@ -38,13 +38,14 @@ def time_train_steps(
     """Seconds of each of `steps` training steps (the trainer's train_step, gradient clipping
     at 1) on one random (batch, seq_len) batch of token ids below `vocab_size`."""
     from data.loader import Batch
+    from trainer.hooks import start_hooks
     from trainer.step import LossTracker, StepSettings, train_step
 
     x = torch.randint(0, vocab_size, (batch, seq_len))
     tokens = Batch(x, torch.roll(x, -1, 1), torch.zeros_like(x, dtype=torch.int32))
-    seconds = []
+    seconds, hooks = [], start_hooks(engine, 0.0, None)
     for _ in range(steps):
         start = time.perf_counter()
-        train_step(engine, tokens, StepSettings(grad_clip=1.0), LossTracker(0.0))
+        train_step(engine, tokens, StepSettings(grad_clip=1.0), LossTracker(0.0), hooks)
         seconds.append(time.perf_counter() - start)
     return seconds

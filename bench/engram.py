@@ -156,12 +156,13 @@ def engine_step_times(
     from parallel.mesh import ParallelDims
     from trainer.build import build_training_engine
     from trainer.config import TrainerConfig
+    from trainer.hooks import start_hooks
     from trainer.step import LossTracker, StepSettings, train_step
 
     overrides = variant(rows, True) | {"engram.sharding": sharding} if rows else {}
     cfg = load_preset("tiny", overrides)
     dims = ParallelDims.resolve(ParallelConfig(), world)
-    tcfg = TrainerConfig(precision="bf16", batch_size=8)
+    tcfg = TrainerConfig(precision="bf16", batch_size=8, compile="false")
     engine = build_training_engine(
         cfg, tcfg, ParallelConfig(), OptimConfig(warmup_steps=0), dims, torch.device("cpu"), 0
     )
@@ -169,11 +170,12 @@ def engine_step_times(
     part = tokens[rank * 8 // world : (rank + 1) * 8 // world]
     batch = Batch(part[:, :-1], part[:, 1:], torch.zeros_like(part[:, 1:]))
     settings, tracker, times = StepSettings(grad_clip=1.0), LossTracker(0.0), []
+    hooks = start_hooks(engine, 0.0, None)
     for _ in range(2 + steps):
         if world > 1:
             dist.barrier()
         start = time.perf_counter()
-        train_step(engine, batch, settings, tracker)
+        train_step(engine, batch, settings, tracker, hooks)
         times.append(time.perf_counter() - start)
     return times[2:]
 

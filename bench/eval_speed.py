@@ -39,6 +39,7 @@ from bench.machine import machine
 from data.loader import Batch
 from model.generate import generate
 from trainer.cpu_malloc import keep_freed_memory
+from trainer.hooks import start_hooks
 from trainer.step import LossTracker, StepSettings, train_step
 
 BATCH, SEQ_LEN, SAMPLE_TOKENS = 8, 256, 48  # conf/trainer/default.yaml, trainer.sample_tokens
@@ -77,12 +78,13 @@ def main() -> None:
     args = parser.parse_args()
     keep_freed_memory()  # as `python -m trainer` on CPU
     engine = tiny_cpu_engine("bf16", compile=True)
+    hooks = start_hooks(engine, 0.0, None)
     model = engine.model
     x = torch.randint(0, 8192, (BATCH, SEQ_LEN))
     y = torch.randint(0, 8192, (BATCH, SEQ_LEN))
     batch = Batch(x, y, torch.zeros_like(x, dtype=torch.int32))
     training_compile = timed(
-        lambda: train_step(engine, batch, StepSettings(grad_clip=1.0), LossTracker(0.0))
+        lambda: train_step(engine, batch, StepSettings(grad_clip=1.0), LossTracker(0.0), hooks)
     )
 
     def evaluate() -> None:

@@ -32,13 +32,14 @@ from parallel.config import ParallelConfig
 from parallel.mesh import ParallelDims
 from trainer.build import build_training_engine
 from trainer.config import TrainerConfig
+from trainer.hooks import start_hooks
 from trainer.step import LossTracker, StepSettings, train_step
 
 
 def step_times(rank: int, world: int, args: argparse.Namespace) -> list[float]:
     cfg = load_preset("tiny")
     dims = ParallelDims.resolve(ParallelConfig(), world)
-    tcfg = TrainerConfig(precision="bf16", batch_size=args.batch)
+    tcfg = TrainerConfig(precision="bf16", batch_size=args.batch, compile="false")
     device = torch.device("cpu")
     engine = build_training_engine(
         cfg, tcfg, ParallelConfig(), OptimConfig(warmup_steps=0), dims, device, 0
@@ -49,12 +50,13 @@ def step_times(rank: int, world: int, args: argparse.Namespace) -> list[float]:
     part = tokens[rank * local : (rank + 1) * local]
     batch = Batch(part[:, :-1], part[:, 1:], torch.zeros_like(part[:, 1:]))
     settings, tracker = StepSettings(grad_clip=1.0), LossTracker(0.0)
+    hooks = start_hooks(engine, 0.0, None)
     times = []
     for _ in range(args.warmup + args.steps):
         if world > 1:
             dist.barrier()
         start = time.perf_counter()
-        train_step(engine, batch, settings, tracker)
+        train_step(engine, batch, settings, tracker, hooks)
         times.append(time.perf_counter() - start)
     return times[args.warmup :]
 

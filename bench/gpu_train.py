@@ -98,9 +98,11 @@ def peak_flops(device: torch.device) -> tuple[float, str]:
 
 def step_times(engine, data, qk_clip: bool, sync: Callable, steps: int) -> dict:
     """Median seconds of a forward, a forward + backward, and a whole train_step."""
+    from trainer.hooks import start_hooks
     from trainer.step import LossTracker, StepSettings, train_step
 
-    settings = StepSettings(grad_clip=1.0, qk_clip_tau=100.0 if qk_clip else 0.0)
+    settings = StepSettings(grad_clip=1.0)
+    hooks = start_hooks(engine, 100.0 if qk_clip else 0.0, None)
 
     def forward():
         with torch.no_grad(), engine.autocast():
@@ -111,7 +113,7 @@ def step_times(engine, data, qk_clip: bool, sync: Callable, steps: int) -> dict:
         engine.zero_grad()
 
     def step():
-        train_step(engine, data, settings, LossTracker(0.0))
+        train_step(engine, data, settings, LossTracker(0.0), hooks)
 
     def median(fn) -> float:
         times = []
@@ -135,10 +137,12 @@ def top_kernels(engine, data, count: int = 15) -> list[dict]:
     """The profiler's CUDA kernels of one train step, by total time."""
     from torch.profiler import ProfilerActivity, profile
 
+    from trainer.hooks import start_hooks
     from trainer.step import LossTracker, StepSettings, train_step
 
+    hooks = start_hooks(engine, 0.0, None)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        train_step(engine, data, StepSettings(grad_clip=1.0), LossTracker(0.0))
+        train_step(engine, data, StepSettings(grad_clip=1.0), LossTracker(0.0), hooks)
         torch.cuda.synchronize()
     events = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)
     total = sum(e.device_time_total for e in events) or 1.0
@@ -171,16 +175,13 @@ def train_case(
         torch.cuda.reset_peak_memory_stats()  # this case's peak, not the process's
     engine, data, flops_per_token = build(name, small, device, compile_blocks, extra)
     start = time.perf_counter()
+    from trainer.hooks import start_hooks
     from trainer.step import LossTracker, StepSettings, train_step
 
     qk_clip = extra is not None and "attention.backend" in extra
+    hooks = start_hooks(engine, 100.0 if qk_clip else 0.0, None)
     for _ in range(2):  # warm-up: compile, autotuning, allocator
-        train_step(
-            engine,
-            data,
-            StepSettings(grad_clip=1.0, qk_clip_tau=100.0 if qk_clip else 0.0),
-            LossTracker(0.0),
-        )
+        train_step(engine, data, StepSettings(grad_clip=1.0), LossTracker(0.0), hooks)
     sync()
     warmup_s = time.perf_counter() - start
     times = step_times(engine, data, qk_clip, sync, steps=3 if small else 5)

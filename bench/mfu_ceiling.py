@@ -58,6 +58,7 @@ from parallel.precision import compute_dtype, resolve_precision
 from trainer.build import build_training_engine
 from trainer.config import TrainerConfig
 from trainer.cpu_malloc import keep_freed_memory
+from trainer.hooks import start_hooks
 from trainer.mfu import measure_matmul_peak
 from trainer.step import LossTracker, StepSettings, train_step
 
@@ -119,7 +120,8 @@ def trainer_step(
     tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1))
     data = Batch(tokens[:, :-1], tokens[:, 1:], torch.zeros_like(tokens[:, 1:]))
     tracker, settings = LossTracker(0.0), StepSettings(grad_clip=1.0)
-    return lambda: train_step(engine, data, settings, tracker)
+    hooks = start_hooks(engine, 0.0, None)
+    return lambda: train_step(engine, data, settings, tracker, hooks)
 
 
 def step_callable(args: argparse.Namespace, how: tuple[str, bool] | None) -> Callable[[], object]:

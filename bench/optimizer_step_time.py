@@ -34,12 +34,12 @@ from data.loader import Batch
 from model.presets import load_preset
 from optim import newton_schulz
 from optim.config import OptimConfig
-from optim.qk_clip import enable_qk_clip
 from parallel.config import ParallelConfig
 from parallel.mesh import ParallelDims
 from parallel.precision import resolve_precision
 from trainer.build import build_training_engine
 from trainer.config import TrainerConfig
+from trainer.hooks import start_hooks
 from trainer.step import LossTracker, StepSettings, train_step
 
 # name -> (optim.name, optim.muon_split); "muon (heads)" orthogonalizes every attention head alone
@@ -84,14 +84,13 @@ def measure(rank: int, world: int, name: str, batch_size: int, args: argparse.Na
     cfg = load_preset("tiny")
     dims = ParallelDims.resolve(ParallelConfig(), world)
     device = torch.device("cpu")
-    tcfg = TrainerConfig(batch_size=batch_size)
+    tcfg = TrainerConfig(batch_size=batch_size, compile="false")
     optim_name, split = OPTIMIZERS[name]
     tau = 100.0 if optim_name == "muonclip" else 0.0
     settings = OptimConfig(name=optim_name, warmup_steps=0, qk_clip_tau=tau, muon_split=split)
     engine = build_training_engine(cfg, tcfg, ParallelConfig(), settings, dims, device, 0)
     optimizer = engine.optimizer
-    if tau:
-        enable_qk_clip(engine.model)
+    hooks = start_hooks(engine, tau, None)  # QK-clip records from here on
     optimizer_seconds: list[float] = []
     flops: list[float] = []
     step = counted(optimizer.step, flops)
@@ -107,13 +106,13 @@ def measure(rank: int, world: int, name: str, batch_size: int, args: argparse.Na
     local = batch_size // world
     part = tokens[rank * local : (rank + 1) * local]
     batch = Batch(part[:, :-1], part[:, 1:], torch.zeros_like(part[:, 1:]))
-    step_settings = StepSettings(grad_clip=1.0, qk_clip_tau=tau)
+    step_settings = StepSettings(grad_clip=1.0)
     tracker, totals = LossTracker(0.0), []
     for _ in range(args.warmup + args.steps):
         if world > 1:
             dist.barrier()
         start = time.perf_counter()
-        train_step(engine, batch, step_settings, tracker)
+        train_step(engine, batch, step_settings, tracker, hooks)
         totals.append(time.perf_counter() - start)
     total = statistics.median(totals[args.warmup :])
     opt = statistics.median(optimizer_seconds[args.warmup :])

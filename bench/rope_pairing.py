@@ -35,6 +35,7 @@ from data.loader import Batch
 from model.rope import apply_rope_half, base_inv_freq, cos_sin, rope_rotations
 from parallel.activation import CPU_INDUCTOR_OPTIONS
 from trainer.cpu_malloc import keep_freed_memory
+from trainer.hooks import start_hooks
 from trainer.step import LossTracker, StepSettings, train_step
 
 
@@ -121,12 +122,13 @@ def step_ab(compiled: bool, pairs: int, B: int, T: int) -> dict:
     x = torch.randint(0, 8192, (B, T))
     batch = Batch(x, torch.roll(x, -1, 1), torch.zeros_like(x, dtype=torch.int32))
     settings = StepSettings(grad_clip=1.0)
+    hooks = {name: start_hooks(engine, 0.0, None) for name, engine in engines.items()}
     times: dict[str, list[float]] = {name: [] for name in engines}
     for i in range(3 + pairs):
         order = list(engines.items()) if i % 2 == 0 else list(engines.items())[::-1]
         for name, engine in order:
             start = time.perf_counter()
-            train_step(engine, batch, settings, LossTracker(0.0))
+            train_step(engine, batch, settings, LossTracker(0.0), hooks[name])
             if i >= 3:
                 times[name].append(time.perf_counter() - start)
     ratios = [o / n for o, n in zip(times["whole_head_cat"], times["paired_halves"])]

@@ -37,6 +37,7 @@ from model.transformer import build_model
 from optim.config import OptimConfig
 from parallel.precision import compute_dtype, resolve_precision
 from trainer.cpu_malloc import keep_freed_memory
+from trainer.hooks import start_hooks
 from trainer.mfu import measure_matmul_peak
 from trainer.step import LossTracker, StepSettings, train_step
 
@@ -102,10 +103,11 @@ def build(variant: str, precision: str):
     if variant.endswith("compiled_whole_model"):
         engine.model.compile()
     tracker, settings = LossTracker(0.0), StepSettings(grad_clip=1.0)
+    hooks = start_hooks(engine, 0.0, None)
 
     def our_step(x, y):
         batch = Batch(x, y, torch.zeros_like(x, dtype=torch.int32))
-        return train_step(engine, batch, settings, tracker).loss
+        return train_step(engine, batch, settings, tracker, hooks).loss
 
     return our_step
 

@@ -23,6 +23,7 @@ the rows a step read: optim/row_adam.py).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from functools import lru_cache
 
 import torch
@@ -37,6 +38,7 @@ from model.kv_cache import LayerState
 from model.masks import AttentionContext
 from model.norms import wide_dtype
 from model.residual import Fp32Parameters
+from model.training_hooks import TrainingHook
 
 
 @lru_cache(maxsize=16)
@@ -170,6 +172,19 @@ class TokenCompression(nn.Module):
 
     def reset(self) -> None:
         self.set(torch.arange(self.canonical.shape[0]))
+
+
+class CompressTokens(TrainingHook):
+    """Engram's tokenizer compression as a training hook (model.training_hooks): at the start it
+    installs the canonical-id map (V,) from the data's tokenizer on every module that holds the
+    model's weights (`Transformer.set_token_compression`); nothing per step."""
+
+    def __init__(self, canonical: Tensor) -> None:
+        self.canonical = canonical
+
+    def start(self, modules: Sequence[nn.Module]) -> None:
+        for module in modules:
+            module.set_token_compression(self.canonical)
 
 
 class StreamNorm(nn.Module):

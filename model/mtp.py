@@ -37,6 +37,7 @@ from model.init import trunc_normal_
 from model.loss import IGNORE_INDEX
 from model.masks import AttentionContext
 from model.norms import build_norm
+from model.training_hooks import Reduce, TrainingHook
 
 
 def shifted_valid(doc_starts: Tensor | None, shape: torch.Size, k: int, device) -> Tensor:
@@ -167,3 +168,22 @@ class MultiTokenPrediction(nn.Module):
         return {f"mtp/loss_{k}": v for k, v in enumerate(means, start=1)} | {
             "mtp/weight": self.weight
         }
+
+
+class MTPHook(TrainingHook):
+    """Multi-token prediction as a training hook: lambda from the schedule before each step
+    (`model.mtp.weight`, then `final_weight`, over the schedule's run length as the learning rate
+    is), the weighted depth losses added to each micro-batch's objective, and the per-depth mean
+    losses over every rank's micro-batches as metrics (mtp/loss_<k>, mtp/weight)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model  # the Transformer: it keeps the last forward's MTP objective
+
+    def before_step(self, step: int, total_steps: int) -> None:
+        self.model.mtp.weight = self.model.cfg.mtp.weight_at(step, total_steps)
+
+    def objective(self) -> Tensor | None:
+        return self.model.pop_mtp_objective()
+
+    def after_backward(self, reduce: Reduce) -> dict[str, float]:
+        return self.model.mtp.stats(lambda sums: reduce(sums, "sum"))

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from model.config import ModelConfig
 from model.registry import RESIDUALS
+from model.training_hooks import Reduce, TrainingHook
 
 Sublayer = Callable[[Tensor], Tensor]
 State = Any  # a Tensor, or a tuple of Tensors, as the stream kind defines
@@ -142,6 +143,17 @@ class ResidualStream(nn.Module):
     def stats(self, model: nn.Module) -> dict[str, float]:
         """Metrics of what the stream did in the last training forward (logged with the step)."""
         return {}
+
+
+class StreamStatistics(TrainingHook):
+    """The residual stream's metrics (`ResidualStream.stats`, e.g. Attention Residuals' depth
+    weights) with each step's row, read after the backward: small summaries, no collective."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model  # the Transformer, whose `stream` this is
+
+    def after_backward(self, reduce: Reduce) -> dict[str, float]:
+        return self.model.stream.stats(self.model)
 
 
 class _PreNorm(Connection):

@@ -70,3 +70,18 @@ def param_roles(model: nn.Module) -> dict[str, str]:
                 )
             roles[name] = role
     return roles
+
+
+def role_owners(model: nn.Module, role: str) -> list[nn.Module]:
+    """The modules that own (directly) a parameter of `role`, in module order: how code outside
+    model/ finds, say, the `memory` tables (Engram's) without knowing their class."""
+    roles = param_roles(model)
+    owners = []
+    for prefix, module in model.named_modules():
+        names = (
+            f"{prefix}.{local}" if prefix else local
+            for local, _ in module.named_parameters(recurse=False)
+        )
+        if any(roles[name] == role for name in names):
+            owners.append(module)
+    return owners

@@ -30,10 +30,13 @@ from model.kernels.flash_attention import key_bounds
 from model.kv_cache import Cache
 from model.loss import chunked_cross_entropy
 from model.masks import AttentionContext, build_mask, document_starts, positions_in_documents
-from model.mtp import MultiTokenPrediction
+from model.moe import moe_balance_hook
+from model.mtp import MTPHook, MultiTokenPrediction
 from model.norms import build_norm
 from model.positions import build_positions
 from model.registry import RESIDUALS
+from model.residual import StreamStatistics
+from model.training_hooks import TrainingHook
 
 
 class Transformer(nn.Module):
@@ -102,6 +105,13 @@ class Transformer(nn.Module):
         if self.mtp is not None:  # last: without it every other part has the same weights
             plan.append(("mtp", lambda m: m.init_weights(cfg)))
         return plan
+
+    def training_hooks(self) -> list[TrainingHook]:
+        """The hooks of this model's own features (model.training_hooks), in the order their
+        objective terms add up: the residual stream's statistics, MoE balancing, MTP."""
+        hooks = [StreamStatistics(self), moe_balance_hook(self)]
+        hooks.append(MTPHook(self) if self.mtp is not None else None)
+        return [hook for hook in hooks if hook is not None]
 
     def blocks(self) -> list[nn.Module]:
         """Every transformer block: the stack's, then the MTP modules' (what activation

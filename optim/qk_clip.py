@@ -9,14 +9,17 @@ other layer kinds (linear attention) do not, and are skipped:
   q_nope and k_nope rows, gamma on q_rope rows);
 - `qk_clip_blocker()`: why a layer cannot be clipped (e.g. QK-norm), or None.
 
-After each optimizer step the trainer all-reduces the (L, H) max logits with MAX over ranks and
-calls `apply_qk_clip`: heads above tau get gamma = tau / max_logit, the rest gamma = 1 (their
-weights untouched). Sharded (DTensor) weights are scaled on their local rows.
+`QKClip` is the trainer's training hook (model.training_hooks, implemented here without
+importing model/): after the backward it all-reduces the step's (L, H) max logits with MAX over
+ranks; after an applied optimizer update it calls `apply_qk_clip` on the updated weights: heads
+above tau get gamma = tau / max_logit, the rest gamma = 1 (their weights untouched). Sharded
+(DTensor) weights are scaled on their local rows. A skipped step's logits are dropped.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -103,3 +106,39 @@ def scale_rows(param: Tensor, rows: Tensor) -> None:
         )
     else:
         param.mul_(factor)
+
+
+class QKClip:
+    """MuonClip's QK-clip as a training hook (the protocol of model.training_hooks): recording
+    starts with `start`, every step's max logits are reduced with MAX over the ranks after the
+    backward and cap the weights after an applied update (qk/... metrics)."""
+
+    def __init__(self, tau: float) -> None:
+        self.tau = tau
+        self.model: nn.Module | None = None  # the running model (its layers record)
+        self.logits: Tensor | None = None  # (L, H) this step's max logits over every rank
+
+    def start(self, modules: Sequence[nn.Module]) -> None:
+        self.model = modules[0]
+        enable_qk_clip(self.model)
+
+    def before_step(self, step: int, total_steps: int) -> None:
+        return None
+
+    def objective(self) -> Tensor | None:
+        return None
+
+    def after_backward(self, reduce: Callable[[Tensor, str], None]) -> dict[str, float]:
+        self.logits = pop_max_logits(self.model)
+        if self.logits is not None:
+            reduce(self.logits, "max")
+        return {}
+
+    def after_update(self, weights: Any) -> dict[str, float]:
+        """`weights`: model.training_hooks.UpdatedWeights (the module the update changed)."""
+        if self.logits is None:
+            return {}
+        return apply_qk_clip(weights.module, self.logits, self.tau, weights.scale_rows)
+
+    def end_step(self, applied: bool) -> None:
+        self.logits = None

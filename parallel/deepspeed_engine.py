@@ -32,7 +32,7 @@ import logging
 import math
 import os
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -43,6 +43,7 @@ from torch import Tensor, nn
 
 from model.errors import ConfigError
 from model.moe import moe_layers
+from model.training_hooks import RowScaler
 from model.transformer import Transformer, build_model
 from parallel.activation import apply_activation_checkpointing, compile_model
 from parallel.collective import worst_over_ranks
@@ -72,9 +73,11 @@ from parallel.deepspeed_tables import (
 from parallel.engine import (
     ENGINES,
     CheckpointRefusal,
+    Edit,
     EngineRequest,
+    Objective,
     TrainingEngine,
-    training_objective,
+    plain_loss,
 )
 from parallel.grad_norm import clip_grad_norm
 from parallel.init import load_weights, whole_weights
@@ -242,11 +245,17 @@ class DeepSpeedEngine(TrainingEngine):
         return self._autocast()
 
     def forward_backward(
-        self, inputs: Tensor, targets: Tensor, doc_ids: Tensor | None, divide_by: int, last: bool
+        self,
+        inputs: Tensor,
+        targets: Tensor,
+        doc_ids: Tensor | None,
+        divide_by: int,
+        last: bool,
+        objective: Objective = plain_loss,
     ) -> Tensor:
         self.ds.set_gradient_accumulation_boundary(last)
         loss = self.ds(inputs, targets, doc_ids=doc_ids)
-        self.ds.backward(training_objective(self.model, loss) / divide_by, scale_wrt_gas=False)
+        self.ds.backward(objective(loss) / divide_by, scale_wrt_gas=False)
         return loss.detach().float()
 
     def clip_gradients(self, max_norm: float) -> Tensor:
@@ -257,7 +266,7 @@ class DeepSpeedEngine(TrainingEngine):
             params += list(self.tables.named_weights().values())
         return clip_grad_norm(params, max_norm)
 
-    def step(self, edit: Callable[[nn.Module], None] | None = None) -> None:
+    def step(self, edit: Edit | None = None) -> None:
         """DeepSpeed's step, the tables' (clipped by DeepSpeed's factor under ZeRO 1-3), then
         `edit` (QK-clip) on the model: its row scalings go through `scale_rows`, which edits
         DeepSpeed's fp32 masters and the module's copy alike."""
@@ -271,7 +280,7 @@ class DeepSpeedEngine(TrainingEngine):
                 self.tables.step()
             self.tables.zero_grad()
         if edit is not None and applied:
-            edit(self.model)
+            edit(self.updated_weights())
 
     def _sync_muon_momentum(self) -> None:
         """ZeRO-3 reads Muon's momentum once, at its start (`muon_beta`); the trainer's schedule
@@ -283,6 +292,10 @@ class DeepSpeedEngine(TrainingEngine):
             raise ConfigError(f"ZeRO-3's Muon takes one momentum for all groups, got {momenta}")
         if momenta:
             (self.ds.optimizer.muon_beta,) = momenta
+
+    def row_scaler(self) -> RowScaler:
+        """QK-clip's row scalings go through `scale_rows`: DeepSpeed keeps the weights."""
+        return self.scale_rows
 
     def scale_rows(self, param: nn.Parameter, rows: Tensor) -> None:
         """param[r, ...] *= rows[r] on the weight the optimizer updates: ZeRO-0's parameter
@@ -308,7 +321,7 @@ class DeepSpeedEngine(TrainingEngine):
             param.data.copy_(master.view_as(param).to(param.dtype))
 
     def finish_step(
-        self, max_norm: float, apply: bool, edit: Callable[[nn.Module], None] | None = None
+        self, max_norm: float, apply: bool, edit: Edit | None = None
     ) -> tuple[float, bool]:
         if self.stage == 0:  # plain data parallel: the FSDP2 engine's order
             return super().finish_step(max_norm, apply, edit)

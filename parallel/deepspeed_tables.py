@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from model.engram import EngramTable
+from model.roles import MEMORY, role_owners
 from parallel.sparse_sync import average_sparse_gradients
 
 TABLES = "lmforge_tables.pt"  # beside DeepSpeed's files in <step dir>/deepspeed/
@@ -41,7 +41,7 @@ def tables_only_optimizer(
 ) -> torch.optim.Optimizer:
     """The trainer's optimizer built over the model with only the Engram tables trainable: its
     row-wise Adam groups (role `memory`), with the lrs and schedule keys of a whole-model one."""
-    tables = {id(m.weight) for m in model.modules() if isinstance(m, EngramTable)}
+    tables = {id(p) for m in role_owners(model, MEMORY) for p in m.parameters(recurse=False)}
     frozen = [p for p in model.parameters() if id(p) not in tables and p.requires_grad]
     for param in frozen:
         param.requires_grad_(False)
@@ -58,10 +58,11 @@ class HiddenTables:
     alone, `tables_only_optimizer`) and checkpoint file (see the module docstring)."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
-        self.modules: dict[str, EngramTable] = {}  # "layers.1.engram.table" -> its table
+        self.modules: dict[str, nn.Module] = {}  # "layers.1.engram.table" -> its table
+        owners = {id(table) for table in role_owners(model, MEMORY)}  # role `memory`: Engram's
         for path, module in list(model.named_modules()):
             for name, child in list(module._modules.items()):
-                if isinstance(child, EngramTable):
+                if id(child) in owners:
                     del module._modules[name]
                     object.__setattr__(module, name, child)  # module.<name> still finds it
                     self.modules[f"{path}.{name}" if path else name] = child

@@ -5,13 +5,17 @@ FSDP, DTensors, master weights or the optimizer's internals. An engine owns the 
 and the optimizer and offers:
 
   model                  the model module itself (a Transformer, possibly sharded in place):
-                         evaluation runs its forward and model-level hooks (MoE balance, QK-clip
-                         recording) are called on it; a wrapping engine puts its inner module here
+                         evaluation runs its forward and the training hooks
+                         (model.training_hooks) are built on it; a wrapping engine puts its
+                         inner module here
   optimizer              its param groups are what the schedules set (lr, Muon momentum)
   autocast()             the compute precision of forwards
-  forward_backward(...)  one micro-batch: forward, the MoE balance losses, backward (accumulating)
+  forward_backward(..., objective)  one micro-batch: forward, backward of objective(loss)
+                         (accumulating); the only way the loop reaches the model
   clip_gradients(c)      the global gradient norm over every shard, clipped to c
-  step(edit)             the update; `edit` (QK-clip) may change the fp32 master weights after it
+  step(edit)             the update; `edit` (the hooks' after_update, e.g. QK-clip) gets
+                         `updated_weights()` after it: the module the optimizer updated (the fp32
+                         masters when there are) and `row_scaler()`, how to scale its rows
   finish_step(c, ok, edit)  clip, then step unless the loss was bad (`ok` False) or the norm is
                          not finite: what the loop calls (by default the two above)
   zero_grad()            drop the gradients (also how a bad step is skipped)
@@ -19,8 +23,11 @@ and the optimizer and offers:
   state_dict() / load_state_dict(state)   model + optimizer state for checkpoints, in DCP's
                          form (names independent of the layout, so loading reshards)
   state_module           the module whose weights the optimizer updates and checkpoints hold
+  weight_modules()       the distinct modules holding weights (model, then state_module)
   nonfinite_weights()    the weights holding NaN or inf on this rank (never saved, sampled)
 
+The engine knows no model feature: what a feature adds to a step comes through the objective
+and the edit the trainer's step passes in, and parallel code finds parts by parameter role.
 Engines register by name in `ENGINES` (`parallel.engine`). `fsdp2` is the built-in one: one
 process or FSDP2/HSDP (+ expert parallelism), built by one composition path (`build_fsdp2`).
 """
@@ -40,22 +47,25 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from model.moe import pop_aux_loss
+from model.config import ModelConfig
 from model.registry import Registry
+from model.training_hooks import RowScaler, UpdatedWeights
+from parallel.config import ParallelConfig
 from parallel.fsdp import replicated_tables
 from parallel.grad_norm import clip_grad_norm
+from parallel.mesh import ParallelDims
 from parallel.precision import MasterWeights, autocast_factory
 from parallel.sparse_sync import average_sparse_gradients
 
 OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
 
 
-def training_objective(model: nn.Module, loss: Tensor) -> Tensor:
-    """The language-model loss plus what the forward left to add: the MoE balance losses and
-    the weighted multi-token-prediction losses (every engine backpropagates this)."""
-    for extra in (pop_aux_loss(model), model.pop_mtp_objective()):
-        if extra is not None:
-            loss = loss + extra
+Objective = Callable[[Tensor], Tensor]  # the language-model loss -> the loss to backpropagate
+Edit = Callable[[UpdatedWeights], None]  # what runs on the updated weights (the trainer's hooks)
+
+
+def plain_loss(loss: Tensor) -> Tensor:
+    """The objective of a model without extra terms: the language-model loss itself."""
     return loss
 
 
@@ -100,20 +110,38 @@ class TrainingEngine:
         raise NotImplementedError
 
     def forward_backward(
-        self, inputs: Tensor, targets: Tensor, doc_ids: Tensor | None, divide_by: int, last: bool
+        self,
+        inputs: Tensor,
+        targets: Tensor,
+        doc_ids: Tensor | None,
+        divide_by: int,
+        last: bool,
+        objective: Objective = plain_loss,
     ) -> Tensor:
-        """Forward of one micro-batch, backward of (loss + balance losses) / divide_by; returns
-        the detached language-model loss. `last`: the step's final micro-batch."""
+        """Forward of one micro-batch, backward of objective(loss) / divide_by (the features'
+        terms added: model.training_hooks.objective_with); returns the detached language-model
+        loss. `last`: the step's final micro-batch. The only way the loop reaches the model."""
         raise NotImplementedError
 
     def clip_gradients(self, max_norm: float) -> Tensor:
         raise NotImplementedError
 
-    def step(self, edit: Callable[[nn.Module], None] | None = None) -> None:
+    def step(self, edit: Edit | None = None) -> None:
+        """The optimizer update, then `edit` on the weights it updated (`updated_weights`)."""
         raise NotImplementedError
 
+    def updated_weights(self) -> UpdatedWeights:
+        """What an `edit` after the update gets: the module whose weights the optimizer updates
+        (`state_module`) and how to scale rows of its parameters (`row_scaler`)."""
+        return UpdatedWeights(self.state_module, self.row_scaler())
+
+    def row_scaler(self) -> RowScaler | None:
+        """How to scale a parameter's rows in place where this engine keeps the updated weights;
+        None: on the tensor itself (a DTensor's local rows), the default."""
+        return None
+
     def finish_step(
-        self, max_norm: float, apply: bool, edit: Callable[[nn.Module], None] | None = None
+        self, max_norm: float, apply: bool, edit: Edit | None = None
     ) -> tuple[float, bool]:
         """The end of a step: the accumulated gradients clipped to `max_norm` and, when `apply`
         (the loss was good) and their global norm is finite, the update (`edit` after it).
@@ -150,11 +178,10 @@ class TrainingEngine:
         """This rank's values of `param` (a DTensor's local shard)."""
         return param.to_local() if isinstance(param, DTensor) else param
 
-    def set_token_compression(self, canonical: Tensor) -> None:
-        """Engram's canonical-id map (model.transformer.Transformer.set_token_compression) on
-        the model and on the module checkpoints hold, if that is another one."""
-        for module in {id(m): m for m in (self.model, self.state_module)}.values():
-            module.set_token_compression(canonical)
+    def weight_modules(self) -> list[nn.Module]:
+        """The distinct modules holding the model's weights: the running model, then the one
+        checkpoints hold if that is another (an fp32 master copy); training hooks start on them."""
+        return list({id(m): m for m in (self.model, self.state_module)}.values())
 
 
 class FSDP2Engine(TrainingEngine):
@@ -191,13 +218,19 @@ class FSDP2Engine(TrainingEngine):
         return self._autocast()
 
     def forward_backward(
-        self, inputs: Tensor, targets: Tensor, doc_ids: Tensor | None, divide_by: int, last: bool
+        self,
+        inputs: Tensor,
+        targets: Tensor,
+        doc_ids: Tensor | None,
+        divide_by: int,
+        last: bool,
+        objective: Objective = plain_loss,
     ) -> Tensor:
         if self.sharded:
             self.model.set_requires_all_reduce(last)
         with self._autocast():
             loss = self.model(inputs, targets, doc_ids=doc_ids)
-        (training_objective(self.model, loss) / divide_by).backward()
+        (objective(loss) / divide_by).backward()
         return loss.detach().float()
 
     def clip_gradients(self, max_norm: float) -> Tensor:
@@ -210,10 +243,10 @@ class FSDP2Engine(TrainingEngine):
             params = [p for p in self.model.parameters() if p.grad is not None]
         return clip_grad_norm(params, max_norm)
 
-    def step(self, edit: Callable[[nn.Module], None] | None = None) -> None:
+    def step(self, edit: Edit | None = None) -> None:
         self.optimizer.step()
         if edit is not None:
-            edit(self.state_module)
+            edit(self.updated_weights())
         if self.master is not None:
             self.master.master_to_model()
 
@@ -251,11 +284,11 @@ class EngineRequest:
     compile choice, the resolved layout and device, the seed, how to make the optimizer, and the
     step's shape (clip value, micro-batch size and count) for engines that own accumulation."""
 
-    model_cfg: Any  # model.config.ModelConfig
-    parallel: Any  # parallel.config.ParallelConfig
-    precision: str  # trainer.precision
-    compile: bool  # trainer.compile
-    dims: Any  # parallel.mesh.ParallelDims
+    model_cfg: ModelConfig
+    parallel: ParallelConfig
+    precision: str  # trainer.precision, resolved (fp32 | bf16 | bf16_master)
+    compile: bool  # trainer.compile, resolved
+    dims: ParallelDims
     device: torch.device
     seed: int
     make_optimizer: OptimizerFactory

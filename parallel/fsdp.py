@@ -17,8 +17,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
-from model.engram import EngramTable
 from model.errors import ConfigError
+from model.roles import MEMORY, role_owners
 from model.transformer import Transformer
 from parallel.mesh import Meshes
 
@@ -31,33 +31,42 @@ def mixed_precision(param_dtype: torch.dtype) -> MixedPrecisionPolicy:
 FP32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
 
 
-def _shard_fp32_parts(module: nn.Module, mesh, reshard_after_forward: bool) -> None:
+def _shard_fp32_parts(
+    module: nn.Module, mesh, reshard_after_forward: bool, tables: list[nn.Module]
+) -> None:
     """Modules that keep their parameters fp32 (`keep_fp32`: AttnRes' pseudo-queries, mHC's maps)
     become FSDP2 units of their own that gather and compute in fp32 under any param_dtype."""
+    skip = {id(table) for table in tables}  # their own unit already, or replicated
     for part in module.modules():
-        if isinstance(part, (FSDPModule, EngramTable)):
-            continue  # (Engram's tables: their own unit already, or replicated)
+        if isinstance(part, FSDPModule) or id(part) in skip:
+            continue
         if getattr(part, "keep_fp32", False) and any(True for _ in part.parameters(recurse=False)):
             fully_shard(
                 part, mesh=mesh, mp_policy=FP32, reshard_after_forward=reshard_after_forward
             )
 
 
-def replicated_tables(model: nn.Module) -> list[EngramTable]:
-    """Engram tables every rank holds whole (model.engram.sharding=replicated)."""
-    return [m for m in model.modules() if isinstance(m, EngramTable) and m.sharding == "replicated"]
+def memory_tables(model: nn.Module) -> list[nn.Module]:
+    """The lookup tables read a few rows per token (parameter role `memory`: Engram's). Each
+    declares `sharding` ("rows" | "replicated"), `offload` (bool) and `sparse_grad` (bool)."""
+    return role_owners(model, MEMORY)
 
 
-def _shard_tables(block: nn.Module, mesh, reshard_after_forward: bool, recompute: bool) -> None:
-    """Engram's tables (sharding=rows): FSDP2 units of their own, sharded by rows (dim 0) and
+def replicated_tables(model: nn.Module) -> list[nn.Module]:
+    """Memory tables every rank holds whole (model.engram.sharding=replicated)."""
+    return [table for table in memory_tables(model) if table.sharding == "replicated"]
+
+
+def _shard_tables(
+    tables: list[nn.Module], mesh, reshard_after_forward: bool, recompute: bool
+) -> None:
+    """Memory tables (Engram's, sharding=rows): FSDP2 units of their own, sharded by rows (dim 0) and
     gathered in fp32, with dense gradients (FSDP2 reduce-scatters dense tensors; row-wise Adam
     finds the rows read, optim/row_adam.py); not gathered again for backward (a lookup's backward
     does not read the table) unless activation checkpointing recomputes the lookup there.
     Replicated tables stay out of FSDP2 with their sparse gradients (averaged over the ranks by
     the engine: parallel/sparse_sync.py). Host-memory tables (offload) are refused here."""
-    for part in block.modules():
-        if not isinstance(part, EngramTable):
-            continue
+    for part in tables:
         if part.offload:
             raise ConfigError(
                 "model.engram.offload=true keeps the tables in one process's host memory; it "
@@ -79,11 +88,15 @@ def apply_fsdp(
     recompute: bool = False,
 ) -> None:
     """`recompute`: activation checkpointing recomputes the blocks in backward."""
-    ignored = {table.weight for table in replicated_tables(model)}
+    tables = memory_tables(model)
+    ignored = {p for table in replicated_tables(model) for p in table.parameters(recurse=False)}
     for block in model.blocks():
-        _shard_tables(block, meshes.dense, reshard_after_forward, recompute)
+        inside = {id(part) for part in block.modules()}
+        _shard_tables(
+            [t for t in tables if id(t) in inside], meshes.dense, reshard_after_forward, recompute
+        )
         if mp.param_dtype not in (None, torch.float32):
-            _shard_fp32_parts(block, meshes.dense, reshard_after_forward)
+            _shard_fp32_parts(block, meshes.dense, reshard_after_forward, tables)
         experts = getattr(block.ffn, "experts", None)
         if experts is not None and meshes.experts is not None:
             fully_shard(
@@ -112,7 +125,7 @@ def apply_fsdp(
                 module, mesh=meshes.dense, mp_policy=mp, reshard_after_forward=reshard_after_forward
             )
     if mp.param_dtype not in (None, torch.float32):
-        _shard_fp32_parts(model.stream, meshes.dense, reshard_after_forward=False)
+        _shard_fp32_parts(model.stream, meshes.dense, False, tables)
     # the root's weights (embedding, head) are needed again at once by the loss: keep them
     fully_shard(
         model, mesh=meshes.dense, mp_policy=mp, reshard_after_forward=False, ignored_params=ignored

@@ -22,8 +22,8 @@ from data.loader import TokenLoader
 from data.token_compression import canonical_ids, save_or_check
 from model.accounting import param_counts, training_flops_per_token
 from model.config import ModelConfig
+from model.training_hooks import TrainingHook
 from optim.builder import apply_config
-from optim.qk_clip import enable_qk_clip
 from optim.schedules import Schedule
 from parallel.collective import from_main
 from parallel.engine import ENGINES, TrainingEngine
@@ -51,6 +51,7 @@ from trainer.distributed import is_collective_timeout
 from trainer.evaluate import data_prompt, describe_evaluation
 from trainer.fingerprint import Fingerprint
 from trainer.hf_init import hf_model_config, hf_weights_reader, is_hf
+from trainer.hooks import start_hooks
 from trainer.loop import Training
 from trainer.metrics import MetricsFile
 from trainer.mfu import device_peak
@@ -95,7 +96,9 @@ def build_training(cfg: RootConfig, run_dir: Path, ranks: Ranks) -> Training:
     resuming = from_main(resumes_its_own(cfg.resume, run_dir))  # listings may differ per node
     if initial is not None and resuming:
         log.info("init_from=%s is not used: the run resumes its checkpoint", cfg.init_from)
-    engine = build_state(cfg, model_cfg, dims, device, canonical, None if resuming else initial)
+    engine, hooks = build_state(
+        cfg, model_cfg, dims, device, canonical, None if resuming else initial
+    )
     dtype = compute_dtype(tcfg.precision)  # rank 0 measures alone: no rank slows another's
     peak, peak_source = from_main(
         device_peak(device, dtype, tcfg.peak_flops) if ranks.is_main else None
@@ -115,10 +118,10 @@ def build_training(cfg: RootConfig, run_dir: Path, ranks: Ranks) -> Training:
     metrics = MetricsFile(run_dir / "metrics.jsonl", ranks.is_main)
     tracker = LossTracker(tcfg.spike_factor)
     coverage = describe_evaluation(loader)
-    restart = Restart(engine=engine)
-    del engine  # the restart holds it (and drops it if it must be rebuilt)
+    restart = Restart(engine=engine, hooks=hooks)
+    del engine, hooks  # the restart holds them (and drops them if they must be rebuilt)
     restart = _resume(cfg, run_dir, ranks, checkpointer, restart, loader, tracker, metrics)
-    restart.engine = _fresh_if_needed(cfg, model_cfg, dims, device, restart, canonical, initial)
+    _fresh_if_needed(cfg, model_cfg, dims, device, restart, canonical, initial)
     if canonical is not None:  # the start is accepted: a refused one writes nothing
         save_or_check(run_dir, loader.tokenizer, canonical.tolist(), write=ranks.is_main)
     wandb = WandbRun(
@@ -132,7 +135,6 @@ def build_training(cfg: RootConfig, run_dir: Path, ranks: Ranks) -> Training:
         micro_batches=micro_batches,
         grad_clip=tcfg.grad_clip,
         doc_mask=tcfg.doc_mask,
-        qk_clip_tau=cfg.optim.qk_clip_tau,
     )
     return Training(
         cfg=cfg,
@@ -159,6 +161,7 @@ def build_training(cfg: RootConfig, run_dir: Path, ranks: Ranks) -> Training:
         restored_step=restart.restored_step,
         eval_coverage=coverage,
         sample_prompt=tcfg.sample_prompt or data_prompt(loader),
+        hooks=restart.hooks,
     )
 
 
@@ -278,19 +281,15 @@ def build_state(
     device: torch.device,
     canonical: torch.Tensor | None = None,
     initial: Callable[[], dict[str, torch.Tensor]] | None = None,
-) -> TrainingEngine:
+) -> tuple[TrainingEngine, list[TrainingHook]]:
     """The training engine (model sharded when there are several ranks, its fp32 master copy if
     any, the optimizer), as a fresh run starts it (seeded by `cfg.seed`, or from `initial()`'s
-    weights); `canonical`: Engram's token compression."""
+    weights), and its training hooks, started; `canonical`: Engram's token compression."""
     seed_everything(cfg.seed)
     engine = build_training_engine(
         model_cfg, cfg.trainer, cfg.parallel, cfg.optim, dims, device, cfg.seed, initial
     )
-    if canonical is not None:
-        engine.set_token_compression(canonical)
-    if cfg.optim.qk_clip_tau > 0:
-        enable_qk_clip(engine.model)  # attention layers record their per-head max logits
-    return engine
+    return engine, start_hooks(engine, cfg.optim.qk_clip_tau, canonical)
 
 
 @dataclass
@@ -298,6 +297,7 @@ class Restart:
     """Where training (re)starts: what a resume restored, or a fresh start."""
 
     engine: TrainingEngine | None
+    hooks: list[TrainingHook]  # the engine's training hooks (trainer.hooks)
     step: int = 0
     tokens: int = 0
     bad_streak: int = 0
@@ -366,13 +366,13 @@ def _fresh_if_needed(
     restart: Restart,
     canonical: torch.Tensor | None,
     initial: Callable[[], dict[str, torch.Tensor]] | None,
-) -> TrainingEngine:
-    """The engine to train with: a freshly initialized one after failed loads."""
+) -> None:
+    """A freshly initialized engine (and its hooks) in `restart` after failed loads."""
     if not restart.start_over:
-        return restart.engine
-    restart.engine = None  # free the half-read one before building its replacement
+        return
+    restart.engine, restart.hooks = None, []  # free the half-read one before its replacement
     gc.collect()
-    return build_state(cfg, model_cfg, dims, device, canonical, initial)
+    restart.engine, restart.hooks = build_state(cfg, model_cfg, dims, device, canonical, initial)
 
 
 def train(cfg: RootConfig, run_dir: Path, ranks: Ranks) -> int:

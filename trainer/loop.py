@@ -22,6 +22,7 @@ import torch
 
 from data.loader import Batch, TokenLoader
 from model.config import ModelConfig
+from model.training_hooks import TrainingHook
 from optim.schedules import Schedule
 from parallel.collective import from_main, worst_over_ranks
 from parallel.engine import TrainingEngine
@@ -57,7 +58,7 @@ class Training:
     engine: TrainingEngine  # the model, its optimizer and how they step (parallel.engine)
     model_cfg: ModelConfig  # the resolved model config (vocabulary included)
     schedule: Schedule  # lr and Muon momentum per step (optim.schedules)
-    settings: StepSettings  # micro-batches, clipping, document masking, QK-clip
+    settings: StepSettings  # micro-batches, clipping, document masking
     loader: TokenLoader
     flops_per_token: float
     peak_flops: float
@@ -80,6 +81,8 @@ class Training:
     clock: RunClock | None = None  # this process's training time (trainer.progress)
     mfu_warned: bool = False  # an MFU above 100% was reported (once)
     sample_prompt: str = ""  # the evaluation sample's prompt (trainer.sample_prompt or the data's)
+    # the features' part in each step (model.training_hooks), assembled once by trainer.hooks
+    hooks: list[TrainingHook] = field(default_factory=list)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -185,8 +188,9 @@ class Training:
                 batch = next(batches).to(self.device, non_blocking=True)
                 window.data_wait += time.perf_counter() - waited
                 lr = self.schedule.apply(self.engine.optimizer, self.step)
-                self._set_mtp_weight()
-                result = train_step(self.engine, batch, self.settings, self.tracker)
+                for hook in self.hooks:  # over the schedule's run length, as the lr is
+                    hook.before_step(self.step, self.schedule.total_steps)
+                result = train_step(self.engine, batch, self.settings, self.tracker, self.hooks)
                 self.step += 1
                 self.tokens += tokens_per_step
                 window.add(result.loss, result.grad_norm, tokens_per_step, result.skip_kind)
@@ -259,13 +263,6 @@ class Training:
         )  # fmt: skip
         return self.save(f"end of training, after {self.bad_streak} skipped step(s)", final=True)
 
-    def _set_mtp_weight(self) -> None:
-        """MTP's lambda for the step about to be taken (model.mtp.weight, then final_weight)."""
-        mtp = getattr(self.engine.model, "mtp", None)
-        if mtp is not None:
-            # over the schedule's run length, as the learning rate is
-            mtp.weight = self.model_cfg.mtp.weight_at(self.step, self.schedule.total_steps)
-
     def _stop_now(self) -> int:
         self.save(f"{self.stop.name()} received", final=True)
         log.info("stopped by %s at step %d; resume continues here", self.stop.name(), self.step)
@@ -335,7 +332,7 @@ class Training:
             **{f"skipped/{kind}": n for kind, n in window.skip_kinds.items()},
             **({"skipped_loss": window.skipped_loss} if window.skip_kinds else {}),
             mem_key: mem,
-            **window.moe,  # the last step's MoE statistics (model.moe.moe_stats keys)
+            **window.moe,  # the last step's hook metrics (moe/..., mtp/..., qk/..., attnres/...)
         }
         self._emit(row)
         if row["mfu"] > 1 and not self.mfu_warned:  # the achieved rate bounds the peak from below

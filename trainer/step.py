@@ -9,15 +9,14 @@ host to log them anyway).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from data.loader import Batch
-from model.moe import apply_bias_update, expert_load, moe_stats, reset_moe_stats
-from optim.qk_clip import RowScaler, apply_qk_clip, pop_max_logits, scale_rows
+from model.training_hooks import TrainingHook, UpdatedWeights, objective_with
 from parallel.collective import several_ranks
 from parallel.engine import TrainingEngine
 
@@ -29,7 +28,8 @@ class StepResult:
     loss: float
     grad_norm: float
     skipped: str  # "" when the update was applied, else why not (one line for the log)
-    moe: dict[str, float] = field(default_factory=dict)  # MoE (moe/...) and QK-clip (qk/...) stats
+    # the training hooks' metrics (moe/..., mtp/..., qk/..., attnres/...: model.training_hooks)
+    moe: dict[str, float] = field(default_factory=dict)
     skip_kind: str = ""  # nonfinite_loss | nonfinite_grad_norm | loss_spike (metrics keys)
 
 
@@ -62,52 +62,54 @@ def split_micro_batches(batch: Batch, count: int) -> list[Batch]:
 
 @dataclass(frozen=True)
 class StepSettings:
-    """How every step of a run is taken (trainer.* and optim.qk_clip_tau)."""
+    """How every step of a run is taken (trainer.*)."""
 
     micro_batches: int = 1  # gradient accumulation: micro-batches per step on this rank
     grad_clip: float = 0.0  # global gradient-norm clip; 0 = off (the norm is still measured)
     doc_mask: bool = False  # attention stays inside documents (the loader's document ids)
-    qk_clip_tau: float = 0.0  # MuonClip's cap on every head's max logit; 0 = off
 
 
 def train_step(
-    engine: TrainingEngine, batch: Batch, settings: StepSettings, tracker: LossTracker
+    engine: TrainingEngine,
+    batch: Batch,
+    settings: StepSettings,
+    tracker: LossTracker,
+    hooks: Sequence[TrainingHook],
 ) -> StepResult:
     """One optimizer step over this rank's slice of the global batch.
 
     Several ranks: the engine reduces gradients across them, the norm is global over all
-    shards, and the loss is averaged over ranks, so every rank takes the same skip decision. MoE
-    models add their balancing losses to each micro-batch's loss (in the engine) and update the
-    aux-loss-free expert biases from the step's expert loads summed over ranks.
+    shards, and the loss is averaged over ranks, so every rank takes the same skip decision.
+    The model's features take part through `hooks` (model.training_hooks): their objective
+    terms join each micro-batch's loss, their statistics are reduced over the ranks after the
+    backward, they may edit the updated weights, and they contribute the step's metrics.
     """
     n = settings.micro_batches
-    model = engine.model
+    objective = objective_with(hooks)
     loss_sum = torch.zeros((), device=batch.inputs.device)
     for index, mb in enumerate(split_micro_batches(batch, n)):
         doc_ids = mb.doc_ids if settings.doc_mask else None
-        loss_sum += engine.forward_backward(mb.inputs, mb.targets, doc_ids, n, index == n - 1)
+        last = index == n - 1
+        loss_sum += engine.forward_backward(mb.inputs, mb.targets, doc_ids, n, last, objective)
     max_norm = settings.grad_clip if settings.grad_clip > 0 else float("inf")
     loss_value = _mean_over_ranks(loss_sum / n)
     kind, reason = _bad_loss_reason(loss_value, tracker)
     stats: dict[str, float] = {}
-    stream = getattr(model, "stream", None)
-    if stream is not None:  # after the loss's sync: reading the small summaries costs nothing
-        stats |= stream.stats(model)  # e.g. Attention Residuals' depth weights (attnres/...)
-    mtp = getattr(model, "mtp", None)
-    if mtp is not None:
-        stats |= mtp.stats(_sum_over_ranks)  # mtp/loss_<k>, mtp/weight
-    tau = settings.qk_clip_tau
-    scale = getattr(engine, "scale_rows", scale_rows)  # engines whose weights live elsewhere
-    clip = (lambda masters: stats.update(_qk_clip(model, masters, tau, scale))) if tau > 0 else None
-    norm_value, applied = engine.finish_step(max_norm, not reason, clip)
+    for hook in hooks:  # after the loss's sync: reading the small summaries costs nothing
+        stats |= hook.after_backward(_reduce_over_ranks)
+
+    def edit(weights: UpdatedWeights) -> None:
+        for hook in hooks:
+            stats.update(hook.after_update(weights))
+
+    norm_value, applied = engine.finish_step(max_norm, not reason, edit if hooks else None)
     if not reason and not applied:
         kind = "nonfinite_grad_norm"
         reason = f"gradient norm is {norm_value} (loss {loss_value:.4f})"
     if applied:
         tracker.update(loss_value)
-    elif tau > 0:
-        pop_max_logits(model)  # a skipped step's logits are not acted on
-    stats |= _update_expert_biases(model, apply=not reason)
+    for hook in hooks:
+        hook.end_step(applied)
     engine.zero_grad()
     return StepResult(loss_value, norm_value, reason, stats, kind)
 
@@ -130,34 +132,7 @@ def _mean_over_ranks(value: torch.Tensor) -> float:
     return value.item()
 
 
-def _sum_over_ranks(value: torch.Tensor) -> None:
+def _reduce_over_ranks(value: torch.Tensor, op: str) -> None:
+    """The hooks' reduction: `value` summed ("sum") or maximized ("max") over the ranks."""
     if several_ranks():
-        dist.all_reduce(value)
-
-
-def _qk_clip(
-    model: nn.Module, updated: nn.Module, tau: float, scale: RowScaler = scale_rows
-) -> dict[str, float]:
-    """MuonClip: the step's per-head max logits (MAX over ranks) cap the updated weights."""
-    logits = pop_max_logits(model)
-    if logits is None:
-        return {}
-    if several_ranks():
-        dist.all_reduce(logits, op=dist.ReduceOp.MAX)
-    return apply_qk_clip(updated, logits, tau, scale)
-
-
-def _update_expert_biases(model: nn.Module, apply: bool) -> dict[str, float]:
-    """Aux-loss-free balancing: expert loads of the whole step (all micro-batches, all ranks),
-    one all-reduce, the same bias update on every rank (a skipped step only clears the counts).
-    Returns the step's MoE statistics for logging ({} for a dense model)."""
-    load = expert_load(model)
-    if load.numel() == 0:  # a dense model
-        return {}
-    if several_ranks():
-        dist.all_reduce(load)
-    stats = moe_stats(model, load)
-    if apply:
-        apply_bias_update(model, load)
-    reset_moe_stats(model)
-    return stats
+        dist.all_reduce(value, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)

@@ -1,11 +1,13 @@
 """Mixture of experts: router, grouped experts, the MoE FFN layer and the trainer's balance hooks.
 
-from model.moe import MoE, pop_aux_loss, expert_load, apply_bias_update, moe_stats
+from model.moe import MoE, MoEBalance (the training hook), moe_stats, ...
 """
 
 from model.moe.balance import (
+    MoEBalance,
     apply_bias_update,
     expert_load,
+    moe_balance_hook,
     moe_layers,
     moe_stats,
     pop_aux_loss,
@@ -19,12 +21,14 @@ from model.moe.router import Router, Routing
 __all__ = [
     "GroupedExperts",
     "MoE",
+    "MoEBalance",
     "Router",
     "Routing",
     "apply_bias_update",
     "expert_load",
     "grouped_mm_supported",
     "local_dispatch",
+    "moe_balance_hook",
     "moe_layers",
     "moe_stats",
     "pop_aux_loss",

@@ -1,12 +1,12 @@
 """Model-level MoE hooks for the trainer: balance losses, expert load, aux-loss-free bias updates and
 logging statistics. L_moe MoE layers, E routed experts each.
 
-Per optimizer step the trainer
+Per optimizer step the trainer's `MoEBalance` hook (model.training_hooks)
   1. adds `pop_aux_loss(model)` (None when no balance loss is configured) to each micro-batch loss
      before its backward;
-  2. after the step, all-reduces `expert_load(model)` (L_moe, E) over data-parallel ranks (one
-     collective), calls `moe_stats(model, load)` to log, and `apply_bias_update(model, load)`,
-     which also resets the counters.
+  2. after the backward, all-reduces `expert_load(model)` (L_moe, E) over data-parallel ranks
+     (one collective) and calls `moe_stats(model, load)` to log; after an applied update,
+     `apply_bias_update(model, load)`, which also resets the counters.
 
 `moe_stats` keys (stable; i is the block index of the MoE layer):
   moe/layer{i}/imbalance     max / mean tokens per expert (1 = balanced; 0 when nothing counted)
@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from model.moe.layer import MoE
+from model.training_hooks import Reduce, TrainingHook
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:
@@ -121,3 +122,33 @@ def moe_stats(model: nn.Module, global_load: Tensor | None = None) -> dict[str, 
     out["moe/dropped_frac"] = sum(row[1] for row in table) / len(table)
     out["moe/aux_loss"] = sum(row[7] for row in table)
     return out
+
+
+class MoEBalance(TrainingHook):
+    """MoE balancing as a training hook: the balance losses join each micro-batch's objective;
+    after the backward the step's expert loads (all micro-batches) are summed over the ranks in
+    one all-reduce and give the moe/ statistics; an applied step updates the aux-loss-free
+    biases from them (the same update on every rank); every step clears the counters."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.load: Tensor | None = None  # (L_moe, E) the step's loads over every rank
+
+    def objective(self) -> Tensor | None:
+        return pop_aux_loss(self.model)
+
+    def after_backward(self, reduce: Reduce) -> dict[str, float]:
+        self.load = expert_load(self.model)
+        reduce(self.load, "sum")
+        return moe_stats(self.model, self.load)
+
+    def end_step(self, applied: bool) -> None:
+        if applied:
+            apply_bias_update(self.model, self.load)
+        reset_moe_stats(self.model)
+        self.load = None
+
+
+def moe_balance_hook(model: nn.Module) -> MoEBalance | None:
+    """The hook of a model with MoE layers; None for a dense one."""
+    return MoEBalance(model) if moe_layers(model) else None

@@ -106,6 +106,7 @@ def _run(
     steps' whole QK-clip statistics), on batches of `rows` sequences of 32 tokens."""
     from data.loader import Batch
     from parallel.engine import FSDP2Engine
+    from trainer.hooks import start_hooks
     from trainer.step import LossTracker, StepSettings, train_step
 
     cfg = load_preset("tiny", SMALL | {"attention.backend": backend})
@@ -116,9 +117,10 @@ def _run(
     tokens = torch.randint(0, cfg.vocab_size, (rows, 33), generator=gen)
     batch = Batch(tokens[:, :-1], tokens[:, 1:], torch.zeros_like(tokens[:, 1:]))
     engine = FSDP2Engine(model, opt, "fp32", torch.device("cpu"))
+    hooks = start_hooks(engine, tau, None)
     peaks = []
     for _ in range(steps):
-        result = train_step(engine, batch, StepSettings(qk_clip_tau=tau), LossTracker(0.0))
+        result = train_step(engine, batch, StepSettings(), LossTracker(0.0), hooks)
         peaks.append(result.moe["qk/max_logit"])
         if stats is not None:
             stats.append({k: v for k, v in result.moe.items() if k.startswith("qk/")})
@@ -142,16 +144,16 @@ def test_muonclip_on_the_triton_kernel_clips_the_heads_sdpa_clips(monkeypatch) -
     kernels' 1e-6 gradient differences into 2e-3 after one step, 2% after five."""
     pytest.importorskip("triton")
     import model.attention_backend as backends
-    import trainer.step
+    import optim.qk_clip
 
     clipped: list = []
-    apply = trainer.step.apply_qk_clip
+    apply = optim.qk_clip.apply_qk_clip
 
     def recording_apply(model, max_logits, tau, scale=None):
         clipped.append(max_logits > tau)  # (L, H): the heads this step clips
         return apply(model, max_logits, tau, scale)
 
-    monkeypatch.setattr(trainer.step, "apply_qk_clip", recording_apply)
+    monkeypatch.setattr(optim.qk_clip, "apply_qk_clip", recording_apply)
     sdpa_stats: list[dict] = []
     # max logits 0.11, 0.22, 0.33, ...: clips from step 3
     _run(0.3, steps=5, stats=sdpa_stats, rows=4)

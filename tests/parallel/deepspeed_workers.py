@@ -21,6 +21,7 @@ from parallel.mesh import ParallelDims
 from tests.parallel.workers import GLOBAL_BATCH, global_batches, local_batch, world
 from trainer.build import build_training_engine
 from trainer.config import TrainerConfig
+from trainer.hooks import start_hooks
 from trainer.step import LossTracker, StepSettings, train_step
 
 
@@ -42,7 +43,11 @@ def deepspeed_engine(
     )
     micro = GLOBAL_BATCH // size // micro_batches
     tcfg = TrainerConfig(
-        precision=precision, batch_size=GLOBAL_BATCH, micro_batch_size=micro, grad_clip=grad_clip
+        precision=precision,
+        batch_size=GLOBAL_BATCH,
+        micro_batch_size=micro,
+        grad_clip=grad_clip,
+        compile="false",
     )
     optim_cfg = OptimConfig(name=optimizer_name, lr=3e-3, warmup_steps=0, schedule="constant")
     dims = ParallelDims.resolve(pcfg, size)
@@ -92,19 +97,14 @@ def train_deepspeed(
         ep,
         **(options or {}),
     )
-    if qk_clip_tau:
-        from optim.qk_clip import enable_qk_clip
-
-        enable_qk_clip(engine.model)
-    settings = StepSettings(
-        micro_batches=micro_batches, grad_clip=grad_clip, qk_clip_tau=qk_clip_tau
-    )
+    hooks = start_hooks(engine, qk_clip_tau, None)  # MoE balancing, QK-clip, ...
+    settings = StepSettings(micro_batches=micro_batches, grad_clip=grad_clip)
     tracker = LossTracker(0.0)
     losses, norms, applied, stats, momenta = [], [], [], [], []
     for step, tokens in enumerate(global_batches(steps, model_cfg.vocab_size)):
         if step == bad_loss_at:
             tracker.spike = lambda loss: True  # the loop's verdict; the engine must drop it
-        result = train_step(engine, local_batch(tokens), settings, tracker)
+        result = train_step(engine, local_batch(tokens), settings, tracker, hooks)
         tracker.spike = LossTracker.spike.__get__(tracker)
         losses.append(result.loss)
         norms.append(result.grad_norm)
@@ -142,9 +142,10 @@ def train_and_save(
         model_cfg, zero_stage, precision, optimizer_name=optimizer_name, grad_clip=clip, ep=ep
     )
     settings, tracker = StepSettings(micro_batches=1, grad_clip=clip), LossTracker(0.0)
+    hooks = start_hooks(engine, 0.0, None)
     losses, saved, buffers = [], {}, {}
     for step, tokens in enumerate(global_batches(steps, model_cfg.vocab_size)):
-        losses.append(train_step(engine, local_batch(tokens), settings, tracker).loss)
+        losses.append(train_step(engine, local_batch(tokens), settings, tracker, hooks).loss)
         if step + 1 == save_after:
             engine.write_checkpoint(Path(where))
             saved = whole_weights(engine)
@@ -189,8 +190,9 @@ def resume_and_train(
     assert engine.checkpoint_conflict(Path(where)) is None
     engine.read_checkpoint(Path(where))
     settings, tracker = StepSettings(micro_batches=1, grad_clip=1.0), LossTracker(0.0)
+    hooks = start_hooks(engine, 0.0, None)
     batches = global_batches(steps, model_cfg.vocab_size)[start:]
-    losses = [train_step(engine, local_batch(t), settings, tracker).loss for t in batches]
+    losses = [train_step(engine, local_batch(t), settings, tracker, hooks).loss for t in batches]
     decay = [group["weight_decay"] for group in engine.optimizer.param_groups]
     return {"losses": losses, "final": whole_weights(engine), "decay": decay}
 
@@ -235,7 +237,7 @@ def masters_after_init(rank: int, model_cfg: ModelConfig, zero_stage: int) -> fl
     pcfg = ParallelConfig(
         engine="deepspeed", deepspeed=DeepSpeedConfig(zero_stage=zero_stage, **ds)
     )
-    tcfg = TrainerConfig(precision="bf16_master", batch_size=GLOBAL_BATCH)
+    tcfg = TrainerConfig(precision="bf16_master", batch_size=GLOBAL_BATCH, compile="false")
     engine = build_training_engine(
         model_cfg, tcfg, pcfg, OptimConfig(), ParallelDims.resolve(pcfg, size),
         torch.device("cpu"), 0, lambda: [weights],
@@ -253,5 +255,6 @@ def muon_beta_after_schedule(rank: int, model_cfg: ModelConfig) -> float:
         if group.get("algorithm") == "muon":
             group["momentum"] = 0.5  # what optim.schedules sets during momentum warmup
     tokens = global_batches(1, model_cfg.vocab_size)[0]
-    train_step(engine, local_batch(tokens), StepSettings(grad_clip=0.0), LossTracker(0.0))
+    hooks = start_hooks(engine, 0.0, None)
+    train_step(engine, local_batch(tokens), StepSettings(grad_clip=0.0), LossTracker(0.0), hooks)
     return engine.ds.optimizer.muon_beta

@@ -57,6 +57,7 @@ def test_the_toy_stream_trains_under_fsdp2_with_checkpointing_like_one_process(
 def test_the_toy_stream_compiles_per_block_like_eager():
     """trainer.compile=true compiles every block: the tuple state crosses compiled blocks."""
     from tests.parallel.workers import engine_for, global_batches, local_batch
+    from trainer.hooks import start_hooks
     from trainer.step import LossTracker, StepSettings, train_step
 
     cfg = small_model(residual=NAME)
@@ -64,8 +65,9 @@ def test_the_toy_stream_compiles_per_block_like_eager():
     for compiled in (False, True):
         engine = engine_for(cfg, {}, compile=compiled)
         tracker, settings = LossTracker(0.0), StepSettings(grad_clip=1.0)
+        hooks = start_hooks(engine, 0.0, None)
         runs[compiled] = [
-            train_step(engine, local_batch(t), settings, tracker).loss
+            train_step(engine, local_batch(t), settings, tracker, hooks).loss
             for t in global_batches(3, cfg.vocab_size)
         ]
     torch.testing.assert_close(runs[True], runs[False], rtol=1e-4, atol=1e-5)

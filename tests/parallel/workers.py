@@ -24,6 +24,7 @@ from parallel.mesh import ParallelDims
 from trainer.build import build_training_engine
 from trainer.checkpoint import Checkpointer, load_checkpoint
 from trainer.config import TrainerConfig
+from trainer.hooks import start_hooks
 from trainer.step import LossTracker, StepSettings, train_step
 
 SEQ = 16
@@ -86,21 +87,16 @@ def train(
     model = engine.model
     initial = full_state(model)
     distributed_muon.work.clear()
-    if qk_clip_tau:
-        from optim.qk_clip import enable_qk_clip
-
-        enable_qk_clip(model)
+    hooks = start_hooks(engine, qk_clip_tau, None)  # MoE balancing, QK-clip, ...
     stats = []
     tracker = LossTracker(0.0)
     first = 0
     if resume_from:
         first = load_checkpoint(Path(resume_from), engine, rank)["step"]
     losses, norms = [], []
-    settings = StepSettings(
-        micro_batches=micro_batches, grad_clip=grad_clip, qk_clip_tau=qk_clip_tau
-    )
+    settings = StepSettings(micro_batches=micro_batches, grad_clip=grad_clip)
     for tokens in global_batches(first + steps, model_cfg.vocab_size)[first:]:
-        result = train_step(engine, local_batch(tokens), settings, tracker)
+        result = train_step(engine, local_batch(tokens), settings, tracker, hooks)
         stats.append(result.moe)
         losses.append(result.loss)
         norms.append(result.grad_norm)
@@ -250,7 +246,7 @@ def _engine_from(model_cfg: ModelConfig, layout: dict[str, Any], parts) -> Train
     """The fp32 engine in `layout` on this group's ranks, started from `parts()`."""
     pcfg = ParallelConfig(**layout)
     dims = ParallelDims.resolve(pcfg, world()[1])
-    tcfg = TrainerConfig(precision="fp32", batch_size=GLOBAL_BATCH)
+    tcfg = TrainerConfig(precision="fp32", batch_size=GLOBAL_BATCH, compile="false")
     cpu = torch.device("cpu")
     return build_training_engine(model_cfg, tcfg, pcfg, OptimConfig(), dims, cpu, 0, parts)
 

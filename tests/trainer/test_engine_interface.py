@@ -4,16 +4,23 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from model.moe import pop_aux_loss
 from model.transformer import build_model
-from parallel.engine import ENGINES, EngineRequest, ModuleState, TrainingEngine
+from parallel.engine import (
+    ENGINES,
+    Edit,
+    EngineRequest,
+    ModuleState,
+    Objective,
+    TrainingEngine,
+    plain_loss,
+)
 from tests.trainer.helpers import metric_rows, small_config
 from trainer.app import build_training
 from trainer.runtime import Ranks
@@ -38,24 +45,29 @@ class RecordingEngine(TrainingEngine):
         return nullcontext()
 
     def forward_backward(
-        self, inputs: Tensor, targets: Tensor, doc_ids: Tensor | None, divide_by: int, last: bool
+        self,
+        inputs: Tensor,
+        targets: Tensor,
+        doc_ids: Tensor | None,
+        divide_by: int,
+        last: bool,
+        objective: Objective = plain_loss,
     ) -> Tensor:
         self.calls["forward_backward"] += 1
         self.calls["last"] += last
         loss = self.model(inputs, targets, doc_ids=doc_ids)
-        aux = pop_aux_loss(self.model)
-        ((loss if aux is None else loss + aux) / divide_by).backward()
+        (objective(loss) / divide_by).backward()  # the features' terms (MoE balance, ...)
         return loss.detach()
 
     def clip_gradients(self, max_norm: float) -> Tensor:
         self.calls["clip_gradients"] += 1
         return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
 
-    def step(self, edit: Callable[[nn.Module], None] | None = None) -> None:
+    def step(self, edit: Edit | None = None) -> None:
         self.calls["step"] += 1
         self.optimizer.step()
         if edit is not None:
-            edit(self.model)
+            edit(self.updated_weights())
 
     def zero_grad(self) -> None:
         self.calls["zero_grad"] += 1

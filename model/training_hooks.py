@@ -1,0 +1,106 @@
+"""Training hooks: the one seam through which a model feature takes part in a training step.
+
+The trainer's step knows no feature. A feature that needs more than the forward (an extra
+objective term, a weight set by the schedule, a statistic reduced over ranks, an edit of the
+updated weights) implements `TrainingHook` in its own package; the trainer assembles the list
+once, after the engine is built, and calls every hook at these points of each step:
+
+  before_step(step, total)   the schedule's position of the step about to be taken
+  objective()                after each training forward (micro-batch): a term added to the
+                             language-model loss before the backward (None: nothing to add)
+  after_backward(reduce)     every micro-batch done, before the update, on every rank (also on a
+                             step that is skipped): statistics, reduced over the data-parallel
+                             ranks with `reduce(tensor, "sum" | "max")` (in place, collective)
+  after_update(weights)      right after an applied optimizer update, on the weights it updated
+                             (the fp32 master copy when there is one; `weights.scale_rows` scales
+                             a parameter's rows where the engine keeps them)
+  end_step(applied)          last, whether or not the update was applied
+
+`start(modules)` runs once on a freshly built engine's weight-holding modules (the running model
+first). `after_backward` and `after_update` return metrics ({name: value}) for the log row.
+
+Where the hooks come from: the model's own features (`Transformer.training_hooks()`: MoE
+balancing, multi-token prediction, the residual stream's statistics), features registered with
+`register_hook_factory` (built per model; a factory returns None where its feature is absent),
+and those the trainer adds from settings outside the model (QK-clip from optim, Engram's token
+compression from the data's tokenizer). The hooks' order is the order their objective terms add
+up in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from torch import Tensor, nn
+
+Reduce = Callable[[Tensor, str], None]  # (tensor, "sum" | "max"): in place, over the DP ranks
+RowScaler = Callable[[Tensor, Tensor], None]  # (param, factors (rows,)): param[r] *= factors[r]
+Metrics = dict[str, float]
+
+
+@dataclass(frozen=True)
+class UpdatedWeights:
+    """The module holding the weights an optimizer update just changed, and how to scale a row
+    of one of them (None: in place on the tensor, or on a DTensor's local rows)."""
+
+    module: nn.Module
+    scale_rows: RowScaler | None = None
+
+
+@runtime_checkable
+class TrainingHook(Protocol):
+    """A feature's part in each training step (see the module docstring). Subclass it for the
+    no-op defaults, or implement every method (packages that may not import model/)."""
+
+    def start(self, modules: Sequence[nn.Module]) -> None:
+        return None
+
+    def before_step(self, step: int, total_steps: int) -> None:
+        return None
+
+    def objective(self) -> Tensor | None:
+        return None
+
+    def after_backward(self, reduce: Reduce) -> Metrics:
+        return {}
+
+    def after_update(self, weights: UpdatedWeights) -> Metrics:
+        return {}
+
+    def end_step(self, applied: bool) -> None:
+        return None
+
+
+HookFactory = Callable[[nn.Module], "TrainingHook | None"]
+_FACTORIES: dict[str, HookFactory] = {}
+
+
+def register_hook_factory(name: str, factory: HookFactory) -> None:
+    """Add a feature's hook to every model built from now on (`factory(model)`: its hook, or
+    None where the model lacks the feature); registering a name again replaces it."""
+    _FACTORIES[name] = factory
+
+
+def unregister_hook_factory(name: str) -> None:
+    _FACTORIES.pop(name, None)
+
+
+def registered_hooks(model: nn.Module) -> list[TrainingHook]:
+    """The registered factories' hooks for `model`, in registration order."""
+    hooks = (factory(model) for factory in _FACTORIES.values())
+    return [hook for hook in hooks if hook is not None]
+
+
+def objective_with(hooks: Sequence[TrainingHook]) -> Callable[[Tensor], Tensor]:
+    """The loss to backpropagate: `loss` plus every hook's term, added in the hooks' order."""
+
+    def objective(loss: Tensor) -> Tensor:
+        for hook in hooks:
+            term = hook.objective()
+            if term is not None:
+                loss = loss + term
+        return loss
+
+    return objective
