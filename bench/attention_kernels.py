@@ -5,7 +5,7 @@ under torch.compile, and that kernel given the causal mask as a per-row bool mas
 (`matmul_masked_fill`: scale and masked_fill passes after the GEMM, the path of document masks
 and, before issue 21, of every mask; a shared mask now enters the GEMM as baddbmm's bias). The tokens per batch stay fixed (B x T = --tokens); heads are the tiny
 preset's (4 query heads on 2 kv heads of 64). `auto` picks matmul up to
-model.attention_backend.MATMUL_MAX_KEYS keys in bf16 (prefers_matmul); the last columns say what
+model.mixers.attention_backend.MATMUL_MAX_KEYS keys in bf16 (prefers_matmul); the last columns say what
 this run measured and what auto takes.
 
     python bench/attention_kernels.py [--tokens 4096] [--lengths 128 256 512 1024 2048] [--dtype fp32]
@@ -29,8 +29,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from bench.machine import machine
-from model.attention_backend import MATMUL_MAX_KEYS, matmul_attention, prefers_matmul
-from model.masks import AttentionContext
+from model.mixers.attention_backend import MATMUL_MAX_KEYS, matmul_attention, prefers_matmul
+from model.mixers.masks import AttentionContext
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 CAUSAL = AttentionContext(positions=None, rope=None, mask=None, is_causal=True, start=0)

@@ -5,7 +5,7 @@ Checks, bf16 inputs (B 2, T 4096, 16 query heads of 128 over 8 kv heads), each a
 reference on the same inputs, next to SDPA's own bf16 error against it (the kernel should be as
 close as SDPA is):
   dense       causal GQA: outputs, dQ, dK, dV; max logits vs the fp32 recomputation
-              (model/qk_logits.py) and vs FlexAttention's max_scores
+              (model/mixers/qk_logits.py) and vs FlexAttention's max_scores
   documents   packed documents and a sliding window (per-row first keys) vs the dense mask
   mla         head dims 192 / 128 (DeepSeek-V3's), MHA
 Timing, forward + backward (B 4, T 4096, same heads): SDPA as dispatched, SDPA's cuDNN and
@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from model.kernels.flash_attention import flash_attention, key_bounds
-from model.masks import build_mask, document_starts
-from model.qk_logits import max_logits_per_head
+from model.mixers.masks import build_mask, document_starts
+from model.mixers.qk_logits import max_logits_per_head
 
 
 @dataclass(frozen=True)
@@ -131,7 +131,7 @@ def compare(shape: Shape, device: str, mask=None, first_key=None) -> dict:
 def flex_max_scores(q, k, block_mask) -> torch.Tensor:
     from torch.nn.attention.flex_attention import AuxRequest
 
-    from model.attention_backend import _compiled_flex
+    from model.mixers.attention_backend import _compiled_flex
 
     _, aux = _compiled_flex()(
         q, k, k, block_mask=block_mask, enable_gqa=True, return_aux=AuxRequest(max_scores=True)
@@ -158,7 +158,7 @@ def check_cases(small: bool, device: str, sub_case: Callable) -> dict:
     if device == "cuda":
 
         def flex_agrees() -> dict:
-            from model.attention_backend import flex_block_mask
+            from model.mixers.attention_backend import flex_block_mask
 
             q, k, _ = inputs(check, device)
             _, kernel_max = flash_attention(q, k, k, return_max_logits=True)
@@ -219,7 +219,7 @@ def timing_cases(small: bool, device: str, timed: Callable, sub_case: Callable) 
 
     sub_case(results, "sdpa_plus_recompute", lambda: measure(sdpa_and_recompute), 30)
     if device == "cuda":
-        from model.attention_backend import _compiled_flex, flex_block_mask
+        from model.mixers.attention_backend import _compiled_flex, flex_block_mask
 
         block_mask = flex_block_mask(None, 0, shape.B, shape.T, torch.device(device))
         flex = _compiled_flex()
@@ -264,7 +264,7 @@ def document_timings(shape, device, timed, sub_case, q, k, v, cot) -> dict:
         20,
     )
     if device == "cuda":
-        from model.attention_backend import _compiled_flex, flex_block_mask
+        from model.mixers.attention_backend import _compiled_flex, flex_block_mask
 
         block_mask = flex_block_mask(
             document_starts(doc_ids), 0, shape.B, shape.T, torch.device(device)

@@ -13,14 +13,14 @@ Checks (in this order, sharing one time budget):
       torch.compile (bench/gpu_kernels.py)
   fused_cross_entropy_memory  the head + cross-entropy at vocab 128k: logits materialized vs
       chunked (model/loss.py) vs liger-kernel (bench/gpu_kernels.py)
-  delta_rule_fla_vs_torch  the gated delta rule on fla-core's Triton kernels (model/fla_ops.py)
-      vs our torch chunked form (model/delta_rule.py): Gated DeltaNet (B 2, T 4096, 16 value
+  delta_rule_fla_vs_torch  the gated delta rule on fla-core's Triton kernels (model/mixers/fla_ops.py)
+      vs our torch chunked form (model/mixers/delta_rule.py): Gated DeltaNet (B 2, T 4096, 16 value
       heads, Dk = Dv = 128, per-head decay) and KDA (16 heads of 128, per-channel decay); forward
       and forward + backward time and peak memory, the max abs difference of outputs, final
       states and gradients (fp32 and bf16 inputs; an fp64 torch reference for fp32), packed
       documents with initial states (fla's varlen path), one decoded token, and the layers with
       kernel=fla vs kernel=torch. Skipped, with the reason, without CUDA or fla-core; where
-      fla's gated backward is wrong (Hopper with triton 3.4-3.7.0, model/fla_ops.py), its
+      fla's gated backward is wrong (Hopper with triton 3.4-3.7.0, model/mixers/fla_ops.py), its
       forward and decoding only.
   engram_offload  Engram tables of 1e7 rows on the GPU vs in pinned host memory (the rows a step
       reads copied over): step times after a same-loss check, and the copy of one step's rows
@@ -55,9 +55,9 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from bench.machine import machine
-from model.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
-from model.fla_ops import fla_available, fla_gated_delta_rule
-from model.gdn import l2_normalize
+from model.mixers.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from model.mixers.fla_ops import fla_available, fla_gated_delta_rule
+from model.mixers.gdn import l2_normalize
 
 DEFAULT_OUT = ROOT / "bench" / "results" / "gpu_check.json"
 Check = Callable[["Budget"], dict]
@@ -418,11 +418,11 @@ def layer_case(kind: str) -> dict:
     of 128; GDN with 4 query/key heads): three packed documents in a batch of 2, forward and
     backward (the parameters' gradients), then a prefill of 64 and 4 decoded tokens with a state."""
     from model.config import GDNConfig, KDAConfig
-    from model.gdn import GatedDeltaNet
     from model.init import InitStds
-    from model.kda import KimiDeltaAttention
-    from model.masks import AttentionContext, document_starts, positions_in_documents
-    from model.mixer import LayerDims
+    from model.mixers.gdn import GatedDeltaNet
+    from model.mixers.kda import KimiDeltaAttention
+    from model.mixers.masks import AttentionContext, document_starts, positions_in_documents
+    from model.mixers.mixer import LayerDims
 
     width = LAYER_HEADS * D
     dims = LayerDims(width, 1e-6, None)
@@ -481,7 +481,7 @@ def delta_rule_fla_vs_torch(budget: Budget) -> dict:
         return {"skipped": reason}
     import importlib.metadata
 
-    from model.fla_ops import training_blocker
+    from model.mixers.fla_ops import training_blocker
 
     results: dict = {"fla_core": importlib.metadata.version("fla-core"), "gdn": {}, "kda": {}}
     plans = {

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from model.kernels.fused import rms_norm, rope, swiglu
-from model.rope import apply_rope_half, apply_rope_interleaved, base_inv_freq, rope_rotations
+from model.mixers.rope import apply_rope_half, apply_rope_interleaved, base_inv_freq, rope_rotations
 
 
 def sizes(small: bool) -> dict:

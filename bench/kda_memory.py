@@ -1,5 +1,5 @@
 """Peak memory and time of the KDA chunked form: the sub-chunked per-channel decay products
-(model/delta_rule.py::_channel_pair_products) vs the direct form that builds the (C, C, Dk) decay
+(model/mixers/delta_rule.py::_channel_pair_products) vs the direct form that builds the (C, C, Dk) decay
 tensor of every chunk, in the same run.
 
 One `tiny_kda`-width KDA layer (4 heads x 64, chunk 64), batch 1, fp32, forward + backward at
@@ -39,8 +39,8 @@ def direct_pair_products(a: torch.Tensor, b: torch.Tensor, gamma: torch.Tensor) 
 
 def measure(form: str, T: int, repeats: int) -> dict:
     """In this process: forward + backward of one KDA layer; peak RSS growth and median time."""
-    import model.delta_rule as rule
-    from model.masks import AttentionContext
+    import model.mixers.delta_rule as rule
+    from model.mixers.masks import AttentionContext
     from model.presets import load_preset
     from model.transformer import build_model
 

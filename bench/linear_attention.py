@@ -25,7 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from bench.machine import machine
-from model.masks import AttentionContext, build_mask
+from model.mixers.masks import AttentionContext, build_mask
 from model.presets import load_preset
 from model.transformer import build_model
 

@@ -4,7 +4,7 @@
 autocast or fp32, the default batch of 8 x 256), each variant in its own process, in the same run:
 pre-norm, Full AttnRes (also with the aggregation through plain autograd instead of the custom
 Function), Block AttnRes (k = 2, 4), mHC n = 4 (maps recomputed in backward, or kept; also with
-the Sinkhorn steps through plain autograd instead of model/mhc_sinkhorn.py's Function), and
+the Sinkhorn steps through plain autograd instead of model/residual/mhc_sinkhorn.py's Function), and
 compiled per block (`trainer.compile=true`) against the compiled pre-norm model.
 Peak memory is the growth of the process's peak RSS over the model and optimizer
 (the CPU has no allocator statistics).
@@ -65,14 +65,14 @@ def measure_step(name: str, repeats: int, precision: str = "bf16") -> dict:
 
     preset, overrides = VARIANTS[name]
     if "plain autograd" in name:  # the baseline of the custom Function: autograd's saved tensors
-        import model.attnres as attnres
+        import model.residual.attnres as attnres
 
         def plain(self, sources):
             return attnres.reference_depth_attention(sources, self.query, self.gain, self.eps)
 
         attnres.DepthQuery.forward = plain
     if "Sinkhorn through autograd" in name:  # the baseline of the eager Sinkhorn Function
-        import model.mhc as mhc
+        import model.residual.mhc as mhc
 
         mhc.sinkhorn_tokens_last = mhc.sinkhorn
     torch.manual_seed(0)

@@ -6,7 +6,7 @@ tests/model/test_rope.py):
   * whole_head_cat: x cos + (-x2, x1) sin over whole heads, (x2, x1) and cos, sin concatenated
     (issue 21's first eager change);
   * paired_halves: each head viewed as its two halves, x cos + swap(x) (-sin, sin), cos and sin
-    made contiguous first (model/rope.py's apply_rope_half now).
+    made contiguous first (model/mixers/rope.py's apply_rope_half now).
 Interleaved in one process, each timing the median of 15 rounds of 5 calls. Then the default
 training step (the trainer's engine and train_step, tiny preset, 8 x 256, bf16) with the
 paired-halves form and with whole_head_cat patched in: two engines in one process taking turns,
@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 from bench.engines import tiny_cpu_engine
 from bench.machine import machine
 from data.loader import Batch
-from model.rope import apply_rope_half, base_inv_freq, cos_sin, rope_rotations
+from model.mixers.rope import apply_rope_half, base_inv_freq, cos_sin, rope_rotations
 from parallel.activation import CPU_INDUCTOR_OPTIONS
 from trainer.cpu_malloc import keep_freed_memory
 from trainer.hooks import start_hooks
@@ -112,7 +112,7 @@ def default_engine(compiled: bool, rope_form=None):
 
 
 def step_ab(compiled: bool, pairs: int, B: int, T: int) -> dict:
-    """The default training step (8 x 256, clip 1.0) with model/rope.py's form and with
+    """The default training step (8 x 256, clip 1.0) with model/mixers/rope.py's form and with
     whole_head_cat in its place: two engines in one process, one step each in turn (the order
     swapped every pair, after 3 untimed steps each); medians and the median ratio of the pairs."""
     engines = {

@@ -4,20 +4,7 @@ Importing the package registers every implementation (norms, residual streams, p
 mixers, FFNs) and loads the MoE layer (model.moe), so the config can validate registry keys.
 """
 
-from model import (  # noqa: F401  (fill the registries)
-    attention,
-    attnres,
-    ffn,
-    gdn,
-    kda,
-    mhc,
-    mla,
-    moe,
-    norms,
-    positions,
-    residual,
-    rope,
-)
+from model import ffn, moe, norms  # noqa: F401  (fill the registries)
 from model.config import (
     AttentionConfig,
     AttnResConfig,
@@ -34,6 +21,8 @@ from model.config import (
     config_from_dict,
 )
 from model.generate import generate
+from model.mixers import attention, gdn, kda, mla, positions, rope  # noqa: F401
+from model.residual import attnres, mhc, stream  # noqa: F401
 from model.transformer import Transformer, build_model
 
 __all__ = [

@@ -15,7 +15,7 @@ Conventions
   (query, key) pair in the forward (QK^T and AV), times 3 for forward + backward. With causal
   masking a query at index i sees i + 1 keys (or at most the sliding window), so the average
   context is (T + 1) / 2 for full causal attention, not T.
-  Each token mixer reports its own part (`mixing_flops_per_token`, model/mixer.py); a residual
+  Each token mixer reports its own part (`mixing_flops_per_token`, model/mixers/mixer.py); a residual
   stream with mixing of its own (Attention Residuals) reports it (`flops_per_token`).
 - Generation state = sum over layers of what each mixer keeps (`state_size`): per token 2 x K x D
   for GQA/MHA/MQA, R + Dr for MLA, plus any fixed-size recurrent state; the MHA equivalent (every
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from model.mixer import average_context  # noqa: F401  (re-exported; lives with the protocol)
+from model.mixers.mixer import average_context  # noqa: F401  (re-exported; lives with the protocol)
 from model.transformer import Transformer
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}

@@ -1,10 +1,10 @@
 """One transformer block: a token-mixer sublayer and an FFN sublayer, each joined to the residual
-stream by its own connection (model/residual.py).
+stream by its own connection (model/residual/stream.py).
 
 Shapes: the stream state (for the classic residual styles x (B, T, C)) -> the same. The mixer is
 the layer's kind from the resolved layout (`ModelConfig.layer_specs`, registry MIXERS); the FFN
 is the dense one (registry FFNS), or an MoE layer on the layers the layout marks "moe". Blocks
-listed in `model.engram.layers` first add their Engram memory to the stream (model/engram.py).
+listed in `model.engram.layers` first add their Engram memory to the stream (model/engram/layer.py).
 """
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ import torch
 from torch import nn
 
 from model.config import LayerSpec, ModelConfig
-from model.engram import Engram, WithMemory
+from model.engram.layer import Engram, WithMemory
 from model.init import block_init_stds
-from model.kv_cache import LayerState
-from model.masks import AttentionContext
+from model.mixers.kv_cache import LayerState
+from model.mixers.masks import AttentionContext
 from model.moe.layer import MoE
 from model.norms import build_norm
 from model.registry import FFNS, MIXERS, RESIDUALS
-from model.residual import State
+from model.residual.stream import State
 
 
 class Block(nn.Module):

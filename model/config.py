@@ -139,7 +139,7 @@ class MLAConfig:
         )
 
 
-# model/attention_backend.py
+# model/mixers/attention_backend.py
 ATTENTION_BACKEND_CHOICES = ("auto", "sdpa", "matmul", "flex", "triton")
 KERNEL_CHOICES = ("torch", "triton")
 
@@ -178,7 +178,7 @@ class AttentionConfig:
     sliding_window: int = 0
     bias: bool = False  # biases on the q/k/v/o projections
     softmax_scale: float = 0.0  # logit scale; 0 = 1/sqrt(query-key head dim)
-    # the attention kernel (model/attention_backend.py): auto (triton on CUDA under QK-clip; on a
+    # the attention kernel (model/mixers/attention_backend.py): auto (triton on CUDA under QK-clip; on a
     # CPU matmul for short bf16 sequences; else sdpa) | sdpa | matmul | flex | triton
     backend: str = "auto"
     mla: MLAConfig = field(default_factory=MLAConfig)  # used when kind = mla
@@ -221,7 +221,7 @@ def _check_kernel(section: str, kernel: str) -> None:
 
 @dataclass(kw_only=True)
 class GDNConfig:
-    """Gated DeltaNet layers (layer kind `gdn`, model/gdn.py): linear-time delta-rule mixing."""
+    """Gated DeltaNet layers (layer kind `gdn`, model/mixers/gdn.py): linear-time delta-rule mixing."""
 
     n_heads: int = 4  # query/key heads
     n_v_heads: int = (
@@ -250,7 +250,7 @@ class GDNConfig:
 
 @dataclass(kw_only=True)
 class KDAConfig:
-    """Kimi Delta Attention layers (layer kind `kda`, model/kda.py): a delta rule with a decay per
+    """Kimi Delta Attention layers (layer kind `kda`, model/mixers/kda.py): a delta rule with a decay per
     key channel from a low-rank forget gate, and a low-rank sigmoid output gate."""
 
     n_heads: int = 4  # heads (queries, keys and values alike)
@@ -267,7 +267,7 @@ class KDAConfig:
 
 @dataclass(kw_only=True)
 class AttnResConfig:
-    """Attention Residuals (`model.residual=attnres`, model/attnres.py)."""
+    """Attention Residuals (`model.residual=attnres`, model/residual/attnres.py)."""
 
     # layers per block of Block AttnRes (the sublayers see the completed block sums and the
     # running one); 0 = Full AttnRes (every earlier sublayer output is a source)
@@ -285,7 +285,7 @@ ENGRAM_SHARDINGS = ("rows", "replicated")
 
 @dataclass(kw_only=True)
 class EngramConfig:
-    """Engram conditional memory (model/engram.py): hashed n-gram embedding tables read by the
+    """Engram conditional memory (model/engram/layer.py): hashed n-gram embedding tables read by the
     listed blocks and added to the residual stream before their token mixer."""
 
     layers: list[int] = field(default_factory=list)  # blocks with a memory (0-based); [] = off
@@ -355,9 +355,9 @@ class EngramConfig:
 
 @dataclass(kw_only=True)
 class MTPConfig:
-    """Multi-token prediction (DeepSeek-V3, model/mtp.py): D sequential modules, module k
+    """Multi-token prediction (DeepSeek-V3, model/mtp/heads.py): D sequential modules, module k
     predicting the token k + 1 ahead in training; the first drafts tokens for self-speculative
-    decoding (model/speculative.py)."""
+    decoding (model/mtp/speculative.py)."""
 
     depth: int = 0  # D modules after the main model; 0 = off
     # lambda: the objective is main + (lambda / D) x the sum of the D losses; 0 skips the modules
@@ -387,7 +387,7 @@ MHC_COLLAPSES = ("learned", "mean")
 
 @dataclass(kw_only=True)
 class MHCConfig:
-    """mHC, manifold-constrained hyper-connections (`model.residual=mhc`, model/mhc.py)."""
+    """mHC, manifold-constrained hyper-connections (`model.residual=mhc`, model/residual/mhc.py)."""
 
     streams: int = 4  # parallel residual streams n
     sinkhorn_iters: int = 20  # Sinkhorn-Knopp steps projecting each mixing matrix
@@ -553,7 +553,7 @@ class ModelConfig:
     engram: EngramConfig = field(default_factory=EngramConfig)  # n-gram memory on some layers
     mtp: MTPConfig = field(default_factory=MTPConfig)  # multi-token prediction modules
     kernels: KernelsConfig = field(default_factory=KernelsConfig)  # fused Triton training kernels
-    # the token mixer (model.mixer MIXERS key) of each layer, one per layer; [] = layer_pattern
+    # the token mixer (model.mixers.mixer MIXERS key) of each layer, one per layer; [] = layer_pattern
     layer_types: list[str] = field(default_factory=list)
     # a short list of mixer kinds repeated over the layers (e.g. [gdn, gdn, gdn, gqa]); [] = every
     # layer is attention.kind

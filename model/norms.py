@@ -1,6 +1,6 @@
 """Normalization layers (registry NORMS). Shapes: (..., C) with C the normalized width.
 
-(The residual styles are in model/residual.py.)
+(The residual styles are in model/residual/stream.py.)
 """
 
 from __future__ import annotations

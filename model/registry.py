@@ -52,5 +52,7 @@ POSITIONS: Registry = Registry("position encoding")
 ROPE_SCALINGS: Registry = Registry("rope scaling")
 ROPE_PAIRINGS: Registry = Registry("rope pairing")
 ATTENTIONS: Registry = Registry("attention kind")  # softmax attention: attention.kind
-MIXERS: Registry = Registry("token mixer")  # every layer kind of model.layer_types (model.mixer)
+MIXERS: Registry = Registry(
+    "token mixer"
+)  # every layer kind of model.layer_types (model.mixers.mixer)
 FFNS: Registry = Registry("ffn kind")

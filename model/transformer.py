@@ -21,21 +21,21 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from model import roles
-from model.attention_backend import MASK_FORM_BACKENDS, flex_block_mask
 from model.block import Block
 from model.config import ConfigError, ModelConfig
-from model.engram import Engram, TokenCompression
+from model.engram.layer import Engram, TokenCompression
 from model.init import trunc_normal_
 from model.kernels.flash_attention import key_bounds
-from model.kv_cache import Cache
 from model.loss import chunked_cross_entropy
-from model.masks import AttentionContext, build_mask, document_starts, positions_in_documents
+from model.mixers.attention_backend import MASK_FORM_BACKENDS, flex_block_mask
+from model.mixers.kv_cache import Cache
+from model.mixers.masks import AttentionContext, build_mask, document_starts, positions_in_documents
+from model.mixers.positions import build_positions
 from model.moe import moe_balance_hook
-from model.mtp import MTPHook, MultiTokenPrediction
+from model.mtp.heads import MTPHook, MultiTokenPrediction
 from model.norms import build_norm
-from model.positions import build_positions
 from model.registry import RESIDUALS
-from model.residual import StreamStatistics
+from model.residual.stream import StreamStatistics
 from model.training_hooks import TrainingHook
 
 

@@ -1,6 +1,6 @@
 """QK-clip (MuonClip): cap every attention head's max logit at tau by rescaling its weights.
 
-Softmax-attention mixers implement the optional QK-clip protocol (`model.mixer.QKClipHooks`);
+Softmax-attention mixers implement the optional QK-clip protocol (`model.mixers.mixer.QKClipHooks`);
 other layer kinds (linear attention) do not, and are skipped:
 - `record_max_logits` (bool) and `max_logits` ((H,) running max of q.k x scale over the
   training forwards since it was last read), `reset_max_logits()` (back to -inf);

@@ -7,7 +7,7 @@ gradient g_r at the optimizer's t-th step (t counts steps of the whole table, as
     m_r <- b1 m_r + (1 - b1) g_r      v_r <- b2 v_r + (1 - b2) g_r^2
     w_r <- w_r - lr (m_r / (1 - b1^t)) / (sqrt(v_r) / sqrt(1 - b2^t) + eps)      (no weight decay)
 This is torch.optim.Adam's update on the touched rows. A step costs O(rows read x width), not
-O(table), when the gradient is sparse (one process: model/engram.py); a dense gradient (FSDP2
+O(table), when the gradient is sparse (one process: model/engram/layer.py); a dense gradient (FSDP2
 reduces dense ones) gives the same update, its touched rows found by a scan.
 
 `RowwiseTables` adds this to an optimizer class: its groups with `algorithm: "row_adam"` are

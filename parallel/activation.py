@@ -8,7 +8,7 @@ names (`layers.3.attn.q_proj.weight`) stay the same for checkpoints and export.
 - selective: also keep the outputs of matmuls and attention (the expensive ops); recompute the
   cheap elementwise ones (norms, activations, RoPE). Ops inside an autograd Function's forward
   run without grad mode and are recomputed: the matmul attention backend's logits GEMM
-  (model.attention_backend.BiasedScores; its probabilities' GEMM with v is kept).
+  (model.mixers.attention_backend.BiasedScores; its probabilities' GEMM with v is kept).
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ CPU_INDUCTOR_OPTIONS = {
 
 
 def quiet_complex_rope_warning() -> None:
-    """The RoPE rotations enter each compiled block as one complex tensor (model/rope.py: so
+    """The RoPE rotations enter each compiled block as one complex tensor (model/mixers/rope.py: so
     that FSDP2's input casting leaves them fp32), which the block splits into real cos/sin with
     view_as_real. Inductor runs that one view eagerly and warns once per graph; nothing else in
     the block is affected (the numbers are eager's), so the warning says nothing to act on."""
@@ -153,7 +153,7 @@ def compile_model(model: Transformer, device_type: str) -> None:
         assert isinstance(block, nn.Module)
         if whole:
             block.compile(options=options)
-        else:  # the stream's connections stay eager (model/residual.py: compile_whole_blocks)
+        else:  # the stream's connections stay eager (model/residual/stream.py: compile_whole_blocks)
             block.attn.compile(options=options)
             block.ffn.compile(options=options)
     # the loss compiles per chunk (under no_grad, inside its autograd Function: no backward

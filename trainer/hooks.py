@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from model.engram import CompressTokens
+from model.engram.layer import CompressTokens
 from model.training_hooks import TrainingHook, registered_hooks
 from optim.qk_clip import QKClip
 from parallel.engine import TrainingEngine

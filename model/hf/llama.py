@@ -19,12 +19,14 @@ from torch import Tensor
 from model.config import AttentionConfig, ConfigError, FFNConfig, InitConfig, ModelConfig
 from model.hf.family import HF_FAMILIES, HFFamily
 from model.hf.rope import hf_max_positions, rope_from_hf, rope_scaling
-from model.rope import half_to_interleaved, interleaved_to_half
+from model.mixers.rope import half_to_interleaved, interleaved_to_half
 
 PAIRED = re.compile(r"attn\.(q|k)_(proj\.(weight|bias)|norm\.weight)$")  # rows laid out per head
 
 
-LLAMA_MIXERS = ("gqa",)  # the token mixers (model.mixer MIXERS keys) a Llama/Qwen3 layer can be
+LLAMA_MIXERS = (
+    "gqa",
+)  # the token mixers (model.mixers.mixer MIXERS keys) a Llama/Qwen3 layer can be
 
 
 def _common_unsupported(cfg: ModelConfig) -> str | None:

@@ -49,7 +49,7 @@ from model.hf.layered import (
 )
 from model.hf.llama import gqa_hf_config
 from model.hf.rope import rope_from_hf, rope_rows, rope_scaling
-from model.rope import half_to_interleaved, interleaved_to_half
+from model.mixers.rope import half_to_interleaved, interleaved_to_half
 
 HYBRID_MIXERS = {"gdn": "linear_attention", "gqa": "full_attention"}
 PLAIN = {n: n for n in ("k_proj.weight", "v_proj.weight", "o_proj.weight")}

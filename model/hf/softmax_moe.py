@@ -32,7 +32,7 @@ from model.hf.layered import (
 )
 from model.hf.llama import gqa_hf_config
 from model.hf.rope import rope_from_hf, rope_rows, rope_scaling
-from model.rope import half_to_interleaved, interleaved_to_half
+from model.mixers.rope import half_to_interleaved, interleaved_to_half
 
 ATTENTION = {n: n for n in ("v_proj.weight", "o_proj.weight")}  # q, k: `_attention`
 ATTENTION_BIASES = {n: n for n in ("v_proj.bias", "o_proj.bias")}

@@ -7,7 +7,7 @@
 
 Each is a torch custom op with its backward registered (opaque to torch.compile, recomputed as
 a whole under activation checkpointing). fp32 arithmetic inside, results in the input dtype, the
-same values as the torch modules (model/norms.py, model/rope.py, model/ffn.py) up to rounding.
+same values as the torch modules (model/norms.py, model/mixers/rope.py, model/ffn.py) up to rounding.
 Triton is imported on first use, never at module load; on CPU the kernels run only under Triton's
 interpreter (TRITON_INTERPRET=1), which is how the tests run them.
 """
@@ -188,7 +188,7 @@ _rope.register_autograd(_rope_backward, setup_context=_rope_setup)
 
 def rope(x: Tensor, rot: Tensor, interleaved: bool) -> Tensor:
     """x (B, T, H, D) with its first R dims rotated in pairs by rot (B, T, R/2) complex (pairing
-    as in model/rope.py: interleaved (2i, 2i+1) or half (i, i + R/2)); dims R..D unchanged."""
+    as in model/mixers/rope.py: interleaved (2i, 2i+1) or half (i, i + R/2)); dims R..D unchanged."""
     require_kernel_device(x, "rope")
     x = x if x.stride(-1) == 1 else x.contiguous()
     return _rope(x, torch.view_as_real(rot), interleaved, 1.0)

@@ -15,7 +15,7 @@ from model.accounting import (
     training_flops_per_token,
     training_memory,
 )
-from model.masks import build_mask
+from model.mixers.masks import build_mask
 from model.presets import load_preset
 
 # Published totals (model cards / config.json parameter sums): these must match exactly.

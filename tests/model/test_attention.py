@@ -10,11 +10,11 @@ import pytest
 import torch
 from torch import Tensor
 
-from model.attention import Attention
-from model.masks import AttentionContext, build_mask, positions_in_documents
-from model.mla import MultiHeadLatentAttention
-from model.positions import alibi_slopes, build_positions
-from model.rope import rope_frequencies
+from model.mixers.attention import Attention
+from model.mixers.masks import AttentionContext, build_mask, positions_in_documents
+from model.mixers.mla import MultiHeadLatentAttention
+from model.mixers.positions import alibi_slopes, build_positions
+from model.mixers.rope import rope_frequencies
 from tests.model.helpers import (
     ref_alibi_slopes,
     ref_allowed,
@@ -66,7 +66,7 @@ def ref_rope_params(cfg, rotary_dim: int, T: int) -> tuple[Tensor, float, float]
     """(inv_freq, cos/sin factor, softmax multiplier) for the configured RoPE.
 
     The scaled frequency ladders are checked against their formulas and transformers in
-    test_rope.py, so they are taken from model.rope here; the YaRN temperatures are written out.
+    test_rope.py, so they are taken from model.mixers.rope here; the YaRN temperatures are written out.
     """
     r = cfg.rope
     if r.scaling == "none":

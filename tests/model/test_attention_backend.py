@@ -1,4 +1,4 @@
-"""`model.attention.backend` (model/attention_backend.py): a model attending through the Triton
+"""`model.attention.backend` (model/mixers/attention_backend.py): a model attending through the Triton
 kernel (under Triton's interpreter on CPU), the plain matmul kernel or FlexAttention gives
 SDPA's logits and gradients (fp32) with packed documents, sliding windows, GQA, MLA and ALiBi;
 each forward builds only the mask form its layers read; cached generation, torch.compile, the
@@ -10,15 +10,15 @@ import pytest
 import torch
 
 from model import generate
-from model.attention_backend import (
+from model.errors import ConfigError
+from model.mixers.attention_backend import (
     MATMUL_MAX_KEYS,
     BiasedScores,
     matmul_attention,
     resolve_backend,
     sdpa,
 )
-from model.errors import ConfigError
-from model.masks import AttentionContext, build_mask
+from model.mixers.masks import AttentionContext, build_mask
 from model.presets import load_preset
 from model.transformer import build_model
 
@@ -177,7 +177,7 @@ def test_biased_scores_under_autocast_take_fp32_inputs():
 
 
 def test_auto_takes_the_matmul_kernel_for_short_bf16_sequences_on_cpu(monkeypatch):
-    import model.attention_backend as backends
+    import model.mixers.attention_backend as backends
 
     used = []
     for name in ("sdpa", "matmul"):
@@ -264,7 +264,7 @@ def test_triton_backend_without_cuda_or_the_interpreter_says_so(monkeypatch):
 
 
 def test_auto_picks_triton_only_on_cuda_while_qk_clip_records(monkeypatch):
-    import model.attention_backend as backends
+    import model.mixers.attention_backend as backends
 
     monkeypatch.setattr(backends, "triton_installed", lambda: True)
     monkeypatch.setattr(backends, "_bf16_tensor_cores", lambda index: True)
@@ -294,7 +294,7 @@ def test_auto_picks_triton_only_on_cuda_while_qk_clip_records(monkeypatch):
 def test_auto_keeps_sdpa_for_layers_the_kernel_cannot_compute(monkeypatch, overrides, expected):
     """Under QK-clip on CUDA, auto would pick the kernel: not for ALiBi or head dims over 256,
     which `triton` itself refuses at config time (asked for by name)."""
-    import model.attention_backend as backends
+    import model.mixers.attention_backend as backends
     from optim.qk_clip import enable_qk_clip
 
     monkeypatch.setattr(backends, "triton_installed", lambda: True)

@@ -16,7 +16,7 @@ from model import (
     MoEConfig,
     build_model,
 )
-from model.attnres import depth_attention, head_sources, reference_depth_attention
+from model.residual.attnres import depth_attention, head_sources, reference_depth_attention
 from model.roles import param_roles
 
 F64 = dict(rtol=1e-10, atol=1e-12)

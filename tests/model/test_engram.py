@@ -14,7 +14,7 @@ from torch import nn
 
 from model import ModelConfig, build_model
 from model.config import ConfigError, EngramConfig, MHCConfig
-from model.engram_hash import (
+from model.engram.hashing import (
     is_prime,
     layer_multipliers,
     ngram_rows,
@@ -22,7 +22,7 @@ from model.engram_hash import (
     table_primes,
 )
 from model.generate import generate
-from model.masks import AttentionContext
+from model.mixers.masks import AttentionContext
 
 sympy = pytest.importorskip("sympy")
 V = 300

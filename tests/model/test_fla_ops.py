@@ -1,4 +1,4 @@
-"""The glue to fla-core's delta-rule kernels (model/fla_ops.py), on CPU: fla's Triton ops do not
+"""The glue to fla-core's delta-rule kernels (model/mixers/fla_ops.py), on CPU: fla's Triton ops do not
 run here, so a fake `fla` with the four functions' documented API (fla-core 0.6.0: argument names,
 [B, T, H, K] layout, varlen as B = 1 with `cu_seqlens`, states [N, HV, K, V], `scale=None` meaning
 K^-1/2), computed by a slow loop over sequences, stands in for it. The glue must then equal our
@@ -17,17 +17,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from model import fla_ops
 from model.config import GDNConfig, KDAConfig
-from model.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from model.errors import ConfigError
-from model.fla_ops import fla_gated_delta_rule, use_fla
-from model.gdn import GatedDeltaNet, l2_normalize
 from model.init import InitStds
-from model.kda import KimiDeltaAttention
-from model.kv_cache import RecurrentState
-from model.masks import AttentionContext, document_starts, positions_in_documents
-from model.mixer import LayerDims
+from model.mixers import fla_ops
+from model.mixers.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from model.mixers.fla_ops import fla_gated_delta_rule, use_fla
+from model.mixers.gdn import GatedDeltaNet, l2_normalize
+from model.mixers.kda import KimiDeltaAttention
+from model.mixers.kv_cache import RecurrentState
+from model.mixers.masks import AttentionContext, document_starts, positions_in_documents
+from model.mixers.mixer import LayerDims
 
 F64 = dict(rtol=1e-10, atol=1e-10)
 
@@ -425,7 +425,7 @@ def test_the_model_imports_and_runs_without_fla_or_triton():
     code = (
         "import sys\n"
         "sys.modules['fla'] = sys.modules['triton'] = None  # import raises ImportError\n"
-        "import torch, model, model.gdn, model.kda, model.fla_ops as f\n"
+        "import torch, model, model.mixers.gdn, model.mixers.kda, model.mixers.fla_ops as f\n"
         "import model.kernels.flash_attention\n"
         "from model import ModelConfig, build_model\n"
         "assert not f.fla_available()\n"
@@ -471,9 +471,9 @@ def _layers(kind: str) -> tuple[torch.nn.Module, torch.nn.Module]:
 @pytest.mark.parametrize("kind", ["gdn", "kda"])
 def test_a_layer_with_kernel_fla_equals_kernel_torch(fake_fla, monkeypatch, kind):
     """Packed documents in a batch, then a prefill and decoded tokens with a state."""
-    import model.gdn
+    import model.mixers.gdn
 
-    monkeypatch.setattr(model.gdn, "use_fla", lambda kernel, x: kernel == "fla")  # CUDA-less
+    monkeypatch.setattr(model.mixers.gdn, "use_fla", lambda kernel, x: kernel == "fla")  # CUDA-less
     torch_layer, fla_layer = _layers(kind)
     x = torch.randn(2, 37, 24, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     torch.testing.assert_close(fla_layer(x, _context(DOCS, 37)), torch_layer(x, _context(DOCS, 37)))

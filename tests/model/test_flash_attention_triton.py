@@ -1,7 +1,7 @@
 """The Triton FlashAttention kernel (model/kernels/flash_attention.py) under Triton's interpreter
 on CPU (tests/conftest.py sets TRITON_INTERPRET=1 without CUDA), against an fp64 softmax over the
-dense mask of model/masks.py (outputs, dQ/dK/dV) and the chunked max-logit recomputation of
-model/qk_logits.py: causal and full attention, MHA / GQA / MQA, packed documents, sliding
+dense mask of model/mixers/masks.py (outputs, dQ/dK/dV) and the chunked max-logit recomputation of
+model/mixers/qk_logits.py: causal and full attention, MHA / GQA / MQA, packed documents, sliding
 windows, head dims that are not powers of two (MLA's 192 / 128 shape scaled down), lengths that
 are not a multiple of the block, bf16. Skipped where triton is not installed."""
 
@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from model.masks import build_mask, document_starts
-from model.qk_logits import max_logits_per_head
+from model.mixers.masks import build_mask, document_starts
+from model.mixers.qk_logits import max_logits_per_head
 
 triton = pytest.importorskip("triton")
 from model.kernels.flash_attention import flash_attention, key_bounds, last_rows  # noqa: E402

@@ -1,7 +1,7 @@
 """The fused Triton training kernels (model/kernels/fused.py) under Triton's interpreter on CPU,
 forward and backward, against the torch modules they replace: RMSNorm (model/norms.py, also with
 the residual add of a post-norm connection), RoPE in both pairings with partial rotary
-(model/rope.py), SwiGLU's gate (model/ffn.py). fp32 to 1e-6 (the same arithmetic, another order),
+(model/mixers/rope.py), SwiGLU's gate (model/ffn.py). fp32 to 1e-6 (the same arithmetic, another order),
 bf16 within its rounding. Skipped where triton is not installed."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from model.mixers.rope import apply_rope_half, apply_rope_interleaved, base_inv_freq, rope_rotations
 from model.norms import RMSNorm
-from model.rope import apply_rope_half, apply_rope_interleaved, base_inv_freq, rope_rotations
 
 pytest.importorskip("triton")
 from model.kernels.fused import rms_norm, rope, swiglu

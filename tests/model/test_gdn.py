@@ -13,9 +13,9 @@ import torch
 from model import GDNConfig, ModelConfig, build_model
 from model.accounting import kv_cache_size, training_flops_per_token
 from model.config import AttentionConfig, FFNConfig
-from model.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
-from model.gdn import GatedDeltaNet, l2_normalize
-from model.masks import AttentionContext, document_starts, positions_in_documents
+from model.mixers.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from model.mixers.gdn import GatedDeltaNet, l2_normalize
+from model.mixers.masks import AttentionContext, document_starts, positions_in_documents
 from model.roles import param_roles
 
 F64 = dict(rtol=1e-10, atol=1e-12)
@@ -311,7 +311,7 @@ def test_the_kda_layer_equals_transformers_kimi_linear_delta_attention():
     from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearDeltaAttention
 
     from model import KDAConfig
-    from model.kda import KimiDeltaAttention
+    from model.mixers.kda import KimiDeltaAttention
 
     H, D, C = 2, 8, 32
     hf_cfg = transformers.KimiLinearConfig(
@@ -389,7 +389,7 @@ def test_tiny_kda_uses_mla_without_rope_and_decodes_like_a_full_forward():
 def test_a_layer_continues_a_prefill_in_pieces_shorter_than_its_conv():
     """Prefill 5, then 2 (fewer than the conv's K-1 = 3), then 6 tokens, then decode: the state
     (conv inputs and delta state) carries, equal to one pass over all of them."""
-    from model.kv_cache import RecurrentState  # noqa: F401  (the state under test)
+    from model.mixers.kv_cache import RecurrentState  # noqa: F401  (the state under test)
 
     layer = GatedDeltaNet.build(small_cfg()).double()
     layer.init_weights(__import__("model.init", fromlist=["InitStds"]).InitStds(0.2, 0.2, 0.2))
@@ -417,7 +417,7 @@ def test_a_layer_continues_a_prefill_in_pieces_shorter_than_its_conv():
 def test_under_bf16_autocast_the_rule_still_runs_in_fp32(monkeypatch):
     """Autocast would turn the rule's matmuls and solves into bf16 (errors of 1e-2 in the state);
     the layers keep it in fp32, so prefill (chunked) and decode (recurrent) agree."""
-    import model.gdn as gdn
+    import model.mixers.gdn as gdn
 
     seen = []
     original = gdn.chunk_gated_delta_rule
@@ -439,7 +439,7 @@ def test_under_bf16_autocast_the_rule_still_runs_in_fp32(monkeypatch):
 def test_per_channel_pair_products_by_sub_chunks_equal_the_direct_form(C):
     """The sub-chunked per-channel decay products equal the (C, C, Dk) direct form, also for
     decays strong enough that a direct factorization exp(gamma_r) exp(-gamma_s) would overflow."""
-    from model.delta_rule import _channel_pair_products
+    from model.mixers.delta_rule import _channel_pair_products
 
     gen = torch.Generator().manual_seed(7)
     a, b = (torch.randn(2, 3, C, 8, generator=gen, dtype=torch.float64) for _ in range(2))

@@ -109,8 +109,8 @@ def test_triton_attention_on_cuda_matches_fp32_sdpa_and_its_max_logits(documents
     import torch.nn.functional as F
 
     from model.kernels.flash_attention import flash_attention, key_bounds
-    from model.masks import build_mask, document_starts
-    from model.qk_logits import max_logits_per_head
+    from model.mixers.masks import build_mask, document_starts
+    from model.mixers.qk_logits import max_logits_per_head
 
     q, k, v = _attention_inputs()
     T = q.shape[2]
@@ -142,7 +142,7 @@ def test_fused_kernels_on_cuda_match_the_torch_ops():
     import torch.nn.functional as F
 
     from model.kernels.fused import rms_norm, rope, swiglu
-    from model.rope import apply_rope_interleaved, base_inv_freq, rope_rotations
+    from model.mixers.rope import apply_rope_interleaved, base_inv_freq, rope_rotations
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(4096, 2048, device="cuda", generator=gen, dtype=torch.bfloat16)

@@ -7,9 +7,9 @@ import torch
 
 from model import ConfigError, ModelConfig, build_model
 from model.accounting import average_context, kv_cache_size, training_flops_per_token
-from model.attention import Attention
 from model.config import AttentionConfig, MLAConfig
-from model.mla import MultiHeadLatentAttention
+from model.mixers.attention import Attention
+from model.mixers.mla import MultiHeadLatentAttention
 from model.presets import load_preset
 
 MLA = MLAConfig(

@@ -16,7 +16,7 @@ from model import (
     MoEConfig,
     build_model,
 )
-from model.mhc import HyperConnection, HyperHead, sinkhorn
+from model.residual.mhc import HyperConnection, HyperHead, sinkhorn
 from model.roles import param_roles
 
 transformers = pytest.importorskip("transformers")

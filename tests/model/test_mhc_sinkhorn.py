@@ -1,4 +1,4 @@
-"""The eager Sinkhorn (model/mhc_sinkhorn.py) against the recipe (model.mhc.sinkhorn): the same
+"""The eager Sinkhorn (model/residual/mhc_sinkhorn.py) against the recipe (model.residual.mhc.sinkhorn): the same
 forward bit for bit, gradients as close to float64 as autograd's through the recipe, a layout
 that keeps matmul on its fast path, the caller's gradient left alone, only the logits kept."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model import mhc
-from model.mhc import HyperConnection, sinkhorn
-from model.mhc_sinkhorn import sinkhorn_tokens_last
+from model.residual import mhc
+from model.residual.mhc import HyperConnection, sinkhorn
+from model.residual.mhc_sinkhorn import sinkhorn_tokens_last
 
 SHAPES = [(8, 64, 4, 4), (2, 3, 4, 4), (1, 1, 4, 4), (5, 3, 3), (4, 2, 2)]
 

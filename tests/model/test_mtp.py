@@ -13,8 +13,8 @@ from model import ModelConfig, build_model
 from model.accounting import param_counts, training_flops_per_token
 from model.config import ConfigError, MTPConfig
 from model.loss import IGNORE_INDEX
-from model.masks import document_starts
-from model.mtp import roll_left, shifted_valid
+from model.mixers.masks import document_starts
+from model.mtp.heads import roll_left, shifted_valid
 
 V = 97
 

@@ -11,10 +11,10 @@ from torch import Tensor
 
 from model import FFNConfig, ModelConfig, Transformer, build_model
 from model.block import Block
-from model.masks import AttentionContext
+from model.mixers.masks import AttentionContext
 from model.norms import LayerNorm, RMSNorm
 from model.registry import FFNS
-from model.residual import deepnorm_alpha, deepnorm_beta
+from model.residual.stream import deepnorm_alpha, deepnorm_beta
 from tests.model.helpers import perturb_norm_weights, tiny_config
 
 # fp32 vs float64 formulas on O(1) values

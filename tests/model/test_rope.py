@@ -9,9 +9,8 @@ import pytest
 import torch
 
 from model import RopeConfig
-from model.positions import Rotary, alibi_slopes, build_positions
-from model.registry import ROPE_PAIRINGS
-from model.rope import (
+from model.mixers.positions import Rotary, alibi_slopes, build_positions
+from model.mixers.rope import (
     base_inv_freq,
     half_to_interleaved,
     interleaved_to_half,
@@ -20,6 +19,7 @@ from model.rope import (
     softmax_multiplier,
     yarn_mscale,
 )
+from model.registry import ROPE_PAIRINGS
 from tests.model.helpers import (
     perturb_norm_weights,
     ref_alibi_slopes,

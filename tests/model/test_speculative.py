@@ -11,7 +11,7 @@ import torch
 from model import ModelConfig, build_model
 from model.config import EngramConfig, GDNConfig, MTPConfig
 from model.generate import generate
-from model.speculative import speculative_generate
+from model.mtp.speculative import speculative_generate
 from optim.builder import build_optimizer
 from optim.config import OptimConfig
 

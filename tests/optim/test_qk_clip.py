@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import model.qk_logits as qk_logits
-from model.masks import build_mask
+import model.mixers.qk_logits as qk_logits
+from model.mixers.masks import build_mask
 from model.presets import load_preset
 from model.transformer import build_model
 from optim.builder import build_optimizer
@@ -143,7 +143,7 @@ def test_muonclip_on_the_triton_kernel_clips_the_heads_sdpa_clips(monkeypatch) -
     to 1e-5; later ones to 5% only: at this learning rate Muon's bf16 Newton-Schulz turns the
     kernels' 1e-6 gradient differences into 2e-3 after one step, 2% after five."""
     pytest.importorskip("triton")
-    import model.attention_backend as backends
+    import model.mixers.attention_backend as backends
     import optim.qk_clip
 
     clipped: list = []

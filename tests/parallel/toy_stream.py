@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from model.config import ModelConfig
 from model.registry import RESIDUALS
-from model.residual import Connection, ResidualStream, Sublayer
+from model.residual.stream import Connection, ResidualStream, Sublayer
 from tests.parallel.workers import train
 
 NAME = "toy_scaled"

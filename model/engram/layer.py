@@ -5,7 +5,7 @@ stream before the block's token mixer (deepseek-ai/Engram: engram_demo_v1.py::En
 Shapes: B batch, T tokens, n parallel hidden states (1, or mHC's streams), C d_model, N the
 largest n-gram order, O = N - 1 orders, K heads per order, Dh = engram.dim / K, E = O engram.dim.
 
-    rows   = n-gram hashes of the (compressed) token ids          (B, T, O K)   model/engram_hash.py
+    rows   = n-gram hashes of the (compressed) token ids          (B, T, O K)   model/engram/hashing.py
     e      = concatenated table rows                              (B, T, E)
     s_i    = <RMSNorm_i(W_K,i e + b), RMSNorm'_i(h_i)> / sqrt(C)  per stream i  (B, T, n)
     a_i    = sigmoid(sign(s_i) sqrt(max(|s_i|, 1e-6)))            (the demo's signed square root)
@@ -32,12 +32,12 @@ from torch import Tensor, nn
 
 from model import roles
 from model.config import ModelConfig
-from model.engram_hash import layer_multipliers, ngram_rows, shifted_tokens, table_primes
+from model.engram.hashing import layer_multipliers, ngram_rows, shifted_tokens, table_primes
 from model.init import InitStds, init_linear, trunc_normal_
-from model.kv_cache import LayerState
-from model.masks import AttentionContext
+from model.mixers.kv_cache import LayerState
+from model.mixers.masks import AttentionContext
 from model.norms import wide_dtype
-from model.residual import Fp32Parameters
+from model.residual.stream import Fp32Parameters
 from model.training_hooks import TrainingHook
 
 

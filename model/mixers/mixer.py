@@ -19,10 +19,10 @@ from torch import Tensor, nn
 
 from model.config import ModelConfig, RopeConfig
 from model.init import InitStds
-from model.masks import AttentionContext
+from model.mixers.masks import AttentionContext
 
 if TYPE_CHECKING:
-    from model.kv_cache import LayerState
+    from model.mixers.kv_cache import LayerState
 
 
 @dataclass(frozen=True)
@@ -113,7 +113,7 @@ class TokenMixer(nn.Module):
         raise NotImplementedError
 
     def attention_backend(self, device: torch.device, start: int) -> str | None:
-        """The softmax-attention backend (model/attention_backend.py) a forward on `device` after
+        """The softmax-attention backend (model/mixers/attention_backend.py) a forward on `device` after
         `start` cached tokens uses, so that the model prepares its mask in that form; None for
         mixers that are not softmax attention."""
         return None

@@ -1,4 +1,4 @@
-"""mHC's Sinkhorn-Knopp projection for eager runs: the recipe of `model.mhc.sinkhorn` with its
+"""mHC's Sinkhorn-Knopp projection for eager runs: the recipe of `model.residual.mhc.sinkhorn` with its
 backward written out, over a tokens-last layout.
 
 Autograd through the recipe's 2 iters steps on (B, T, n, n) costs about 8 ops a step, each a
@@ -73,7 +73,7 @@ class _SinkhornTokensLast(torch.autograd.Function):
 
 
 def sinkhorn_tokens_last(logits: Tensor, iters: int, eps: float) -> Tensor:
-    """model.mhc.sinkhorn's result, logits (..., n, n) -> (..., n, n), faster in eager mode and
+    """model.residual.mhc.sinkhorn's result, logits (..., n, n) -> (..., n, n), faster in eager mode and
     keeping only the logits for backward."""
     if iters < 1:
         raise ValueError(f"Sinkhorn needs at least one step, got iters={iters}")

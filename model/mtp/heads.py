@@ -35,7 +35,7 @@ from model.block import Block
 from model.config import LayerSpec, ModelConfig
 from model.init import trunc_normal_
 from model.loss import IGNORE_INDEX
-from model.masks import AttentionContext
+from model.mixers.masks import AttentionContext
 from model.norms import build_norm
 from model.training_hooks import Reduce, TrainingHook
 

@@ -34,7 +34,7 @@ class AttentionContext:
     # there); None: each row is one document continuing the cache
     doc_starts: Tensor | None = None
     # what the attention backends other than SDPA read instead of `mask` (which is then None
-    # unless a layer uses SDPA; model/attention_backend.py): the triton kernel's (B|1, T) int32
+    # unless a layer uses SDPA; model/mixers/attention_backend.py): the triton kernel's (B|1, T) int32
     # first visible key per row (None: every row sees keys 0..row), FlexAttention's BlockMask
     first_key: Tensor | None = None
     block_mask: object | None = None

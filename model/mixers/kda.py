@@ -7,11 +7,11 @@ Shapes: B batch, T new tokens, C d_model, H heads, D head dims (queries, keys an
     q, k    = L2-normalized per head (q also x D^-1/2)
     g       = -exp(A_log[h]) softplus(W_fb W_fa x + dt_bias), in fp32      (B, T, H, D) per channel
     beta    = sigmoid(W_b x)                                                (B, T, H)
-    o       = the delta rule with per-channel decay (model/delta_rule.py)
+    o       = the delta rule with per-channel decay (model/mixers/delta_rule.py)
     out     = W_o (RMSNorm(o) * sigmoid(W_gb W_ga x))      fp32 gated norm per head, low-rank gate
 
 The forget and output gates are low rank (C -> D -> H D). Generation keeps a fixed-size state, as
-Gated DeltaNet does (model/gdn.py, whose conv and normalization this layer shares).
+Gated DeltaNet does (model/mixers/gdn.py, whose conv and normalization this layer shares).
 """
 
 from __future__ import annotations
@@ -21,17 +21,17 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from model.config import KDAConfig, ModelConfig
-from model.gdn import (
+from model.init import InitStds, init_linear
+from model.mixers.gdn import (
     DeltaRuleMixer,
     GatedDeltaNet,
     conv_qkv,
     l2_normalize,
     state_dtype,
 )
-from model.init import InitStds, init_linear
-from model.kv_cache import RecurrentState
-from model.masks import AttentionContext
-from model.mixer import LayerDims
+from model.mixers.kv_cache import RecurrentState
+from model.mixers.masks import AttentionContext
+from model.mixers.mixer import LayerDims
 from model.norms import GatedRMSNorm
 from model.registry import MIXERS
 
@@ -53,7 +53,7 @@ class KimiDeltaAttention(DeltaRuleMixer):
     def __init__(self, k: KDAConfig, dims: LayerDims) -> None:
         super().__init__()
         self.n_heads, self.head_dim, self.chunk = k.n_heads, k.head_dim, k.chunk_size
-        self.kernel = k.kernel  # auto | torch | fla (model/fla_ops.py)
+        self.kernel = k.kernel  # auto | torch | fla (model/mixers/fla_ops.py)
         self.k_dim = self.v_dim = k.head_dim
         C, H, D = dims.d_model, k.n_heads, k.head_dim
         self.q_proj = nn.Linear(C, H * D, bias=False)

@@ -9,15 +9,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from model.attention_backend import KernelChoice, check_backend, kernel_fits
 from model.config import AttentionConfig, ConfigError, ModelConfig, check_rotary_dim
 from model.init import InitStds, init_linear
-from model.kv_cache import KVCache
-from model.masks import AttentionContext
-from model.mixer import LayerDims, QKClipHooks, StateSize, TokenMixer, average_context
+from model.mixers.attention_backend import KernelChoice, check_backend, kernel_fits
+from model.mixers.kv_cache import KVCache
+from model.mixers.masks import AttentionContext
+from model.mixers.mixer import LayerDims, QKClipHooks, StateSize, TokenMixer, average_context
+from model.mixers.rope import rope_applier, softmax_multiplier
 from model.norms import RMSNorm
 from model.registry import ATTENTIONS, MIXERS
-from model.rope import rope_applier, softmax_multiplier
 
 
 @MIXERS.register("gqa")

@@ -42,7 +42,7 @@ from model import roles
 from model.config import ModelConfig
 from model.norms import wide_dtype
 from model.registry import RESIDUALS
-from model.residual import (
+from model.residual.stream import (
     Connection,
     Fp32Parameters,
     ResidualStream,

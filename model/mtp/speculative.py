@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from model.kv_cache import Cache
+from model.mixers.kv_cache import Cache
 from model.transformer import Transformer
 
 

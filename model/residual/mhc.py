@@ -27,7 +27,7 @@ the symmetry between streams (with fn = 0 they would stay equal forever).
 
 Memory: the maps are small per token ((2 + n) n numbers). Autograd through the Sinkhorn steps
 keeps 2 iters (B, T, n, n) tensors for backward, more than the (B, T, n C) streams themselves at
-n = 4 and C = 256: eager runs take model/mhc_sinkhorn.py's version, which keeps only the logits
+n = 4 and C = 256: eager runs take model/residual/mhc_sinkhorn.py's version, which keeps only the logits
 (and is 3x faster); compiled blocks keep what Inductor chooses. `mhc.recompute_maps` recomputes
 all the maps in backward (bench/residual_streams.py).
 """
@@ -41,10 +41,10 @@ from torch.utils.checkpoint import checkpoint
 
 from model import roles
 from model.config import ModelConfig
-from model.mhc_sinkhorn import sinkhorn_tokens_last
 from model.norms import wide_dtype
 from model.registry import RESIDUALS
-from model.residual import (
+from model.residual.mhc_sinkhorn import sinkhorn_tokens_last
+from model.residual.stream import (
     Connection,
     Fp32Parameters,
     ResidualStream,

@@ -8,7 +8,7 @@ value heads share a key head), Dk / Dv head dims, K conv kernel.
     q, k    = L2-normalized per head (q also x Dk^-1/2), repeated to the H value heads
     beta    = sigmoid(W_b x) (x 2 with allow_neg_eigval)                      (B, T, H)
     g       = -exp(A_log) softplus(W_a x + dt_bias), in fp32 (log-decay <= 0)  (B, T, H)
-    o       = gated delta rule (model/delta_rule.py): chunked for T > 1, recurrent for decoding
+    o       = gated delta rule (model/mixers/delta_rule.py): chunked for T > 1, recurrent for decoding
     out     = W_o (RMSNorm(o) * SiLU(W_z x))                   the gated norm per value head
 
 Generation keeps a fixed-size `RecurrentState`: the conv's last K-1 inputs and the (H, Dk, Dv)
@@ -25,12 +25,12 @@ from torch import Tensor, nn
 
 from model import roles
 from model.config import ConfigError, GDNConfig, ModelConfig
-from model.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
-from model.fla_ops import fla_gated_delta_rule, use_fla
 from model.init import InitStds, init_linear, trunc_normal_
-from model.kv_cache import RecurrentState
-from model.masks import AttentionContext
-from model.mixer import LayerDims, StateSize, TokenMixer
+from model.mixers.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from model.mixers.fla_ops import fla_gated_delta_rule, use_fla
+from model.mixers.kv_cache import RecurrentState
+from model.mixers.masks import AttentionContext
+from model.mixers.mixer import LayerDims, StateSize, TokenMixer
 from model.norms import GatedRMSNorm, wide_dtype
 from model.registry import MIXERS
 
@@ -78,7 +78,7 @@ def delta_rule(
 ) -> tuple[Tensor, Tensor]:
     """The recurrent form for one decoded token (T == 1 with a state), else the chunked one; on
     fla-core's Triton kernels when `kernel` ("auto" | "torch" | "fla") picks them
-    (model/fla_ops.py), else in torch (model/delta_rule.py)."""
+    (model/mixers/fla_ops.py), else in torch (model/mixers/delta_rule.py)."""
     decoding = state is not None and q.shape[2] == 1
     if use_fla(kernel, q):
         return fla_gated_delta_rule(q, k, v, g, beta, initial, None if decoding else ctx.doc_starts)
@@ -187,7 +187,7 @@ class GatedDeltaNet(DeltaRuleMixer):
         self.n_k_heads, self.n_heads = g.n_heads, g.n_v_heads or g.n_heads
         self.k_dim, self.v_dim = g.head_dim, g.v_head_dim or g.head_dim
         self.chunk, self.neg_eigval = g.chunk_size, g.allow_neg_eigval
-        self.kernel = g.kernel  # auto | torch | fla (model/fla_ops.py)
+        self.kernel = g.kernel  # auto | torch | fla (model/mixers/fla_ops.py)
         C, H = dims.d_model, self.n_heads
         key_width, value_width = self.n_k_heads * self.k_dim, H * self.v_dim
         self.q_proj = nn.Linear(C, key_width, bias=False)

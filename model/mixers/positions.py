@@ -18,8 +18,8 @@ from torch import Tensor, nn
 from model import roles
 from model.config import ModelConfig
 from model.init import trunc_normal_
+from model.mixers.rope import rope_frequencies, rope_rotations
 from model.registry import POSITIONS
-from model.rope import rope_frequencies, rope_rotations
 
 
 class PositionEncoding(nn.Module):

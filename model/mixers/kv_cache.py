@@ -1,6 +1,6 @@
 """Generation state: one state object per layer, preallocated, filled in place by prefill and decode.
 
-Each token mixer makes its own (`TokenMixer.new_state`, model/mixer.py); `Cache` holds one per
+Each token mixer makes its own (`TokenMixer.new_state`, model/mixers/mixer.py); `Cache` holds one per
 layer and the number of tokens seen. Per-token caches grow with the context; `RecurrentState`
 (Gated DeltaNet, KDA) is fixed-size: the conv's last K-1 inputs and the fp32 delta-rule state.
 

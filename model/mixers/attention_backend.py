@@ -3,7 +3,7 @@ in the registry ATTENTION_BACKENDS, shared by the gqa and mla mixers:
 
   sdpa    torch's scaled_dot_product_attention (cuDNN / FlashAttention-2 / memory-efficient /
           math); documents and sliding windows through a dense (B, 1, T, S) mask; QK-clip's max
-          logits recomputed in fp32 chunks (model/qk_logits.py).
+          logits recomputed in fp32 chunks (model/mixers/qk_logits.py).
   flex    FlexAttention (compiled on CUDA) with a block-sparse mask for documents and sliding
           windows; on CUDA QK-clip's max logits come from its aux output. No backward on CPU
           (torch's rule): there it serves no-grad forwards only.
@@ -39,10 +39,10 @@ from torch import Tensor
 
 from model.config import KernelsConfig
 from model.errors import ConfigError
-from model.masks import AttentionContext
-from model.qk_logits import allowed_keys, max_logits_per_head
+from model.mixers.masks import AttentionContext
+from model.mixers.qk_logits import allowed_keys, max_logits_per_head
+from model.mixers.rope import rope_applier
 from model.registry import Registry
-from model.rope import rope_applier
 
 # name -> fn(q, k, v, ctx, scale, want_max) -> (out, (H,) max logits or None)
 Attend = Callable[
@@ -107,7 +107,7 @@ def check_backend(backend: str, *, alibi: bool, head_dims: tuple[int, int]) -> N
 
 class KernelChoice:
     """Mixin of the softmax-attention mixers: `backend` (the config's request), the protocol
-    method the model asks before a forward (model/mixer.py: TokenMixer.attention_backend), and
+    method the model asks before a forward (model/mixers/mixer.py: TokenMixer.attention_backend), and
     the choice of RoPE kernel."""
 
     backend: str = "auto"

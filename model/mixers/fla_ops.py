@@ -1,8 +1,8 @@
 """fla-core's Triton kernels for the gated delta rule (`model.gdn.kernel` / `model.kda.kernel`):
-the same (o, final state) as model/delta_rule.py, in our layout, on CUDA when fla-core is installed
+the same (o, final state) as model/mixers/delta_rule.py, in our layout, on CUDA when fla-core is installed
 (`pip install lmforge[fla]`).
 
-Our layout (model/delta_rule.py): q, k (B, H, T, Dk) L2-normalized, q already x Dk^-1/2, repeated
+Our layout (model/mixers/delta_rule.py): q, k (B, H, T, Dk) L2-normalized, q already x Dk^-1/2, repeated
 to the H value heads; v (B, H, T, Dv); log-decay g (B, H, T) per head (Gated DeltaNet) or
 (B, H, T, Dk) per key channel (KDA); beta (B, H, T); state (B, H, Dk, Dv). fla's: [B, T, H, K],
 g [B, T, HV] or [B, T, HV, K] in natural-log space, beta [B, T, HV], state [N, HV, K, V] (K-first,
@@ -190,7 +190,7 @@ def fla_gated_delta_rule(
     initial: Tensor | None = None,
     doc_starts: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """`chunk_gated_delta_rule(q, k, v, g, beta, initial, doc_starts)` (model/delta_rule.py) on
+    """`chunk_gated_delta_rule(q, k, v, g, beta, initial, doc_starts)` (model/mixers/delta_rule.py) on
     fla's kernels: (o (B, H, T, Dv), final state (B, H, Dk, Dv)). The fused recurrent op serves
     T == 1 when no gradient is needed (it has no backward); everything else uses the chunk op."""
     B, _, T, _ = q.shape

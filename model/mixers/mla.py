@@ -21,15 +21,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from model.attention_backend import KernelChoice, check_backend, kernel_fits
 from model.config import AttentionConfig, ConfigError, ModelConfig, check_rotary_dim
 from model.init import InitStds, init_linear, trunc_normal_
-from model.kv_cache import LatentCache
-from model.masks import AttentionContext
-from model.mixer import LayerDims, QKClipHooks, StateSize, TokenMixer, average_context
+from model.mixers.attention_backend import KernelChoice, check_backend, kernel_fits
+from model.mixers.kv_cache import LatentCache
+from model.mixers.masks import AttentionContext
+from model.mixers.mixer import LayerDims, QKClipHooks, StateSize, TokenMixer, average_context
+from model.mixers.rope import rope_applier, softmax_multiplier
 from model.norms import RMSNorm
 from model.registry import ATTENTIONS, MIXERS
-from model.rope import rope_applier, softmax_multiplier
 
 
 @MIXERS.register("mla")
