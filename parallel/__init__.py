@@ -8,11 +8,10 @@ and filled (`parallel.compose`). The trainer sees only the resulting `TrainingEn
 
 from __future__ import annotations
 
-from parallel import (
-    compose,  # noqa: F401  (registers the fsdp2 engine)
-    deepspeed_engine,  # noqa: F401  (registers deepspeed; imports it on use only)
-)
+# Importing the engines registers them (fsdp2 in compose; deepspeed imports DeepSpeed on use only)
+from parallel import compose  # noqa: F401
 from parallel.compose import fsdp_param_dtype, parallelize
+from parallel.deepspeed import engine as deepspeed_engine  # noqa: F401
 from parallel.engine import ENGINES, EngineRequest, TrainingEngine, build_engine
 
 __all__ = [

@@ -21,7 +21,7 @@ OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 
 @dataclass(kw_only=True)
 class DeepSpeedConfig:
-    """`parallel.engine=deepspeed` (parallel/deepspeed_engine.py): ZeRO over every rank."""
+    """`parallel.engine=deepspeed` (parallel/deepspeed/engine.py): ZeRO over every rank."""
 
     zero_stage: int = (
         2  # 0 (plain data parallel), 1 (optimizer states), 2 (+ gradients), 3 (+ weights)

@@ -18,7 +18,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from parallel.collective import barrier, from_main, rank_and_size, worst_over_ranks
-from parallel.deepspeed_safe_load import UnsafeFileError, vet_folder
+from parallel.deepspeed.safe_load import UnsafeFileError, vet_folder
 from parallel.engine import CheckpointRefusal
 from trainer.checkpoint_errors import CheckpointConflict, CheckpointError, UnsafeCheckpointError
 from trainer.checkpoint_record import LATEST, CommitRecord, Listed, file_problem, list_checkpoints

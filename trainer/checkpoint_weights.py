@@ -4,7 +4,7 @@
 
 DCP checkpoints are read through the safe reader into a model built from the checkpoint's own
 config, or, for export, a part at a time (`newest_weights`: one layer in memory); DeepSpeed's
-are consolidated from every rank's fp32 ZeRO partitions (parallel.deepspeed_checkpoint) and
+are consolidated from every rank's fp32 ZeRO partitions (parallel.deepspeed.checkpoint) and
 held whole in this process.
 """
 
@@ -25,7 +25,7 @@ from model.hf import our_part
 from model.transformer import build_model
 from optim.config import OptimConfig
 from parallel.collective import all_true, from_main
-from parallel.deepspeed_checkpoint import CHECKPOINT_FOLDER, consolidated_weights
+from parallel.deepspeed.checkpoint import CHECKPOINT_FOLDER, consolidated_weights
 from trainer.checkpoint import LOAD_ERRORS, CheckpointError, complete_checkpoints
 from trainer.checkpoint_load import DCP, format_of, read_checked, read_states
 from trainer.fingerprint import Fingerprint

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import StorageMeta
 
-from parallel.deepspeed_safe_load import unpickling_problem
+from parallel.deepspeed.safe_load import unpickling_problem
 from trainer.checkpoint_errors import UnsafeCheckpointError
 
 METADATA = ".metadata"

@@ -235,7 +235,7 @@ def test_zero3_muon_follows_the_schedules_momentum():
 )
 def test_deepspeeds_own_load_reads_without_running_code(tmp_path, name):
     """DeepSpeed's engine reads its module and optimizer files through lmforge's weights-only
-    reader (parallel.deepspeed_safe_load.guard_engine), not its full unpickler: a payload
+    reader (parallel.deepspeed.safe_load.guard_engine), not its full unpickler: a payload
     planted in either is refused by DeepSpeed's own load, with no vetting in front of it."""
     from tests.trainer.test_deepspeed_safety import Payload
 

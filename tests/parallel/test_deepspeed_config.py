@@ -1,4 +1,4 @@
-"""The DeepSpeed config the engine hands `deepspeed.initialize` (parallel/deepspeed_engine.py):
+"""The DeepSpeed config the engine hands `deepspeed.initialize` (parallel/deepspeed/engine.py):
 the trainer's batch shape, clipping and precision and parallel.deepspeed's ZeRO settings filled
 into a user's JSON, whose other settings pass through; a JSON that sets one of ours to another
 value is refused naming both. No DeepSpeed needed."""
@@ -14,7 +14,7 @@ import torch
 from model.errors import ConfigError
 from model.presets import load_preset
 from parallel.config import DeepSpeedConfig, ParallelConfig
-from parallel.deepspeed_engine import deepspeed_config, refuse_unsupported
+from parallel.deepspeed.engine import deepspeed_config, refuse_unsupported
 from parallel.engine import EngineRequest
 from parallel.mesh import ParallelDims
 

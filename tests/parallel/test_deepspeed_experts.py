@@ -1,4 +1,4 @@
-"""Expert parallelism under `parallel.engine=deepspeed` (parallel/deepspeed_experts.py) on gloo
+"""Expert parallelism under `parallel.engine=deepspeed` (parallel/deepspeed/experts.py) on gloo
 ranks (DS_ACCELERATOR=cpu): a MoE model with ep=2 under ZeRO-1/2 trains like the FSDP2 engine
 with ep=2 on the same ranks (losses, clipped gradient norms: the expert gradients' scale, final
 weights), resumes from its checkpoint exactly, and its whole weights come out of its files;
@@ -69,7 +69,7 @@ def test_an_expert_parallel_checkpoint_resumes_exactly_and_holds_the_whole_weigh
     (export, init_from) are the fp32 masters of the live weights (bf16 here: equal once
     rounded), with the tables and the buffers (integer ones in their dtype), and a run with
     another expert layout or rank count is refused by name."""
-    from parallel.deepspeed_checkpoint import consolidated_weights
+    from parallel.deepspeed.checkpoint import consolidated_weights
 
     cfg = moe_model(**ENGRAM)
     where = tmp_path / "step_00000002"

@@ -1,4 +1,4 @@
-"""Engram's tables under `parallel.engine=deepspeed` (parallel/deepspeed_tables.py) on 2 gloo
+"""Engram's tables under `parallel.engine=deepspeed` (parallel/deepspeed/tables.py) on 2 gloo
 ranks (DS_ACCELERATOR=cpu): kept out of ZeRO, whole on every rank, their sparse row gradients
 averaged, clipped by the global norm and updated by the row-wise Adam. Every ZeRO stage trains
 like the FSDP2 engine with replicated tables; checkpoints hold the tables' weights and moments,
@@ -61,7 +61,7 @@ def test_the_tables_resume_exactly_and_leave_with_the_checkpoint(tmp_path, stage
     """Saved by 2 ranks after step 2 (the tables and their row-wise Adam moments beside
     DeepSpeed's files), loaded by 2 or 1 (DeepSpeed's part resharded through its universal
     checkpoint): steps 3-4 repeat, and the checkpoint's whole weights hold the tables."""
-    from parallel.deepspeed_checkpoint import consolidated_weights
+    from parallel.deepspeed.checkpoint import consolidated_weights
 
     where = tmp_path / "step_00000002"
     first = run_ranks(2, train_and_save, engram(), stage, 4, 2, str(where))[0]

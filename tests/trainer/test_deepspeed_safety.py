@@ -82,7 +82,7 @@ def test_every_file_is_checksummed_and_partitions_are_all_there(zero2_run, tmp_p
     with pytest.raises(CheckpointError, match=f"deepspeed/{OPTIM} is missing"):
         read_checked(step(missing, 4), rank=0, form="deepspeed")
     # without a record (or with one rewritten to match), the layout says 2 ranks wrote it
-    from parallel.deepspeed_checkpoint import check_partitions
+    from parallel.deepspeed.checkpoint import check_partitions
 
     with pytest.raises(FileNotFoundError, match="lacks rank 1's optim states"):
         check_partitions(step(missing, 4) / "deepspeed")
@@ -137,19 +137,19 @@ def test_zero0_against_a_zero2_checkpoint_is_refused_by_name_with_nothing_moved(
 
 
 def test_a_failed_conversion_leaves_no_folder(tmp_path, monkeypatch):
-    from parallel import deepspeed_reshard
+    from parallel.deepspeed import reshard
 
     def fails(folder: Path, out: Path, zero3: bool) -> None:
         out.mkdir(parents=True)
         (out / "half_written.pt").write_bytes(b"x" * 1000)
         raise RuntimeError("shape '[256]' is invalid for input of size 128")
 
-    monkeypatch.setattr(deepspeed_reshard, "convert_to_universal", fails)
+    monkeypatch.setattr(reshard, "convert_to_universal", fails)
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
         out = tmp_path / "run" / ".deepspeed-universal" / "step_00000004" / "deepspeed"
-        problem = deepspeed_reshard.convert_on_main(tmp_path / "in", out, "ZeRO-2 -> 3", True)
+        problem = reshard.convert_on_main(tmp_path / "in", out, "ZeRO-2 -> 3", True)
     finally:
         dist.destroy_process_group()
     assert "shape '[256]' is invalid" in problem
@@ -189,8 +189,8 @@ def plant(path: Path, marker: Path) -> None:
 def test_a_pickled_payload_is_refused_without_running(zero2_run, dataset, tmp_path, name):
     """Each kind of file: refused by read_checked (resume and export check it first), by the
     export's consolidation and by DeepSpeed's own load as lmforge guards it."""
-    from parallel.deepspeed_checkpoint import consolidated_weights
-    from parallel.deepspeed_safe_load import UnsafeFileError, guard_engine
+    from parallel.deepspeed.checkpoint import consolidated_weights
+    from parallel.deepspeed.safe_load import UnsafeFileError, guard_engine
 
     run_dir = copy_run(zero2_run, tmp_path / "run", 4)
     ckpt = step(run_dir, 4)

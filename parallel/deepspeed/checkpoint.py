@@ -4,7 +4,7 @@ in one process (export, and starting a run of either engine from them).
 
 DeepSpeed's files are pickles beyond tensors (its config, step counters, a few classes of its
 own): they are read with torch's weights-only unpickler and those classes allowed
-(parallel.deepspeed_safe_load), never with DeepSpeed's full one before they were vetted.
+(parallel.deepspeed.safe_load), never with DeepSpeed's full one before they were vetted.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import torch
 from torch import Tensor
 
 from model.errors import ConfigError
-from parallel.deepspeed_safe_load import load_file, vet_folder
-from parallel.deepspeed_tables import table_weights
+from parallel.deepspeed.safe_load import load_file, vet_folder
+from parallel.deepspeed.tables import table_weights
 
 CHECKPOINT_FOLDER = "deepspeed"  # inside the trainer's step directory
 MODEL_STATES = "mp_rank_00_model_states.pt"  # ZeRO-0 and 1-2: the module (and 0: optimizer)
@@ -80,7 +80,7 @@ def consolidated_weights(step_dir: Path) -> dict[str, Tensor]:
     whole module in one file."""
     folder = step_dir / CHECKPOINT_FOLDER
     layout = read_layout(folder)
-    tables = table_weights(folder)  # Engram's, kept out of ZeRO (parallel.deepspeed_tables)
+    tables = table_weights(folder)  # Engram's, kept out of ZeRO (parallel.deepspeed.tables)
     if layout.get("ep", 1) > 1:
         return expert_parallel_weights(folder, layout["ranks"], layout["ep"]) | tables
     if not saved_ranks(folder):
@@ -101,7 +101,7 @@ def consolidated_weights(step_dir: Path) -> dict[str, Tensor]:
 
 
 def expert_parallel_weights(folder: Path, ranks: int, ep: int) -> dict[str, Tensor]:
-    """The whole fp32 weights of an expert-parallel ZeRO-1/2 checkpoint (parallel.deepspeed_experts),
+    """The whole fp32 weights of an expert-parallel ZeRO-1/2 checkpoint (parallel.deepspeed.experts),
     which DeepSpeed's zero_to_fp32 would mix up: a dense optimizer group is partitioned over
     every rank, in rank order; an expert group over the ranks that hold the same experts (those
     of ep rank e: e, e + ep, ...), each list of partitions giving its ep rank's local experts,

@@ -27,8 +27,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from parallel.collective import from_main
-from parallel.deepspeed_checkpoint import MODEL_STATES
-from parallel.deepspeed_safe_load import load_file, vet_folder
+from parallel.deepspeed.checkpoint import MODEL_STATES
+from parallel.deepspeed.safe_load import load_file, vet_folder
 
 log = logging.getLogger("parallel.deepspeed")
 POLL_S = 1.0

@@ -19,10 +19,10 @@ Checkpoints are DeepSpeed's own files in `<step dir>/deepspeed/`, written and co
 trainer's scheme (temporary directory, checksums, `latest`, fallback past damaged ones); on
 another number of ranks or another ZeRO stage (1-3) they load through DeepSpeed's universal
 checkpoint (converted beside the step directory, then removed). Every file is read with the
-weights-only unpickler (parallel.deepspeed_safe_load). ZeRO stages 1-3 need a process group; one process gets a 1-rank
-gloo group. Muon and MuonClip run through DeepSpeed's own Muon (parallel.deepspeed_muon); expert
-parallelism through DeepSpeed's expert groups (parallel.deepspeed_experts, ZeRO 1-2); Engram's
-tables outside ZeRO, whole on every rank (parallel.deepspeed_tables).
+weights-only unpickler (parallel.deepspeed.safe_load). ZeRO stages 1-3 need a process group; one process gets a 1-rank
+gloo group. Muon and MuonClip run through DeepSpeed's own Muon (parallel.deepspeed.muon); expert
+parallelism through DeepSpeed's expert groups (parallel.deepspeed.experts, ZeRO 1-2); Engram's
+tables outside ZeRO, whole on every rank (parallel.deepspeed.tables).
 """
 
 from __future__ import annotations
@@ -47,24 +47,24 @@ from model.training_hooks import RowScaler
 from model.transformer import Transformer, build_model
 from parallel.activation import apply_activation_checkpointing, compile_model
 from parallel.collective import worst_over_ranks
-from parallel.deepspeed_checkpoint import (
+from parallel.deepspeed.checkpoint import (
     CHECKPOINT_FOLDER,
     check_partitions,
     read_layout,
     saved_stage,
     write_layout,
 )
-from parallel.deepspeed_experts import (
+from parallel.deepspeed.experts import (
     declared_expert_layers,
     expert_parallel_problems,
     local_expert_weights,
     localize_experts,
     split_expert_groups,
 )
-from parallel.deepspeed_muon import MUON_OPTIMIZERS, deepspeed_muon, muon_problems
-from parallel.deepspeed_reshard import convert_on_main, load_universal, remove_conversion
-from parallel.deepspeed_safe_load import guard_engine
-from parallel.deepspeed_tables import (
+from parallel.deepspeed.muon import MUON_OPTIMIZERS, deepspeed_muon, muon_problems
+from parallel.deepspeed.reshard import convert_on_main, load_universal, remove_conversion
+from parallel.deepspeed.safe_load import guard_engine
+from parallel.deepspeed.tables import (
     AllGroups,
     HiddenTables,
     include_in_norm,
@@ -213,8 +213,8 @@ class DeepSpeedEngine(TrainingEngine):
         tables: HiddenTables | None = None,
     ):
         self.ds = ds_engine
-        self.ep = ep  # expert-parallel degree (parallel.deepspeed_experts)
-        self.tables = tables  # Engram's, outside ZeRO (parallel.deepspeed_tables)
+        self.ep = ep  # expert-parallel degree (parallel.deepspeed.experts)
+        self.tables = tables  # Engram's, outside ZeRO (parallel.deepspeed.tables)
         self.model: Transformer = ds_engine.module
         # param_groups: the client optimizer's groups (and the tables' row-wise Adam groups)
         self.optimizer = (
