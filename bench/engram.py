@@ -236,7 +236,7 @@ def acceptance(run_dir: Path, prompts: int = 16, prompt_len: int = 64, new: int 
     from data.loader import TokenLoader
     from model.generate import generate
     from model.mtp.speculative import speculative_generate
-    from trainer.checkpoint_weights import newest_model
+    from trainer.checkpoint.weights import newest_model
 
     _, extra, model = newest_model(run_dir, "decoded")
     model.eval()

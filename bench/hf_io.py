@@ -73,7 +73,7 @@ def checkpoint_job(size: str, root: str, hf: str, result: dict) -> None:
 
     from model.hf import save_hf
     from model.transformer import build_model
-    from trainer.checkpoint import Checkpointer
+    from trainer.checkpoint.save import Checkpointer
 
     model = build_model(model_config(size), seed=0)
 
@@ -89,7 +89,7 @@ def checkpoint_job(size: str, root: str, hf: str, result: dict) -> None:
 
 def export_job(mode: str, root: str, out: str, result: dict) -> None:
     from model.hf import save_hf
-    from trainer.checkpoint_weights import newest_model
+    from trainer.checkpoint.weights import newest_model
     from trainer.export import ExportConfig, export
 
     before, start = rss_mib(), time.perf_counter()

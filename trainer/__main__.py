@@ -31,7 +31,7 @@ from data.errors import DataError
 from model.errors import ConfigError
 from optim.errors import OptimConfigError
 from trainer import run_dir as run_dirs
-from trainer.checkpoint import CheckpointError
+from trainer.checkpoint.errors import CheckpointError
 from trainer.config import CONF_DIR, register_configs
 from trainer.distributed import agree_on_run_dir, init_distributed, shutdown_distributed
 from trainer.runtime import (

@@ -37,8 +37,10 @@ from trainer.build import (
     dataset_manifest,
     resolve_model_config,
 )
-from trainer.checkpoint import Checkpointer, resume, set_aside
-from trainer.checkpoint_weights import init_weights_reader, resumes_its_own
+from trainer.checkpoint.fingerprint import Fingerprint
+from trainer.checkpoint.load import resume, set_aside
+from trainer.checkpoint.save import Checkpointer
+from trainer.checkpoint.weights import init_weights_reader, resumes_its_own
 from trainer.config import (
     COMPILE_MIN_STEPS,
     RootConfig,
@@ -49,7 +51,6 @@ from trainer.config import (
 from trainer.cpu_malloc import keep_freed_memory
 from trainer.distributed import is_collective_timeout
 from trainer.evaluate import data_prompt, describe_evaluation
-from trainer.fingerprint import Fingerprint
 from trainer.hf_init import hf_model_config, hf_weights_reader, is_hf
 from trainer.hooks import start_hooks
 from trainer.loop import Training

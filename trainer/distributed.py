@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from model.errors import ConfigError
-from trainer.checkpoint_errors import CheckpointError
+from trainer.checkpoint.errors import CheckpointError
 from trainer.runtime import Ranks
 
 REQUIRED_ENV = ("MASTER_ADDR", "MASTER_PORT")

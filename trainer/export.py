@@ -39,8 +39,8 @@ from data.tokenizer import Tokenizer, TokenizerIdentity, load_verified_tokenizer
 from model.config import ModelConfig
 from model.errors import ConfigError
 from model.hf import hf_architecture, staged_dir, write_hf_parts
-from trainer.checkpoint import CheckpointError
-from trainer.checkpoint_weights import WeightParts, candidates, newest_weights
+from trainer.checkpoint.errors import CheckpointError
+from trainer.checkpoint.weights import WeightParts, candidates, newest_weights
 from trainer.config import CONF_DIR
 from trainer.export_target import check_out, write_marker
 

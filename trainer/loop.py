@@ -26,8 +26,8 @@ from model.training_hooks import TrainingHook
 from optim.schedules import Schedule
 from parallel.collective import from_main, worst_over_ranks
 from parallel.engine import TrainingEngine
-from trainer.checkpoint import Checkpointer
-from trainer.checkpoint_record import protect
+from trainer.checkpoint.record import protect
+from trainer.checkpoint.save import Checkpointer
 from trainer.config import (
     EVAL_COMPILE_MIN_BATCHES,
     RootConfig,

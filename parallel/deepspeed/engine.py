@@ -401,7 +401,7 @@ class DeepSpeedEngine(TrainingEngine):
         return getattr(param, "ds_tensor", param)
 
     # checkpoints: DeepSpeed's own files in <step dir>/deepspeed/, inside the trainer's scheme
-    # (trainer/checkpoint.py: temporary directory, checksums, commit, latest, fallback)
+    # (trainer/checkpoint/save.py: temporary directory, checksums, commit, latest, fallback)
     checkpoint_format = CHECKPOINT_FOLDER
 
     def write_checkpoint(self, directory: Path) -> None:

@@ -8,7 +8,9 @@ from typing import Any
 import torch
 
 from tests.parallel.workers import small_model
-from trainer.checkpoint import Checkpointer, CheckpointError, load_checkpoint
+from trainer.checkpoint.errors import CheckpointError
+from trainer.checkpoint.load import load_checkpoint
+from trainer.checkpoint.save import Checkpointer
 
 
 def one_rank_cannot_read(rank: int, directory: str) -> dict[str, Any]:
@@ -16,7 +18,7 @@ def one_rank_cannot_read(rank: int, directory: str) -> dict[str, Any]:
     files: every rank must reach the same verdict (and none may wait in a collective)."""
     from model.transformer import build_model
     from parallel.engine import ModuleState
-    from trainer import checkpoint_record
+    from trainer.checkpoint import record
 
     model = build_model(small_model(), seed=0)
     state = ModuleState(model, torch.optim.AdamW(model.parameters()))
@@ -27,7 +29,7 @@ def one_rank_cannot_read(rank: int, directory: str) -> dict[str, Any]:
         def unreadable(path: Path, chunk: int = 0) -> str:
             raise OSError(5, "Input/output error", str(path))
 
-        checkpoint_record.file_checksum = unreadable
+        record.file_checksum = unreadable
     try:
         load_checkpoint(saved, state, rank)
     except CheckpointError as err:

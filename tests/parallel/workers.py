@@ -22,7 +22,8 @@ from parallel.config import ParallelConfig
 from parallel.engine import TrainingEngine
 from parallel.mesh import ParallelDims
 from trainer.build import build_training_engine
-from trainer.checkpoint import Checkpointer, load_checkpoint
+from trainer.checkpoint.load import load_checkpoint
+from trainer.checkpoint.save import Checkpointer
 from trainer.config import TrainerConfig
 from trainer.hooks import start_hooks
 from trainer.step import LossTracker, StepSettings, train_step

@@ -11,8 +11,8 @@ import torch
 from tests.trainer.helpers import metric_rows, small_config
 from tests.trainer.test_loop import nan_at
 from trainer.app import build_training
-from trainer.checkpoint import complete_checkpoints
-from trainer.checkpoint_record import PROTECTED
+from trainer.checkpoint.record import PROTECTED
+from trainer.checkpoint.save import complete_checkpoints
 from trainer.runtime import Ranks
 
 ONE = Ranks(rank=0, world_size=1, local_rank=0)

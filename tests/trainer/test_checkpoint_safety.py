@@ -16,13 +16,10 @@ import torch
 from data.manifest import file_checksum
 from tests.trainer.helpers import metric_rows, small_config
 from trainer.app import build_training, train
-from trainer.checkpoint import (
-    CheckpointConflict,
-    CheckpointError,
-    complete_checkpoints,
-    load_checkpoint,
-)
-from trainer.checkpoint_record import RECORD
+from trainer.checkpoint.errors import CheckpointConflict, CheckpointError
+from trainer.checkpoint.load import load_checkpoint
+from trainer.checkpoint.record import RECORD
+from trainer.checkpoint.save import complete_checkpoints
 from trainer.runtime import Ranks
 
 ONE = Ranks(rank=0, world_size=1, local_rank=0)
@@ -272,7 +269,7 @@ def test_a_timeout_named_in_a_path_is_not_a_collective_timeout():
 
 
 def test_a_metadata_naming_files_outside_the_checkpoint_is_refused(dataset, tmp_path):
-    from trainer.safe_load import read_dcp_metadata
+    from trainer.checkpoint.safe_load import read_dcp_metadata
 
     trained(dataset, tmp_path / "run", 2)
     path = ckpt(tmp_path / "run", 2) / ".metadata"

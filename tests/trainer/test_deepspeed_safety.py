@@ -19,9 +19,9 @@ import torch.distributed as dist
 from tests.commands import run_module
 from tests.trainer.helpers import SMALL_OVERRIDES, run_trainer, train_losses
 from tests.trainer.test_torchrun import torchrun
-from trainer.checkpoint_errors import CheckpointError, UnsafeCheckpointError
-from trainer.checkpoint_load import read_checked
-from trainer.checkpoint_record import RECORD, CommitRecord, checksum_files
+from trainer.checkpoint.errors import CheckpointError, UnsafeCheckpointError
+from trainer.checkpoint.load import read_checked
+from trainer.checkpoint.record import RECORD, CommitRecord, checksum_files
 
 pytest.importorskip("deepspeed")
 pytestmark = [pytest.mark.integration, pytest.mark.distributed]

@@ -212,8 +212,8 @@ def refuses_a_payload_in_every_file(ckpt, tmp_path):
     """Every file this layout writes (the module, each rank's optimizer partitions with their
     experts, Engram's tables) refuses a pickled payload, named, without running it."""
     from tests.trainer.test_deepspeed_safety import plant
-    from trainer.checkpoint_errors import UnsafeCheckpointError
-    from trainer.checkpoint_load import read_checked
+    from trainer.checkpoint.errors import UnsafeCheckpointError
+    from trainer.checkpoint.load import read_checked
 
     names = sorted(p.name for p in (ckpt / "deepspeed").glob("*.pt"))
     assert "lmforge_tables.pt" in names and len(names) == 4, names

@@ -75,7 +75,7 @@ def test_a_refused_start_writes_no_compression_and_the_right_one_then_starts(dat
     vocabulary differs); nothing is recorded in the run directory, so the command with the
     right data then starts."""
     from tests.trainer.helpers import make_dataset
-    from trainer.checkpoint import CheckpointConflict
+    from trainer.checkpoint.errors import CheckpointConflict
 
     source = build_training(engram_config(dataset, 2), tmp_path / "source", ONE)
     assert source.run() == 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from model.presets import load_preset
 from optim.config import OptimConfig
-from trainer.fingerprint import Fingerprint
+from trainer.checkpoint.fingerprint import Fingerprint
 
 
 def _older(fingerprint: Fingerprint, *missing: str) -> dict:

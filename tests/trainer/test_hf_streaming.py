@@ -29,7 +29,7 @@ from model.transformer import build_model
 from tests.model.hf_helpers import perturbed
 from tests.model.test_hf_deepseek_v3 import CASES as DEEPSEEK_CASES
 from tests.parallel.ranks import run_ranks
-from trainer.checkpoint import Checkpointer
+from trainer.checkpoint.save import Checkpointer
 from trainer.export import ExportConfig, export
 
 pytestmark = pytest.mark.integration

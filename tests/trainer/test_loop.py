@@ -10,7 +10,8 @@ import torch
 
 from tests.trainer.helpers import metric_rows, small_config
 from trainer.app import build_training, train
-from trainer.checkpoint import complete_checkpoints, load_checkpoint
+from trainer.checkpoint.load import load_checkpoint
+from trainer.checkpoint.save import complete_checkpoints
 from trainer.runtime import Ranks
 
 ONE = Ranks(rank=0, world_size=1, local_rank=0)

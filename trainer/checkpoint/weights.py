@@ -26,9 +26,10 @@ from model.transformer import build_model
 from optim.config import OptimConfig
 from parallel.collective import all_true, from_main
 from parallel.deepspeed.checkpoint import CHECKPOINT_FOLDER, consolidated_weights
-from trainer.checkpoint import LOAD_ERRORS, CheckpointError, complete_checkpoints
-from trainer.checkpoint_load import DCP, format_of, read_checked, read_states
-from trainer.fingerprint import Fingerprint
+from trainer.checkpoint.errors import CheckpointError
+from trainer.checkpoint.fingerprint import Fingerprint
+from trainer.checkpoint.load import DCP, LOAD_ERRORS, format_of, read_checked, read_states
+from trainer.checkpoint.save import complete_checkpoints
 
 log = logging.getLogger("trainer.checkpoint")
 WeightParts = Iterable[tuple[int | None, dict[str, Tensor]]]  # (part, its tensors); None: all

@@ -7,7 +7,7 @@
 
 A checkpoint is written to `step_<N>.tmp/`, checksummed, renamed to `step_<N>/` when every rank
 has written its part, and only then named in `latest`; beyond `keep`, this run's oldest
-unprotected checkpoints are deleted (by write order, see trainer.checkpoint_record). Model and
+unprotected checkpoints are deleted (by write order, see trainer.checkpoint.record). Model and
 optimizer states come from `torch.distributed.checkpoint.state_dict`, which gives parameter-name
 keyed states for plain and FSDP2 models alike, so DCP can reshard them on load.
 
@@ -34,42 +34,21 @@ import torch.distributed.checkpoint as dcp
 
 from data.atomic import atomic_write_bytes, is_disk_full
 from parallel.collective import all_true, barrier, several_ranks
-from trainer.checkpoint_errors import CheckpointConflict, CheckpointError, UnsafeCheckpointError
-
-# the reading half, re-exported: `from trainer.checkpoint import resume, load_checkpoint, ...`
-from trainer.checkpoint_load import (
+from trainer.checkpoint.errors import CheckpointError
+from trainer.checkpoint.fingerprint import Fingerprint
+from trainer.checkpoint.load import (
     DCP,
-    LOAD_ERRORS,
     Checkpointable,
-    Restored,
     checkpoint_format,
-    load_checkpoint,
-    resume,
-    set_aside,
 )
-from trainer.checkpoint_record import (
+from trainer.checkpoint.record import (
     LATEST,
     CommitRecord,
     checksum_files,
     list_checkpoints,
     next_sequence,
 )
-from trainer.fingerprint import Fingerprint
 
-__all__ = [
-    "LOAD_ERRORS",
-    "CheckpointConflict",
-    "CheckpointError",
-    "Checkpointable",
-    "Checkpointer",
-    "Restored",
-    "UnsafeCheckpointError",
-    "complete_checkpoints",
-    "load_checkpoint",
-    "resume",
-    "set_aside",
-    "step_dir",
-]
 log = logging.getLogger("trainer.checkpoint")
 # DCP warns that it assumes a single process when no process group exists: that is meant here
 # (also from the thread of an asynchronous save, so a filter rather than a catch_warnings block)

@@ -20,11 +20,17 @@ from torch.distributed.checkpoint.api import CheckpointException
 from parallel.collective import barrier, from_main, rank_and_size, worst_over_ranks
 from parallel.deepspeed.safe_load import UnsafeFileError, vet_folder
 from parallel.engine import CheckpointRefusal
-from trainer.checkpoint_errors import CheckpointConflict, CheckpointError, UnsafeCheckpointError
-from trainer.checkpoint_record import LATEST, CommitRecord, Listed, file_problem, list_checkpoints
+from trainer.checkpoint.errors import CheckpointConflict, CheckpointError, UnsafeCheckpointError
+from trainer.checkpoint.fingerprint import Fingerprint
+from trainer.checkpoint.record import LATEST, CommitRecord, Listed, file_problem, list_checkpoints
+from trainer.checkpoint.safe_load import (
+    METADATA,
+    SafePlanner,
+    SafeReader,
+    load_plain,
+    read_dcp_metadata,
+)
 from trainer.distributed import is_collective_timeout
-from trainer.fingerprint import Fingerprint
-from trainer.safe_load import METADATA, SafePlanner, SafeReader, load_plain, read_dcp_metadata
 
 log = logging.getLogger("trainer.checkpoint")
 # what a damaged checkpoint raises: DCP's CheckpointException derives from BaseException

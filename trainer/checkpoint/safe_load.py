@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import StorageMeta
 
 from parallel.deepspeed.safe_load import unpickling_problem
-from trainer.checkpoint_errors import UnsafeCheckpointError
+from trainer.checkpoint.errors import UnsafeCheckpointError
 
 METADATA = ".metadata"
 _ALLOWED = {
