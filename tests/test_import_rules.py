@@ -1,8 +1,11 @@
-"""The dependency arrows between the packages (README.md, "Layout"), checked on the source (every import, even nested)."""
+"""The dependency arrows between the packages and between the layers inside model/, parallel/ and
+trainer/ (docs/architecture.md), checked on the source (every import, even nested)."""
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -114,3 +117,121 @@ def test_the_feature_checks_catch_what_they_forbid(tmp_path):
     assert _feature_imports(sample) == {"model.moe"}
     assert _probes(sample) == ["sample.py:4 getattr"]
     assert _model_classes_in_isinstance(sample) == ["sample.py:4 MoE"]
+
+
+# Inside model/: the layers of docs/architecture.md. The base (config, registry, roles, init, norms,
+# loss, training_hooks) is below the components (mixers/, residual/, moe/, engram/), which are
+# below the assembly (block, transformer) and what uses the assembled model (mtp/, generate,
+# accounting, inspect, presets, hf/). kernels/ needs nothing of the model at all.
+ASSEMBLED = {
+    "model.block",
+    "model.transformer",
+    "model.generate",
+    "model.accounting",
+    "model.inspect",
+    "model.presets",
+    "model.hf",
+    "model.mtp",
+}
+LAYERS = {
+    "model/mixers": ASSEMBLED | {"model.residual", "model.engram", "model.moe", "model.ffn"},
+    "model/residual": ASSEMBLED | {"model.mixers", "model.engram", "model.moe", "model.ffn"},
+    "model/moe": ASSEMBLED | {"model.mixers", "model.residual", "model.engram", "model.ffn"},
+    "model/engram": ASSEMBLED | {"model.moe", "model.ffn"},
+    "model/mtp": {"model.hf", "model.inspect", "model.presets"},
+}
+
+
+def imported_names(path: Path) -> set[str]:
+    """imported_modules plus `pkg.name` for every `from pkg import name` (a module imported so)."""
+    names = imported_modules(path)
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def _matches(name: str, prefixes: set[str]) -> bool:
+    return any(name == f or name.startswith(f + ".") for f in prefixes)
+
+
+def _layer_violations(folder: str, forbidden: set[str]) -> list[str]:
+    return [
+        f"{path.relative_to(ROOT)} imports {name}"
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        for name in sorted(imported_names(path))
+        if _matches(name, forbidden)
+    ]
+
+
+@pytest.mark.parametrize("folder", sorted(LAYERS))
+def test_model_layers_import_only_downwards(folder):
+    assert _layer_violations(folder, LAYERS[folder]) == []
+
+
+def _outside(folder: str, own: str, allowed: set[str]) -> list[str]:
+    """Imports of `own`'s package (model, trainer, ...) from `folder` that are neither `own` nor
+    in `allowed`."""
+    package = own.split(".")[0]
+    return [
+        f"{path.relative_to(ROOT)} imports {name}"
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        for name in sorted(imported_names(path))
+        if _matches(name, {package}) and not _matches(name, {own} | allowed) and name != package
+    ]
+
+
+def test_the_kernels_need_nothing_else_of_the_model():
+    assert _outside("model/kernels", "model.kernels", set()) == []
+
+
+def test_checkpoints_sit_below_the_loop_and_the_app():
+    """trainer/checkpoint/ knows the process group helpers, not the loop, step, app or export."""
+    assert _outside("trainer/checkpoint", "trainer.checkpoint", {"trainer.distributed"}) == []
+
+
+def test_parallel_reaches_deepspeed_only_through_its_registration():
+    """parallel/__init__.py imports the DeepSpeed engine to register it; nothing else in
+    parallel/ outside parallel/deepspeed/ does (the engine is chosen from ENGINES)."""
+    found = [
+        f"{path.relative_to(ROOT)} imports {name}"
+        for path in sorted((ROOT / "parallel").rglob("*.py"))
+        if "deepspeed" not in path.relative_to(ROOT / "parallel").parts[:-1]
+        and path != ROOT / "parallel" / "__init__.py"
+        for name in sorted(imported_names(path))
+        if _matches(name, {"parallel.deepspeed", "deepspeed"})
+    ]
+    assert found == []
+
+
+def test_importing_parallel_leaves_deepspeed_unimported():
+    code = "import sys, parallel\nprint('deepspeed' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
+def test_the_layer_checks_catch_what_they_forbid(tmp_path):
+    sample = tmp_path / "model" / "mixers" / "sample.py"
+    sample.parent.mkdir(parents=True)
+    sample.write_text("from model import transformer\nfrom model.moe.layer import MoE\n")
+    assert {"model.transformer", "model.moe.layer"} <= imported_names(sample)
+    assert _matches("model.moe.layer", LAYERS["model/mixers"])
+    assert _matches("model.transformer", LAYERS["model/mixers"])
+    assert not _matches("model.mixers.mixer", LAYERS["model/mixers"])
+    assert not _matches("model.mtp_extra", {"model.mtp"})
+
+
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+
+
+def test_the_architecture_page_lists_every_model_file_and_subpackage():
+    """A new file at model/'s top or a new subpackage anywhere must be placed on the page."""
+    page = ARCHITECTURE.read_text()
+    flat = [p.name for p in sorted((ROOT / "model").glob("*.py")) if p.name != "__init__.py"]
+    subpackages = [
+        f"{init.parent.relative_to(ROOT)}/"
+        for package in ("model", "data", "optim", "parallel", "trainer", "launch")
+        for init in sorted((ROOT / package).glob("*/__init__.py"))
+    ]
+    assert [name for name in flat + subpackages if name not in page] == []
