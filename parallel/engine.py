@@ -10,6 +10,8 @@ and the optimizer and offers:
                          inner module here
   optimizer              its param groups are what the schedules set (lr, Muon momentum)
   autocast()             the compute precision of forwards
+  evaluation_loss(...)   one batch's loss without gradients (validation); `evaluating()`: the
+                         model in evaluation mode inside
   forward_backward(..., objective)  one micro-batch: forward, backward of objective(loss)
                          (accumulating); the only way the loop reaches the model
   clip_gradients(c)      the global gradient norm over every shard, clipped to c
@@ -122,6 +124,21 @@ class TrainingEngine:
         terms added: model.training_hooks.objective_with); returns the detached language-model
         loss. `last`: the step's final micro-batch. The only way the loop reaches the model."""
         raise NotImplementedError
+
+    def evaluation_loss(self, inputs: Tensor, targets: Tensor, doc_ids: Tensor | None) -> Tensor:
+        """One batch's mean language-model loss, without gradients (validation): the loop's
+        only other way to the model (a pipeline engine runs it through its stages)."""
+        with torch.no_grad(), self.autocast():
+            return self.model(inputs, targets, doc_ids=doc_ids)
+
+    @contextmanager
+    def evaluating(self) -> Iterator[None]:
+        """The model in evaluation mode inside (validation, sampling), training mode after."""
+        self.model.eval()
+        try:
+            yield
+        finally:
+            self.model.train()
 
     def clip_gradients(self, max_norm: float) -> Tensor:
         raise NotImplementedError

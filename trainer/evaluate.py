@@ -5,40 +5,41 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Iterable
-from contextlib import AbstractContextManager
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from data.loader import Batch, TokenLoader
 from data.tokenizer import Tokenizer
 from model.generate import NonFiniteOutput, generate
-from model.transformer import Transformer
 from parallel.collective import several_ranks
 from parallel.engine import TrainingEngine
 
 log = logging.getLogger("trainer")
 
 
+BatchLoss = Callable[[Tensor, Tensor, Tensor | None], Tensor]  # (inputs, targets, doc_ids)
+
+
 @torch.no_grad()
 def validation_loss(
-    model: Transformer,
+    loss_of: BatchLoss,
     batches: Iterable[Batch],
     device: torch.device,
-    autocast: Callable[[], AbstractContextManager],
     doc_mask: bool,
     stop: Callable[[], bool],
 ) -> float | None:
     """Mean loss over evaluation batches (all ranks; equal-sized batches, so the mean over
-    their windows); None when stopped part-way."""
+    their windows); None when stopped part-way. `loss_of`: one batch's mean loss without
+    gradients (TrainingEngine.evaluation_loss)."""
     total = torch.zeros(2, dtype=torch.float64, device=device)  # (sum of losses, batches)
     for batch in batches:
         if stop():
             return None
         batch = batch.to(device, non_blocking=True)
-        with autocast():
-            loss = model(batch.inputs, batch.targets, doc_ids=batch.doc_ids if doc_mask else None)
+        loss = loss_of(batch.inputs, batch.targets, batch.doc_ids if doc_mask else None)
         total += torch.stack([loss.double(), torch.ones((), dtype=torch.float64, device=device)])
     if several_ranks():
         dist.all_reduce(total)

@@ -367,8 +367,7 @@ class Training:
         if problem := self._nonfinite_weights():
             log.warning("evaluation and sample at step %d skipped: %s", self.step, problem)
             return True
-        self.model.eval()
-        try:
+        with self.engine.evaluating():  # evaluation mode inside, training mode after
             with self._eager_stance(validation=True):
                 if self.loader.val_batches and not self._validate():
                     return False
@@ -390,8 +389,6 @@ class Training:
                     )
                 else:
                     log.info("sample at step %d: %r", self.step, text)
-        finally:
-            self.model.train()
         if self.ranks.is_main:
             plot_losses(self.metrics.rows(), self.run_dir / "loss.png")
         return True
@@ -455,10 +452,9 @@ class Training:
 
     def _sample_loss(self, batches: Iterator[Batch]) -> float | None:
         return validation_loss(
-            self.model,
+            self.engine.evaluation_loss,
             batches,
             self.device,
-            self.engine.autocast,
             self.cfg.trainer.doc_mask,
             self.stop.requested,
         )

@@ -81,7 +81,11 @@ def test_the_sample_gives_the_mean_over_all_windows_and_covers_every_document(mi
     n, total = len(loader.val_sample.windows), len(every)
     assert 0.1 < n / total < 0.5  # a real sample, not the whole split
     reported = validation_loss(
-        model, loader.validation(), torch.device("cpu"), torch.no_grad, False, lambda: False
+        lambda x, y, doc_ids: model(x, y, doc_ids=doc_ids),
+        loader.validation(),
+        torch.device("cpu"),
+        False,
+        lambda: False,
     )
     # the standard error of a sample of n of the N windows (finite-population corrected)
     error = every.std() / math.sqrt(n) * math.sqrt(1 - n / total)
