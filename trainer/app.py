@@ -6,6 +6,7 @@ functions (trainer.build) so that each component receives only its own settings.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import os
@@ -13,11 +14,13 @@ import socket
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
 
+from data.config import LoaderConfig
 from data.loader import TokenLoader
 from data.token_compression import canonical_ids, save_or_check
 from model.accounting import param_counts, training_flops_per_token
@@ -30,12 +33,14 @@ from parallel.engine import ENGINES, TrainingEngine
 from parallel.mesh import ParallelDims
 from parallel.precision import compute_dtype, native_bf16, resolve_precision
 from trainer.build import (
+    EngineChoices,
     build_loader,
-    build_training_engine,
-    check_cross_fields,
-    check_expert_parallel,
+    check_context,
+    check_expert_count,
+    check_expert_layout,
     dataset_manifest,
     resolve_model_config,
+    start_engine,
 )
 from trainer.checkpoint.fingerprint import Fingerprint
 from trainer.checkpoint.load import resume, set_aside
@@ -56,6 +61,7 @@ from trainer.hooks import start_hooks
 from trainer.loop import Training
 from trainer.metrics import MetricsFile
 from trainer.mfu import device_peak
+from trainer.run_settings import BatchPlan, LoopSettings, plan_batches
 from trainer.runtime import Ranks, describe_environment, pick_device, seed_everything, set_rng_state
 from trainer.signals import ParentWatch, StopFlag, under_torchrun
 from trainer.step import LossTracker, StepSettings
@@ -69,26 +75,28 @@ def build_training(cfg: RootConfig, run_dir: Path, ranks: Ranks) -> Training:
     # every check that needs no data first: a bad setting fails before any file is touched
     dims = ParallelDims.resolve(cfg.parallel, ranks.world_size)
     check_engine(cfg.parallel.engine)
+    check_expert_layout(dims, cfg.parallel.activation_checkpoint)
+    plan = plan_batches(tcfg.batch_size, tcfg.micro_batch_size, ranks.world_size)
     hf = is_hf(cfg.init_from)  # the model comes from a Hugging Face checkpoint (trainer/hf_init.py)
-    if not hf:
-        check_expert_parallel(cfg.model, dims, cfg.parallel.activation_checkpoint)
-        check_cross_fields(cfg.model, cfg.data, tcfg, ranks.world_size)
+    if not hf:  # the model's shape is final (resolve_model_config fills in only the vocabulary)
+        check_model_shape(cfg.model, cfg.data, dims)
     run_dir.mkdir(parents=True, exist_ok=True)
     if tcfg.threads:
         torch.set_num_threads(tcfg.threads)
     device = pick_device(tcfg.device, ranks.local_rank)
-    tcfg.precision = choose_precision(tcfg.precision, device)
+    choices = EngineChoices(
+        choose_precision(tcfg.precision, device), compiles(tcfg), tcfg.grad_clip, plan
+    )
     if device.type == "cpu" and tcfg.cpu_malloc == "keep":
         log.info("CPU allocator: %s", keep_freed_memory())
     manifest = dataset_manifest(cfg.data, ranks.is_main)
     if hf:
         model_cfg = hf_model_config(cfg.init_from, manifest, explicit_overrides())
-        check_expert_parallel(model_cfg, dims, cfg.parallel.activation_checkpoint)
+        check_model_shape(model_cfg, cfg.data, dims)  # known only now: from the checkpoint's config
     else:
         model_cfg = resolve_model_config(cfg.model, manifest)
-    micro_batches = check_cross_fields(model_cfg, cfg.data, tcfg, ranks.world_size)
     loader = build_loader(
-        cfg.data, manifest, tcfg.batch_size, ranks.rank, ranks.world_size, cfg.seed
+        cfg.data, manifest, plan.global_batch, ranks.rank, ranks.world_size, cfg.seed
     )
     loader.manifest.check_tokenizer(manifest.tokenizer)
     canonical = token_compression(model_cfg, loader, run_dir)  # checked; written once started
@@ -97,16 +105,15 @@ def build_training(cfg: RootConfig, run_dir: Path, ranks: Ranks) -> Training:
     resuming = from_main(resumes_its_own(cfg.resume, run_dir))  # listings may differ per node
     if initial is not None and resuming:
         log.info("init_from=%s is not used: the run resumes its checkpoint", cfg.init_from)
-    engine, hooks = build_state(
-        cfg, model_cfg, dims, device, canonical, None if resuming else initial
-    )
-    dtype = compute_dtype(tcfg.precision)  # rank 0 measures alone: no rank slows another's
+    fresh = partial(build_state, cfg, model_cfg, dims, device, choices, canonical)
+    engine, hooks = fresh(None if resuming else initial)
+    dtype = compute_dtype(choices.precision)  # rank 0 measures alone: no rank slows another's
     peak, peak_source = from_main(
         device_peak(device, dtype, tcfg.peak_flops) if ranks.is_main else None
     )  # one value for every rank (MFU is averaged over them)
     flops = training_flops_per_token(engine.model, cfg.data.seq_len).total
     log.info("%s; device %s; %s", describe_environment(), device, dims.describe())
-    _log_model_and_data(cfg, engine, model_cfg, flops, loader, micro_batches, ranks.world_size)
+    _log_model_and_data(cfg, engine, model_cfg, flops, loader, plan, choices.compile)
     log.info("MFU peak: %.3g FLOP/s per device (%s)", peak, peak_source)
     checkpointer = Checkpointer(
         run_dir / "checkpoints",
@@ -122,23 +129,20 @@ def build_training(cfg: RootConfig, run_dir: Path, ranks: Ranks) -> Training:
     restart = Restart(engine=engine, hooks=hooks)
     del engine, hooks  # the restart holds them (and drops them if they must be rebuilt)
     restart = _resume(cfg, run_dir, ranks, checkpointer, restart, loader, tracker, metrics)
-    _fresh_if_needed(cfg, model_cfg, dims, device, restart, canonical, initial)
+    _fresh_if_needed(restart, partial(fresh, initial))
     if canonical is not None:  # the start is accepted: a refused one writes nothing
         save_or_check(run_dir, loader.tokenizer, canonical.tolist(), write=ranks.is_main)
+    recorded = OmegaConf.structured(as_run(cfg, choices.precision))
     wandb = WandbRun(
-        cfg.logging,
-        run_dir,
-        OmegaConf.to_container(OmegaConf.structured(cfg)),
-        restart.wandb_id,
-        ranks.is_main,
+        cfg.logging, run_dir, OmegaConf.to_container(recorded), restart.wandb_id, ranks.is_main
     )
     settings = StepSettings(
-        micro_batches=micro_batches,
+        micro_batches=plan.micro_batches,
         grad_clip=tcfg.grad_clip,
         doc_mask=tcfg.doc_mask,
     )
     return Training(
-        cfg=cfg,
+        loop=loop_settings(cfg, plan, choices.compile),
         run_dir=run_dir,
         ranks=ranks,
         device=device,
@@ -158,11 +162,45 @@ def build_training(cfg: RootConfig, run_dir: Path, ranks: Ranks) -> Training:
         bad_streak=restart.bad_streak,
         skipped_total=restart.skipped_total,
         tracker=tracker,
-        config_yaml=OmegaConf.to_yaml(OmegaConf.structured(cfg)),
+        config_yaml=OmegaConf.to_yaml(recorded),
         restored_step=restart.restored_step,
         eval_coverage=coverage,
         sample_prompt=tcfg.sample_prompt or data_prompt(loader),
         hooks=restart.hooks,
+    )
+
+
+def check_model_shape(model_cfg: ModelConfig, data: LoaderConfig, dims: ParallelDims) -> None:
+    """The rules that need the model's final shape: its experts over parallel.ep, and
+    data.seq_len within its context."""
+    check_expert_count(model_cfg, dims)
+    check_context(model_cfg, data)
+
+
+def as_run(cfg: RootConfig, precision: str) -> RootConfig:
+    """A copy of `cfg` as the run resolved it (trainer.precision chosen for the device): what
+    checkpoints and wandb record; `cfg` itself is never changed."""
+    return dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, precision=precision))
+
+
+def loop_settings(cfg: RootConfig, plan: BatchPlan, compiled: bool) -> LoopSettings:
+    """What the training loop reads, resolved once."""
+    tcfg = cfg.trainer
+    return LoopSettings(
+        max_steps=tcfg.max_steps,
+        log_every=tcfg.log_every,
+        eval_every=tcfg.eval_every,
+        sample_tokens=tcfg.sample_tokens,
+        checkpoint_every=cfg.checkpoint.every,
+        max_bad_steps=tcfg.max_bad_steps,
+        requeue=tcfg.requeue,
+        fault_step=tcfg.fault_step,
+        fault_rank=tcfg.fault_rank,
+        compiled=compiled,
+        compile_eval=tcfg.compile_eval,
+        tokens_per_step=plan.global_batch * cfg.data.seq_len,
+        seed=cfg.seed,
+        progress=cfg.logging.progress,
     )
 
 
@@ -184,8 +222,8 @@ def _log_model_and_data(
     model_cfg: ModelConfig,
     flops: float,
     loader: TokenLoader,
-    micro_batches: int,
-    world_size: int,
+    plan: BatchPlan,
+    compiled: bool,
 ) -> None:
     counts = param_counts(engine.model)
     active = f" ({counts.active:,} active per token)" if counts.active != counts.total else ""
@@ -199,15 +237,15 @@ def _log_model_and_data(
         loader.manifest.tokenizer.short(),
     )
     log.info("layers: %s", model_cfg.layout_summary())
-    log.info("torch.compile: %s", compile_summary(cfg.trainer))
+    log.info("torch.compile: %s", compile_summary(cfg.trainer, compiled))
     warn_short_schedule(cfg)
     log.info(
         "data: %s, %d training windows of %d tokens; %d micro-batch(es) of %d per step",
         loader.manifest.root,
         loader.windows,
         cfg.data.seq_len,
-        micro_batches,
-        cfg.trainer.batch_size // world_size // micro_batches,
+        plan.micro_batches,
+        plan.micro_batch_size,
     )
 
 
@@ -222,15 +260,15 @@ def warn_short_schedule(cfg: RootConfig) -> None:
         )  # fmt: skip
 
 
-def compile_summary(trainer: TrainerConfig) -> str:
-    """The compile decision in words (with auto's reason)."""
-    on = "on, every block and the head + loss" if compiles(trainer) else "off (eager)"
+def compile_summary(trainer: TrainerConfig, compiled: bool) -> str:
+    """The compile decision (`compiled`: trainer.config.compiles) in words, with auto's reason."""
+    on = "on, every block and the head + loss" if compiled else "off (eager)"
     if trainer.compile != "auto":
         return f"{on} (trainer.compile={trainer.compile})"
     long_enough = trainer.max_steps >= COMPILE_MIN_STEPS
     comparison = ">=" if long_enough else "<"
     reason = f"{trainer.max_steps} steps {comparison} {COMPILE_MIN_STEPS}"
-    if long_enough and not compiles(trainer):
+    if long_enough and not compiled:
         reason += f", but no C++ compiler ({cpp_compiler()}) to compile with"
     return f"{on} (trainer.compile=auto: {reason}; set trainer.compile=true or false to choose)"
 
@@ -280,15 +318,17 @@ def build_state(
     model_cfg: ModelConfig,
     dims: ParallelDims,
     device: torch.device,
+    choices: EngineChoices,
     canonical: torch.Tensor | None = None,
     initial: Callable[[], dict[str, torch.Tensor]] | None = None,
 ) -> tuple[TrainingEngine, list[TrainingHook]]:
     """The training engine (model sharded when there are several ranks, its fp32 master copy if
     any, the optimizer), as a fresh run starts it (seeded by `cfg.seed`, or from `initial()`'s
-    weights), and its training hooks, started; `canonical`: Engram's token compression."""
+    weights), and its training hooks, started; `choices`: the trainer's, resolved once;
+    `canonical`: Engram's token compression."""
     seed_everything(cfg.seed)
-    engine = build_training_engine(
-        model_cfg, cfg.trainer, cfg.parallel, cfg.optim, dims, device, cfg.seed, initial
+    engine = start_engine(
+        model_cfg, cfg.parallel, cfg.optim, dims, device, cfg.seed, choices, initial
     )
     return engine, start_hooks(engine, cfg.optim.qk_clip_tau, canonical)
 
@@ -360,20 +400,15 @@ def _resume(
 
 
 def _fresh_if_needed(
-    cfg: RootConfig,
-    model_cfg: ModelConfig,
-    dims: ParallelDims,
-    device: torch.device,
-    restart: Restart,
-    canonical: torch.Tensor | None,
-    initial: Callable[[], dict[str, torch.Tensor]] | None,
+    restart: Restart, fresh: Callable[[], tuple[TrainingEngine, list[TrainingHook]]]
 ) -> None:
-    """A freshly initialized engine (and its hooks) in `restart` after failed loads."""
+    """A freshly initialized engine (and its hooks) from `fresh()` in `restart` after failed
+    loads."""
     if not restart.start_over:
         return
     restart.engine, restart.hooks = None, []  # free the half-read one before its replacement
     gc.collect()
-    restart.engine, restart.hooks = build_state(cfg, model_cfg, dims, device, canonical, initial)
+    restart.engine, restart.hooks = fresh()
 
 
 def train(cfg: RootConfig, run_dir: Path, ranks: Ranks) -> int:

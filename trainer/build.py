@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 
@@ -25,6 +26,7 @@ from parallel.config import ParallelConfig
 from parallel.mesh import ParallelDims
 from parallel.precision import resolve_precision
 from trainer.config import TrainerConfig, compiles
+from trainer.run_settings import BatchPlan, plan_batches
 
 log = logging.getLogger("trainer")
 VOCAB_MULTIPLE = 64
@@ -64,22 +66,8 @@ def resolve_model_config(model: ModelConfig, manifest: Manifest) -> ModelConfig:
     return model
 
 
-def check_cross_fields(
-    model: ModelConfig, data: LoaderConfig, trainer: TrainerConfig, dp_size: int
-) -> int:
-    """Batch arithmetic and sequence length; returns micro-batches per step."""
-    local, remainder = divmod(trainer.batch_size, dp_size)
-    if remainder:
-        raise ConfigError(
-            f"trainer.batch_size={trainer.batch_size} is not divisible by the {dp_size} "
-            f"data-parallel ranks"
-        )
-    micro = trainer.micro_batch_size or local
-    if local % micro:
-        raise ConfigError(
-            f"trainer.batch_size={trainer.batch_size} is not divisible by trainer.micro_batch_size="
-            f"{micro} x {dp_size} data-parallel ranks"
-        )
+def check_context(model: ModelConfig, data: LoaderConfig) -> None:
+    """data.seq_len fits the model's context (rope scaling included)."""
     limit = model.max_seq_len
     if model.rope.scaling != "none":
         limit = max(limit, int(model.rope_original_max_seq_len * model.rope.factor))
@@ -89,7 +77,6 @@ def check_cross_fields(
             f"(model.max_seq_len={model.max_seq_len}, rope scaling {model.rope.scaling!r} x "
             f"{model.rope.factor}); lower data.seq_len or raise model.max_seq_len"
         )
-    return local // micro
 
 
 def build_loader(
@@ -106,6 +93,16 @@ def build_loader(
     )
 
 
+@dataclass(frozen=True)
+class EngineChoices:
+    """The trainer's choices an engine is built with, resolved once (trainer.app)."""
+
+    precision: str  # trainer.precision, resolved: fp32 | bf16 | bf16_master
+    compile: bool  # trainer.compile, resolved (trainer.config.compiles)
+    grad_clip: float  # trainer.grad_clip (engines that clip inside their own step)
+    plan: BatchPlan  # the step's micro-batch size and count
+
+
 def build_training_engine(
     model_cfg: ModelConfig,
     trainer: TrainerConfig,
@@ -116,25 +113,44 @@ def build_training_engine(
     seed: int,
     initial_weights: Callable[[], Iterable[dict[str, torch.Tensor]]] | None = None,
 ) -> TrainingEngine:
+    """start_engine for Python callers holding a TrainerConfig (tests, benchmarks): its choices
+    resolved here, silently, after the checks `python -m trainer` runs at start-up."""
+    check_expert_parallel(model_cfg, dims, parallel.activation_checkpoint)
+    choices = EngineChoices(
+        precision=resolve_precision(trainer.precision, device),
+        compile=compiles(trainer),
+        grad_clip=trainer.grad_clip,
+        plan=plan_batches(trainer.batch_size, trainer.micro_batch_size, dims.world_size),
+    )
+    return start_engine(model_cfg, parallel, optim, dims, device, seed, choices, initial_weights)
+
+
+def start_engine(
+    model_cfg: ModelConfig,
+    parallel: ParallelConfig,
+    optim: OptimConfig,
+    dims: ParallelDims,
+    device: torch.device,
+    seed: int,
+    choices: EngineChoices,
+    initial_weights: Callable[[], Iterable[dict[str, torch.Tensor]]] | None = None,
+) -> TrainingEngine:
     """The engine named by parallel.engine, with the model (sharded when there are several
     ranks) starting from the weights one process would have (seeded by `seed`), or from
     `initial_weights()`, and the optimizer of `optim` over the weights it updates (the fp32
     masters under bf16_master)."""
-    check_expert_parallel(model_cfg, dims, parallel.activation_checkpoint)
-    local = trainer.batch_size // dims.world_size  # sequences per rank and step
-    micro = trainer.micro_batch_size or local
     request = EngineRequest(
         model_cfg=model_cfg,
         parallel=parallel,
-        precision=resolve_precision(trainer.precision, device),
-        compile=compiles(trainer),
+        precision=choices.precision,
+        compile=choices.compile,
         dims=dims,
         device=device,
         seed=seed,
         make_optimizer=lambda weights: build_optimizer(optim, weights),
-        grad_clip=trainer.grad_clip,
-        micro_batch_size=micro,
-        micro_batches=local // micro,
+        grad_clip=choices.grad_clip,
+        micro_batch_size=choices.plan.micro_batch_size,
+        micro_batches=choices.plan.micro_batches,
         optimizer_name=optim.name,
         initial_weights=initial_weights,
     )
@@ -142,15 +158,27 @@ def build_training_engine(
 
 
 def check_expert_parallel(cfg: ModelConfig, dims: ParallelDims, checkpointing: str) -> None:
-    if dims.ep == 1:
-        return
-    if checkpointing == "selective":
+    """Both expert-parallel rules (Python callers; the trainer runs each part where its inputs
+    are final)."""
+    check_expert_layout(dims, checkpointing)
+    check_expert_count(cfg, dims)
+
+
+def check_expert_layout(dims: ParallelDims, checkpointing: str) -> None:
+    """parallel.ep > 1 with the activation checkpointing it supports (no model needed)."""
+    if dims.ep > 1 and checkpointing == "selective":
         # selective checkpointing replays saved ops by invocation order, which the token
         # exchange's collectives break in the recompute (torch 2.13); full recomputation works
         raise ConfigError(
             "parallel.activation_checkpoint=selective does not work with parallel.ep > 1 yet; "
             "use parallel.activation_checkpoint=full (or none)"
         )
+
+
+def check_expert_count(cfg: ModelConfig, dims: ParallelDims) -> None:
+    """parallel.ep > 1 needs routed experts that divide over the expert-parallel ranks."""
+    if dims.ep == 1:
+        return
     experts = cfg.moe.n_routed_experts
     if experts == 0:
         raise ConfigError(

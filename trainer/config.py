@@ -3,7 +3,8 @@
 Each group is the owning component's dataclass (model.config.ModelConfig, data.config.LoaderConfig,
 optim.config.OptimConfig) or a trainer dataclass below. Registering them as Hydra structured
 configs makes a misspelled key or a wrong type fail when the config is composed, before any
-process group or file is touched; `check_cross_fields` then checks the rules that span groups.
+process group or file is touched; trainer/build.py and trainer/run_settings.py then check the rules
+that span groups.
 """
 
 from __future__ import annotations
@@ -153,24 +154,23 @@ def compiles(trainer: TrainerConfig) -> bool:
     return trainer.compile == "true"
 
 
-def evaluations_left(trainer: TrainerConfig, start_step: int) -> int:
+def evaluations_left(max_steps: int, eval_every: int, start_step: int) -> int:
     """Evaluations a process starting at `start_step` runs (trainer/loop.py): at step 0 when
     the run is fresh, at every multiple of eval_every after the start, and at the last step."""
-    if start_step >= trainer.max_steps:
+    if start_step >= max_steps:
         return 0
-    every = trainer.eval_every
-    multiples = trainer.max_steps // every - start_step // every if every else 0
-    last = 1 if not every or trainer.max_steps % every else 0
+    multiples = max_steps // eval_every - start_step // eval_every if eval_every else 0
+    last = 1 if not eval_every or max_steps % eval_every else 0
     return (start_step == 0) + multiples + last
 
 
-def compiles_evaluation(trainer: TrainerConfig, batches: int) -> bool:
-    """Whether a compiled run's validation forwards run compiled (else eagerly, with no
-    inference compile): trainer.compile_eval; auto when this process's evaluations forward at
-    least EVAL_COMPILE_MIN_BATCHES batches."""
-    if not compiles(trainer) or trainer.compile_eval == "false":
+def compiles_evaluation(compiled: bool, compile_eval: str, batches: int) -> bool:
+    """Whether a run's validation forwards run compiled (else eagerly, with no inference
+    compile): never when the run is not `compiled`; else trainer.compile_eval, auto when this
+    process's evaluations forward at least EVAL_COMPILE_MIN_BATCHES batches."""
+    if not compiled or compile_eval == "false":
         return False
-    return trainer.compile_eval == "true" or batches >= EVAL_COMPILE_MIN_BATCHES
+    return compile_eval == "true" or batches >= EVAL_COMPILE_MIN_BATCHES
 
 
 @dataclass(kw_only=True)

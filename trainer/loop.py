@@ -1,7 +1,7 @@
 """The training loop: steps, logging rows, evaluation, checkpoints, stop signals, bad steps.
 
 `Training` holds what `trainer.app.build_training` made; `run()` trains from the current step
-to `trainer.max_steps` and returns the process exit code (0 done or stopped by a signal, 1 too
+to `loop.max_steps` (trainer.max_steps) and returns the process exit code (0 done or stopped by a signal, 1 too
 many bad steps).
 """
 
@@ -28,18 +28,13 @@ from parallel.collective import from_main, worst_over_ranks
 from parallel.engine import TrainingEngine
 from trainer.checkpoint.record import protect
 from trainer.checkpoint.save import Checkpointer
-from trainer.config import (
-    EVAL_COMPILE_MIN_BATCHES,
-    RootConfig,
-    compiles,
-    compiles_evaluation,
-    evaluations_left,
-)
+from trainer.config import EVAL_COMPILE_MIN_BATCHES, compiles_evaluation, evaluations_left
 from trainer.evaluate import perplexity, sample_text, validation_loss
 from trainer.metrics import MetricsFile, memory_bytes
 from trainer.mfu import peak_cache
 from trainer.plot import plot_losses
 from trainer.progress import RunClock, progress_bar, summary
+from trainer.run_settings import LoopSettings
 from trainer.runtime import Ranks, rng_state
 from trainer.signals import StopFlag
 from trainer.slurm import requeue_slurm_job
@@ -51,14 +46,14 @@ log = logging.getLogger("trainer")
 
 @dataclass
 class Training:
-    cfg: RootConfig
+    loop: LoopSettings  # the run's settings the loop reads (trainer.run_settings)
     run_dir: Path
     ranks: Ranks
     device: torch.device
     engine: TrainingEngine  # the model, its optimizer and how they step (parallel.engine)
     model_cfg: ModelConfig  # the resolved model config (vocabulary included)
     schedule: Schedule  # lr and Muon momentum per step (optim.schedules)
-    settings: StepSettings  # micro-batches, clipping, document masking
+    settings: StepSettings  # micro-batches, clipping, document masking (every step)
     loader: TokenLoader
     flops_per_token: float
     peak_flops: float
@@ -165,8 +160,8 @@ class Training:
 
     # -- the loop ------------------------------------------------------------------------------
     def run(self) -> int:
-        tcfg = self.cfg.trainer
-        tokens_per_step = tcfg.batch_size * self.cfg.data.seq_len
+        loop = self.loop
+        tokens_per_step = loop.tokens_per_step
         batches = iter(self.loader)
         self._decide_evaluation_compile()
         self.phase = "the evaluation at step 0"
@@ -174,13 +169,13 @@ class Training:
             return self._stop_now()
         window = _Window()  # opened after that evaluation: it is not training time either
         self.clock = RunClock(self.step)
-        if compiles(tcfg) and self.step < tcfg.max_steps:
+        if loop.compiled and self.step < loop.max_steps:
             log.info("compiling the model (torch.compile): the first steps take longer")
-        bar = self.ranks.is_main and self.cfg.logging.progress
+        bar = self.ranks.is_main and loop.progress
         with progress_bar(bar) as progress:
-            first = "compiling" if compiles(tcfg) else "training"
-            task = progress.add_task(first, total=tcfg.max_steps, completed=self.step)
-            while self.step < tcfg.max_steps:
+            first = "compiling" if loop.compiled else "training"
+            task = progress.add_task(first, total=loop.max_steps, completed=self.step)
+            while self.step < loop.max_steps:
                 self.phase = f"training step {self.step + 1}"
                 if self.stop.requested():
                     return self._stop_now()
@@ -200,12 +195,12 @@ class Training:
                     return 1
                 if not result.skipped:
                     self.bad_streak = 0
-                last = self.step == tcfg.max_steps
-                if self.step % tcfg.log_every == 0 or last:
+                last = self.step == loop.max_steps
+                if self.step % loop.log_every == 0 or last:
                     self._log_row(window, lr)
                     window = _Window()
                 paused = time.perf_counter()  # evaluation and saving are not training time
-                evaluate = (tcfg.eval_every and self.step % tcfg.eval_every == 0) or last
+                evaluate = (loop.eval_every and self.step % loop.eval_every == 0) or last
                 self.phase = f"the evaluation at step {self.step}"
                 if evaluate:
                     progress.update(task, description="evaluating")
@@ -231,7 +226,7 @@ class Training:
     def _checkpoint_after_step(self, last: bool) -> bool:
         """Save at the end or on schedule (postponed while steps are being skipped), else
         commit a finished background write; False when the run must end as failed."""
-        every = self.cfg.checkpoint.every
+        every = self.loop.checkpoint_every
         due = bool(every) and self.step % every == 0
         if last:
             return self._end_in_streak() if self.bad_streak else self.save("end of training", True)
@@ -276,8 +271,8 @@ class Training:
 
     def _requeue(self) -> bool:
         """Under SLURM, after the pre-timeout signal of an unfinished run: requeue the job."""
-        finished = self.step >= self.cfg.trainer.max_steps
-        if not (self.cfg.trainer.requeue and self.stop.requeue_wanted()) or finished:
+        finished = self.step >= self.loop.max_steps
+        if not (self.loop.requeue and self.stop.requeue_wanted()) or finished:
             return False
         return requeue_slurm_job(self.ranks)
 
@@ -289,7 +284,7 @@ class Training:
             self.checkpointer.wait()
             self.pre_streak = self.checkpointer.last_committed
         log.warning("step %d skipped: %s (%d in a row)", self.step, reason, self.bad_streak)
-        limit = self.cfg.trainer.max_bad_steps
+        limit = self.loop.max_bad_steps
         if self.bad_streak < limit:
             return False
         first_bad = self.step - self.bad_streak + 1
@@ -346,14 +341,14 @@ class Training:
             "step %d/%d  loss %.4f  lr %.2e  grad_norm %.3f  %.0f tok/s  mfu %.1f%%  data wait "
             "%.2fs  %s",
             self.step,
-            self.cfg.trainer.max_steps,
+            self.loop.max_steps,
             row["loss"],
             lr,
             row["grad_norm"],
             tokens_per_s,
             100 * row["mfu"],
             window.data_wait,
-            self.clock.where(self.step, self.cfg.trainer.max_steps),
+            self.clock.where(self.step, self.loop.max_steps),
         )
 
     def _emit(self, row: dict[str, Any]) -> None:
@@ -373,15 +368,15 @@ class Training:
                     return False
             # every rank samples (the same tokens, from the same seed): under FSDP or expert
             # parallelism each forward is collective, so rank 0 cannot run it alone
-            if self.cfg.trainer.sample_tokens:
+            if self.loop.sample_tokens:
                 with self._eager_stance(validation=False):
                     text = sample_text(
                         self.engine,
                         self.loader.tokenizer,
                         self.sample_prompt,
-                        self.cfg.trainer.sample_tokens,
+                        self.loop.sample_tokens,
                         self.device,
-                        seed=self.cfg.seed + self.step,
+                        seed=self.loop.seed + self.step,
                     )
                 if text is None:
                     log.warning(
@@ -396,22 +391,24 @@ class Training:
     def _decide_evaluation_compile(self) -> None:
         """In a compiled run, whether this process's validation forwards run compiled
         (trainer.config.compiles_evaluation, from the batches they will forward); logged."""
-        trainer = self.cfg.trainer
-        if not compiles(trainer):
+        loop = self.loop
+        if not loop.compiled:
             return  # compiled_evaluation stays False: nothing is compiled
         per_evaluation = 0
         if self.loader.val_batches:  # no validation split: no evaluation forwards at all
             per_evaluation = self.loader.val_batches + self.loader.train_sample.batches
-        batches = evaluations_left(trainer, self.step) * per_evaluation
+        batches = evaluations_left(loop.max_steps, loop.eval_every, self.step) * per_evaluation
         # FlexAttention is itself a compiled function: its models keep compiled validation
         flex = self.model_cfg.attention.backend == "flex"
-        self.compiled_evaluation = compiles_evaluation(trainer, batches) or flex
+        self.compiled_evaluation = (
+            compiles_evaluation(loop.compiled, loop.compile_eval, batches) or flex
+        )
         how = "compiled" if self.compiled_evaluation else "eager"
         log.info(
             "evaluation forwards %s (%s: %d evaluation batches left, auto compiles from %d); "
             "samples eager",
             how,
-            "FlexAttention" if flex else f"trainer.compile_eval={trainer.compile_eval}",
+            "FlexAttention" if flex else f"trainer.compile_eval={loop.compile_eval}",
             batches,
             EVAL_COMPILE_MIN_BATCHES,
         )
@@ -419,7 +416,7 @@ class Training:
     def _eager_stance(self, validation: bool) -> contextlib.AbstractContextManager:
         """In a compiled run, samples and (unless _decide_evaluation_compile chose otherwise)
         validation forwards run eagerly: no inference or decoding compile."""
-        if not compiles(self.cfg.trainer) or (validation and self.compiled_evaluation):
+        if not self.loop.compiled or (validation and self.compiled_evaluation):
             return contextlib.nullcontext()
         return torch.compiler.set_stance("force_eager")
 
@@ -455,16 +452,16 @@ class Training:
             self.engine.evaluation_loss,
             batches,
             self.device,
-            self.cfg.trainer.doc_mask,
+            self.settings.doc_mask,
             self.stop.requested,
         )
 
     def _maybe_inject_fault(self) -> None:
         """trainer.fault_step: SIGKILL this process once at that step (tests of exact resume and
         of torchrun's restarts); trainer.fault_rank picks one rank."""
-        if self.step != self.cfg.trainer.fault_step:
+        if self.step != self.loop.fault_step:
             return
-        if self.cfg.trainer.fault_rank not in (-1, self.ranks.rank):
+        if self.loop.fault_rank not in (-1, self.ranks.rank):
             return
         marker = self.run_dir / f".fault_step_{self.step}_rank{self.ranks.rank}"
         if marker.exists():

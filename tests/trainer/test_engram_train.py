@@ -4,6 +4,7 @@ an interrupted run resumes to the same losses, bitwise; a run whose compression 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -53,7 +54,7 @@ def test_engram_trains_saves_its_compression_and_resumes_bitwise(dataset, tmp_pa
     val = [r["val_loss"] for r in rows if "val_loss" in r]
     assert val[-1] < val[0] - 0.5
     first = build_training(engram_config(dataset, 20), tmp_path / "split", ONE)
-    first.cfg.trainer.max_steps = 10
+    first.loop = dataclasses.replace(first.loop, max_steps=10)
     assert first.run() == 0
     again = build_training(engram_config(dataset, 20), tmp_path / "split", ONE)
     assert again.step == 10 and again.run() == 0

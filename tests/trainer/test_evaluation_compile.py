@@ -10,6 +10,7 @@ from trainer.config import (
     COMPILE_MIN_STEPS,
     EVAL_COMPILE_MIN_BATCHES,
     TrainerConfig,
+    compiles,
     compiles_evaluation,
     evaluations_left,
 )
@@ -29,9 +30,8 @@ def evaluations_by_stepping(max_steps: int, eval_every: int, start: int) -> int:
 @pytest.mark.parametrize("eval_every", [0, 1, 7, 50, 100])
 @pytest.mark.parametrize("start", [0, 1, 49, 50, 98, 100, 2400, 2450])
 def test_evaluations_left_follows_the_loops_schedule(max_steps, eval_every, start):
-    trainer = TrainerConfig(max_steps=max_steps, eval_every=eval_every)
     expected = evaluations_by_stepping(max_steps, eval_every, start)
-    assert evaluations_left(trainer, start) == expected
+    assert evaluations_left(max_steps, eval_every, start) == expected
 
 
 @pytest.mark.parametrize(
@@ -48,16 +48,15 @@ def test_evaluations_left_follows_the_loops_schedule(max_steps, eval_every, star
 def test_compiles_evaluation(compile_, compile_eval, batches, expected):
     steps = COMPILE_MIN_STEPS - 1
     trainer = TrainerConfig(compile=compile_, compile_eval=compile_eval, max_steps=steps)
-    assert compiles_evaluation(trainer, batches) is expected
+    assert compiles_evaluation(compiles(trainer), compile_eval, batches) is expected
 
 
 def test_a_resumed_run_counts_only_its_own_evaluations():
     """2450 steps, eval_every 50, 10 batches each: 500 batches from the start (compiled); 10 for
     a process resumed at step 2400, which evaluates only at step 2450 (eager: the compile would
     not pay back in that process)."""
-    trainer = TrainerConfig(compile="true", max_steps=2450, eval_every=50)
-    assert compiles_evaluation(trainer, 10 * evaluations_left(trainer, 0))
-    assert not compiles_evaluation(trainer, 10 * evaluations_left(trainer, 2400))
+    assert compiles_evaluation(True, "auto", 10 * evaluations_left(2450, 50, 0))
+    assert not compiles_evaluation(True, "auto", 10 * evaluations_left(2450, 50, 2400))
 
 
 def test_compile_eval_takes_yaml_booleans_and_names_a_bad_value():

@@ -3,6 +3,8 @@ falls, and an interrupted run resumes to the same losses, bitwise."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from model.presets import load_preset
 from tests.trainer.helpers import metric_rows, small_config
 from trainer.app import build_training
@@ -42,7 +44,8 @@ def test_the_hybrid_trains_and_resumes_bitwise(dataset, tmp_path):
     assert val[-1] < val[0] - 0.5
     # the same 20 steps interrupted after 10: the resumed run continues bitwise
     first = build_training(hybrid_config(dataset, 20), tmp_path / "split", ONE)
-    first.cfg.trainer.max_steps = 10  # stops at 10 with the 20-step schedule, as a preemption would
+    # stops at 10 with the 20-step schedule, as a preemption would
+    first.loop = dataclasses.replace(first.loop, max_steps=10)
     assert first.run() == 0
     again = build_training(hybrid_config(dataset, 20), tmp_path / "split", ONE)
     assert again.step == 10 and again.run() == 0

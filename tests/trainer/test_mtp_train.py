@@ -4,6 +4,8 @@ switches at its fraction of the run, and an interrupted run resumes to the same 
 
 from __future__ import annotations
 
+import dataclasses
+
 from model.presets import load_preset
 from tests.trainer.helpers import SMALL_MODEL, metric_rows, small_config
 from trainer.app import build_training
@@ -30,7 +32,7 @@ def test_mtp_trains_logs_each_depth_switches_lambda_and_resumes_bitwise(dataset,
     assert rows[-1]["mtp/loss_1"] < rows[0]["mtp/loss_1"] - 0.5
     assert rows[-1]["mtp/loss_2"] < rows[0]["mtp/loss_2"] - 0.5
     first = build_training(mtp_config(dataset, 20), tmp_path / "split", ONE)
-    first.cfg.trainer.max_steps = 10
+    first.loop = dataclasses.replace(first.loop, max_steps=10)
     assert first.run() == 0
     again = build_training(mtp_config(dataset, 20), tmp_path / "split", ONE)
     assert again.step == 10 and again.run() == 0

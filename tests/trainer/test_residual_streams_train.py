@@ -4,6 +4,8 @@ and an interrupted run resumes to the same losses, bitwise."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from model.presets import load_preset
@@ -47,7 +49,8 @@ def test_the_stream_trains_logs_its_metrics_and_resumes_bitwise(dataset, tmp_pat
     if preset == "tiny_attnres":
         assert 0 < logged[-1]["attnres/entropy"] < 1  # the queries trained away from uniform
     first = build_training(stream_config(dataset, 20, preset), tmp_path / "split", ONE)
-    first.cfg.trainer.max_steps = 10  # stops at 10 with the 20-step schedule, as a preemption would
+    # stops at 10 with the 20-step schedule, as a preemption would
+    first.loop = dataclasses.replace(first.loop, max_steps=10)
     assert first.run() == 0
     again = build_training(stream_config(dataset, 20, preset), tmp_path / "split", ONE)
     assert again.step == 10 and again.run() == 0
