@@ -24,6 +24,9 @@ and the optimizer and offers:
   full_weights()         a context with whole weights for generation (sampling)
   state_dict() / load_state_dict(state)   model + optimizer state for checkpoints, in DCP's
                          form (names independent of the layout, so loading reshards)
+  checkpoint_format, write_checkpoint, checkpoint_conflict, read_checkpoint   what the engine
+                         writes into a checkpoint and reads back (parallel.checkpoint_format;
+                         DCP by default, DeepSpeed's own files)
   state_module           the module whose weights the optimizer updates and checkpoints hold
   weight_modules()       the distinct modules holding weights (model, then state_module)
   nonfinite_weights()    the weights holding NaN or inf on this rank (never saved, sampled)
@@ -52,6 +55,7 @@ from torch.distributed.tensor import DTensor
 from model.config import ModelConfig
 from model.registry import Registry
 from model.training_hooks import RowScaler, UpdatedWeights
+from parallel.checkpoint_format import CheckpointFormat
 from parallel.config import ParallelConfig
 from parallel.fsdp import replicated_tables
 from parallel.grad_norm import clip_grad_norm
@@ -71,7 +75,7 @@ def plain_loss(loss: Tensor) -> Tensor:
     return loss
 
 
-class ModuleState:
+class ModuleState(CheckpointFormat):
     """A module and its optimizer as one checkpointable state (DCP's state-dict helpers)."""
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -95,8 +99,9 @@ class CheckpointRefusal(RuntimeError):
     refuses it by name instead of falling back past it)."""
 
 
-class TrainingEngine:
-    """The interface (see the module docstring); subclasses implement every method."""
+class TrainingEngine(CheckpointFormat):
+    """The interface (see the module docstring); subclasses implement every method. The
+    checkpoint methods (parallel.checkpoint_format) default to DCP over state_dict()."""
 
     model: nn.Module
     optimizer: torch.optim.Optimizer

@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from model.errors import ConfigError
-from model.moe import moe_layers
+from model.roles import EXPERT_STACK, role_owners
 from model.transformer import Transformer
 
 
@@ -64,11 +64,20 @@ def _all_to_all(x: Tensor, output_splits: list[int], input_splits: list[int], gr
     return funcol.wait_tensor(y) if isinstance(y, funcol.AsyncCollectiveTensor) else y
 
 
+def expert_layers(model: nn.Module) -> list[nn.Module]:
+    """The layers that route tokens to a stack of experts, in module order: those with a child
+    holding parameters of role `expert_stack` (model.roles). Each declares `experts` (that
+    child: (E, ...) weights, one matrix per expert), `n_experts` and `dispatch` (how routed
+    tokens reach the experts: what expert parallelism replaces by an all-to-all)."""
+    stacks = {id(module) for module in role_owners(model, EXPERT_STACK)}
+    return [m for m in model.modules() if any(id(c) in stacks for c in m.children())]
+
+
 def apply_expert_parallel(model: Transformer, mesh: DeviceMesh) -> None:
     """Shard every MoE layer's experts on dim 0 over `mesh` (ep) and install the all-to-all."""
-    for moe in moe_layers(model):
+    for moe in expert_layers(model):
         experts = moe.experts
-        total = moe.router.gate.weight.shape[0]
+        total = moe.n_experts
         if total % mesh.size():
             raise ConfigError(
                 f"model.moe.n_routed_experts={total} is not divisible by parallel.ep={mesh.size()}"

@@ -18,7 +18,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
 from model.errors import ConfigError
-from model.roles import MEMORY, role_owners
+from model.roles import EXPERT_STACK, MEMORY, role_owners
 from model.transformer import Transformer
 from parallel.mesh import Meshes
 
@@ -89,6 +89,7 @@ def apply_fsdp(
 ) -> None:
     """`recompute`: activation checkpointing recomputes the blocks in backward."""
     tables = memory_tables(model)
+    stacks = role_owners(model, EXPERT_STACK)  # the routed experts' weights, one unit each
     ignored = {p for table in replicated_tables(model) for p in table.parameters(recurse=False)}
     for block in model.blocks():
         inside = {id(part) for part in block.modules()}
@@ -97,8 +98,7 @@ def apply_fsdp(
         )
         if mp.param_dtype not in (None, torch.float32):
             _shard_fp32_parts(block, meshes.dense, reshard_after_forward, tables)
-        experts = getattr(block.ffn, "experts", None)
-        if experts is not None and meshes.experts is not None:
+        for experts in [s for s in stacks if id(s) in inside and meshes.experts is not None]:
             fully_shard(
                 experts,
                 mesh=meshes.experts,

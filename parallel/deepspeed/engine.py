@@ -42,7 +42,6 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from model.errors import ConfigError
-from model.moe import moe_layers
 from model.training_hooks import RowScaler
 from model.transformer import Transformer, build_model
 from parallel.activation import apply_activation_checkpointing, compile_model
@@ -79,6 +78,7 @@ from parallel.engine import (
     TrainingEngine,
     plain_loss,
 )
+from parallel.expert_parallel import expert_layers
 from parallel.grad_norm import clip_grad_norm
 from parallel.init import load_weights, whole_weights
 from parallel.precision import autocast_factory
@@ -404,8 +404,11 @@ class DeepSpeedEngine(TrainingEngine):
     # (trainer/checkpoint/save.py: temporary directory, checksums, commit, latest, fallback)
     checkpoint_format = CHECKPOINT_FOLDER
 
-    def write_checkpoint(self, directory: Path) -> None:
-        """DeepSpeed's save (collective): model, optimizer partitions, its step counters."""
+    def write_checkpoint(
+        self, directory: Path, background: bool = False, group: Any = None
+    ) -> None:
+        """DeepSpeed's save (collective): model, optimizer partitions, its step counters; never
+        in the background (`background` and `group` are DCP's)."""
         self.ds.save_checkpoint(str(directory), tag=CHECKPOINT_FOLDER, save_latest=False)
         if dist.get_rank() == 0:
             folder = directory / CHECKPOINT_FOLDER
@@ -470,11 +473,11 @@ class DeepSpeedEngine(TrainingEngine):
         self._universal = universal
         return None
 
-    def read_checkpoint(self, directory: Path) -> None:
+    def read_checkpoint(self, directory: Path, source: Any = None) -> None:
         """DeepSpeed's load (collective): weights, optimizer partitions, its step counters;
         from the universal checkpoint checkpoint_conflict made when the rank count or the ZeRO
         stage differs (removed after, whatever happens); then Engram's tables from their own
-        file."""
+        file. (`source` is DCP's reader: DeepSpeed reads its own files.)"""
         if getattr(self, "_universal", None) is not None:
             universal, self._universal = self._universal, None
             self._read_universal(directory, universal)
@@ -563,7 +566,7 @@ def build_deepspeed(request: EngineRequest) -> DeepSpeedEngine:
         config["optimizer"] = _ds_adamw(client)
         kwargs = {"model_parameters": [dict(g) for g in client.param_groups]}
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # its config dump, per rank
-    experts = [layer.n_experts for layer in moe_layers(model)]
+    experts = [layer.n_experts for layer in expert_layers(model)]
     with declared_expert_layers(experts) if ep > 1 else nullcontext():
         ds_engine, *_ = deepspeed.initialize(model=model, config=config, **kwargs)
     check_zero_optimizer(ds_engine)

@@ -30,8 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from model.moe import moe_layers
-from parallel.expert_parallel import AllToAllDispatch
+from parallel.expert_parallel import AllToAllDispatch, expert_layers
 
 
 def expert_group_name(ep: int) -> str:
@@ -68,7 +67,7 @@ def localize_experts(model: nn.Module, ep: int) -> str:
         groups._create_expert_and_data_parallel(ep)
     group = groups._get_expert_parallel_group(name)
     rank = dist.get_rank(group)
-    for moe in moe_layers(model):
+    for moe in expert_layers(model):
         local = moe.n_experts // ep
         for param in moe.experts.parameters(recurse=False):
             param.data = param.data[rank * local : (rank + 1) * local].clone()

@@ -12,11 +12,12 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from parallel.checkpoint_format import DCP, CheckpointFormat, DCPSource
 from parallel.collective import barrier, from_main, rank_and_size, worst_over_ranks
 from parallel.deepspeed.safe_load import UnsafeFileError, vet_folder
 from parallel.engine import CheckpointRefusal
@@ -37,27 +38,9 @@ log = logging.getLogger("trainer.checkpoint")
 LOAD_ERRORS = (Exception, CheckpointException)
 
 
-class Checkpointable(Protocol):
-    """What checkpoints save and load: a training engine (parallel.engine), or
-    `parallel.engine.ModuleState(model, optimizer)`. `state_dict()` is in DCP's form (names that
-    do not depend on the layout) and is also the template that loading fills.
-
-    An engine with a checkpoint format of its own (DeepSpeed's) has instead a
-    `checkpoint_format` name (the folder its files go in, inside the step directory),
-    `write_checkpoint(dir)` / `read_checkpoint(dir)`, collective like DCP's save and load, and
-    `checkpoint_conflict(dir)`: why it cannot load that one (or None). The step directory, the
-    trainer's per-rank files, checksums, commit and fallback stay the same."""
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
-
-DCP = "dcp"  # the checkpoint format of engines without one of their own
-
-
-def checkpoint_format(target: object) -> str:
-    return getattr(target, "checkpoint_format", DCP)
+# what checkpoints save and load: a training engine, or parallel.engine.ModuleState(model,
+# optimizer); each writes and reads its own files (parallel.checkpoint_format)
+Checkpointable = CheckpointFormat
 
 
 def format_of(path: Path) -> str | None:
@@ -91,9 +74,10 @@ def load_checkpoint(
     problem, unsafe = "", False
     extra: dict[str, Any] = {}
     metadata = None
-    _refuse_other_format(path, checkpoint_format(target))
+    form = target.checkpoint_format
+    _refuse_other_format(path, form)
     try:
-        extra, metadata = read_checked(path, rank, verify, checkpoint_format(target))
+        extra, metadata = read_checked(path, rank, verify, form)
     except UnsafeCheckpointError as err:
         problem, unsafe = str(err), True
     except CheckpointError as err:  # a missing file, a checksum: its own words
@@ -111,17 +95,13 @@ def load_checkpoint(
             f"the run's original overrides, or start a new run: resume=none and another "
             f"hydra.run.dir"
         )
-    if checkpoint_format(target) != DCP:
-        if conflict := target.checkpoint_conflict(path):
-            raise CheckpointConflict(conflict)
-        try:
-            target.read_checkpoint(path)  # its own collective load
-        except CheckpointRefusal as err:  # the engine cannot use it here: not damage
-            raise CheckpointConflict(str(err)) from err
-        return extra
-    state = target.state_dict()
-    read_states(state, path, metadata)
-    target.load_state_dict(state)
+    if conflict := target.checkpoint_conflict(path):
+        raise CheckpointConflict(conflict)
+    source = DCPSource(SafeReader(str(path), metadata), SafePlanner()) if form == DCP else None
+    try:
+        target.read_checkpoint(path, source)  # the engine's collective load
+    except CheckpointRefusal as err:  # the engine cannot use it here: not damage
+        raise CheckpointConflict(str(err)) from err
     return extra
 
 

@@ -30,16 +30,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
 from data.atomic import atomic_write_bytes, is_disk_full
 from parallel.collective import all_true, barrier, several_ranks
 from trainer.checkpoint.errors import CheckpointError
 from trainer.checkpoint.fingerprint import Fingerprint
 from trainer.checkpoint.load import (
-    DCP,
     Checkpointable,
-    checkpoint_format,
 )
 from trainer.checkpoint.record import (
     LATEST,
@@ -100,21 +97,15 @@ class Checkpointer:
         with _disk_full_is_one_line(self, final, tmp):
             _agreed(lambda: _fresh_dir(tmp) if self.rank == 0 else None)
             tmp.mkdir(parents=True, exist_ok=True)  # other nodes may not see rank 0's mkdir yet
-            own = checkpoint_format(state) != DCP  # an engine with a format of its own
-            states = None if own else state.state_dict()
             identity = {"run_id": self.run_id}
             if self.fingerprint is not None:
                 identity["fingerprint"] = self.fingerprint.to_dict()
             _agreed(lambda: torch.save(extra | identity, tmp / f"trainer_rank{self.rank}.pt"))
-            if own:  # its own collective write, then the same commit
-                state.write_checkpoint(tmp)
-                self._commit(tmp, final)
-                return final
-            if self.async_save:
-                future = dcp.async_save(states, checkpoint_id=str(tmp), process_group=self._group)
+            # the engine's collective write (DCP, possibly in the background; DeepSpeed's own)
+            future = state.write_checkpoint(tmp, self.async_save, self._group)
+            if future is not None:
                 self._pending = (future, tmp, final)
                 return final
-            dcp.save(states, checkpoint_id=str(tmp))
             self._commit(tmp, final)
         return final
 
