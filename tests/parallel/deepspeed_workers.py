@@ -237,7 +237,8 @@ def masters_after_init(rank: int, model_cfg: ModelConfig, zero_stage: int) -> fl
     pcfg = ParallelConfig(
         engine="deepspeed", deepspeed=DeepSpeedConfig(zero_stage=zero_stage, **ds)
     )
-    tcfg = TrainerConfig(precision="bf16_master", batch_size=GLOBAL_BATCH, compile="false")
+    # one sequence per rank: the batch divides over 3 ranks too (only the start is measured)
+    tcfg = TrainerConfig(precision="bf16_master", batch_size=size, compile="false")
     engine = build_training_engine(
         model_cfg, tcfg, pcfg, OptimConfig(), ParallelDims.resolve(pcfg, size),
         torch.device("cpu"), 0, lambda: [weights],

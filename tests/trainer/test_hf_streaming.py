@@ -26,6 +26,7 @@ from safetensors.torch import load_file
 from model.config import AttentionConfig, FFNConfig, ModelConfig, MTPConfig
 from model.hf import read_hf_state_dict, save_hf
 from model.transformer import build_model
+from parallel.checkpoint_format import CheckpointFormat
 from tests.model.hf_helpers import perturbed
 from tests.model.test_hf_deepseek_v3 import CASES as DEEPSEEK_CASES
 from tests.parallel.ranks import run_ranks
@@ -45,8 +46,9 @@ BIG = ModelConfig(
 BIG_BYTES = 105 * 2**20 * 4  # its fp32 weights (104.9M parameters), about 420 MB
 
 
-class _Weights:
-    """What the trainer's engine saves, reduced to the model (export reads only that)."""
+class _Weights(CheckpointFormat):
+    """What the trainer's engine saves, reduced to the model (export reads only that), in DCP's
+    format (parallel.checkpoint_format)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
