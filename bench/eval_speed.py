@@ -42,7 +42,11 @@ from trainer.cpu_malloc import keep_freed_memory
 from trainer.hooks import start_hooks
 from trainer.step import LossTracker, StepSettings, train_step
 
-BATCH, SEQ_LEN, SAMPLE_TOKENS = 8, 256, 48  # conf/trainer/default.yaml, trainer.sample_tokens
+BATCH, SEQ_LEN, SAMPLE_TOKENS = (
+    8,
+    256,
+    48,
+)  # the defaults: trainer.batch_size, data.seq_len, trainer.sample_tokens
 EAGER = "force_eager"
 
 

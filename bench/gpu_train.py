@@ -98,18 +98,20 @@ def peak_flops(device: torch.device) -> tuple[float, str]:
 
 def step_times(engine, data, qk_clip: bool, sync: Callable, steps: int) -> dict:
     """Median seconds of a forward, a forward + backward, and a whole train_step."""
+    from model.training_hooks import objective_with
     from trainer.hooks import start_hooks
     from trainer.step import LossTracker, StepSettings, train_step
 
     settings = StepSettings(grad_clip=1.0)
     hooks = start_hooks(engine, 100.0 if qk_clip else 0.0, None)
+    objective = objective_with(hooks)  # the MoE balance losses, as train_step adds them
 
     def forward():
         with torch.no_grad(), engine.autocast():
             engine.model(data.inputs, data.targets)
 
     def forward_backward():
-        engine.forward_backward(data.inputs, data.targets, None, 1, True)
+        engine.forward_backward(data.inputs, data.targets, None, 1, True, objective)
         engine.zero_grad()
 
     def step():

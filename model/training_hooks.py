@@ -12,8 +12,10 @@ once, after the engine is built, and calls every hook at these points of each st
                              step that is skipped): statistics, reduced over the data-parallel
                              ranks with `reduce(tensor, "sum" | "max")` (in place, collective)
   after_update(weights)      right after an applied optimizer update, on the weights it updated
-                             (the fp32 master copy when there is one; `weights.scale_rows` scales
-                             a parameter's rows where the engine keeps them)
+                             (the fp32 master copy when there is one); under DeepSpeed's ZeRO the
+                             optimizer keeps its own fp32 partitions, which only
+                             `weights.scale_rows` reaches: edit weights through it where the
+                             engine gives one (QK-clip does), other in-place edits would be lost
   end_step(applied)          last, whether or not the update was applied
 
 `start(modules)` runs once on a freshly built engine's weight-holding modules (the running model
@@ -31,7 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Protocol
 
 from torch import Tensor, nn
 
@@ -43,13 +45,13 @@ Metrics = dict[str, float]
 @dataclass(frozen=True)
 class UpdatedWeights:
     """The module holding the weights an optimizer update just changed, and how to scale a row
-    of one of them (None: in place on the tensor, or on a DTensor's local rows)."""
+    of one of them (None: in place on the tensor, or on a DTensor's local rows; an engine that
+    keeps the updated weights elsewhere, DeepSpeed's ZeRO, gives its own)."""
 
     module: nn.Module
     scale_rows: RowScaler | None = None
 
 
-@runtime_checkable
 class TrainingHook(Protocol):
     """A feature's part in each training step (see the module docstring). Subclass it for the
     no-op defaults, or implement every method (packages that may not import model/)."""
@@ -78,13 +80,10 @@ _FACTORIES: dict[str, HookFactory] = {}
 
 
 def register_hook_factory(name: str, factory: HookFactory) -> None:
-    """Add a feature's hook to every model built from now on (`factory(model)`: its hook, or
-    None where the model lacks the feature); registering a name again replaces it."""
+    """Add a feature's hook to every run whose hooks are assembled from now on
+    (trainer.hooks.start_hooks calls `factory(model)`: its hook, or None where the model lacks
+    the feature); registering a name again replaces it."""
     _FACTORIES[name] = factory
-
-
-def unregister_hook_factory(name: str) -> None:
-    _FACTORIES.pop(name, None)
 
 
 def registered_hooks(model: nn.Module) -> list[TrainingHook]:

@@ -123,7 +123,7 @@ class TrainingEngine(CheckpointFormat):
         doc_ids: Tensor | None,
         divide_by: int,
         last: bool,
-        objective: Objective = plain_loss,
+        objective: Objective,
     ) -> Tensor:
         """Forward of one micro-batch, backward of objective(loss) / divide_by (the features'
         terms added: model.training_hooks.objective_with); returns the detached language-model
@@ -179,12 +179,6 @@ class TrainingEngine(CheckpointFormat):
         raise NotImplementedError
 
     def full_weights(self) -> AbstractContextManager[nn.Module]:
-        raise NotImplementedError
-
-    def state_dict(self) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
         raise NotImplementedError
 
     def nonfinite_weights(self) -> list[str]:
@@ -246,7 +240,7 @@ class FSDP2Engine(TrainingEngine):
         doc_ids: Tensor | None,
         divide_by: int,
         last: bool,
-        objective: Objective = plain_loss,
+        objective: Objective,
     ) -> Tensor:
         if self.sharded:
             self.model.set_requires_all_reduce(last)

@@ -189,7 +189,7 @@ class Training:
                 self.step += 1
                 self.tokens += tokens_per_step
                 window.add(result.loss, result.grad_norm, tokens_per_step, result.skip_kind)
-                window.moe = result.moe or window.moe
+                window.metrics = result.metrics or window.metrics
                 progress.update(task, completed=self.step, description=f"loss {result.loss:.3f}")
                 if result.skipped and self._bad_step(result.skipped):
                     return 1
@@ -327,7 +327,7 @@ class Training:
             **{f"skipped/{kind}": n for kind, n in window.skip_kinds.items()},
             **({"skipped_loss": window.skipped_loss} if window.skip_kinds else {}),
             mem_key: mem,
-            **window.moe,  # the last step's hook metrics (moe/..., mtp/..., qk/..., attnres/...)
+            **window.metrics,  # the last step's hook metrics (moe/..., mtp/..., qk/..., attnres/...)
         }
         self._emit(row)
         if row["mfu"] > 1 and not self.mfu_warned:  # the achieved rate bounds the peak from below
@@ -480,7 +480,7 @@ class _Window:
         self.norms: list[float] = []
         self.tokens = 0
         self.data_wait = 0.0
-        self.moe: dict[str, float] = {}
+        self.metrics: dict[str, float] = {}  # the last step's training-hook metrics
         self.skip_kinds: dict[str, int] = {}  # why steps of this window were skipped
         self.skipped_loss = float("nan")  # the loss of the last skipped step, as measured
 

@@ -29,7 +29,7 @@ class StepResult:
     grad_norm: float
     skipped: str  # "" when the update was applied, else why not (one line for the log)
     # the training hooks' metrics (moe/..., mtp/..., qk/..., attnres/...: model.training_hooks)
-    moe: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
     skip_kind: str = ""  # nonfinite_loss | nonfinite_grad_norm | loss_spike (metrics keys)
 
 

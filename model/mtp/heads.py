@@ -96,8 +96,9 @@ class MTPModule(nn.Module):
 
 
 class MultiTokenPrediction(nn.Module):
-    """The D modules (`layers`), lambda (`weight`, set per step by the trainer's schedule), and
-    the last training forward's per-depth losses (`last_losses`, for the metrics)."""
+    """The D modules (`layers`), lambda (`weight`, set before each step by `MTPHook` from the
+    schedule), and the per-depth loss sums since the last `stats` (`loss_sums`, for the
+    metrics)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()

@@ -40,11 +40,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed import ProcessGroup
 
 from model.errors import ConfigError
 from model.training_hooks import RowScaler
 from model.transformer import Transformer, build_model
 from parallel.activation import apply_activation_checkpointing, compile_model
+from parallel.checkpoint_format import DCPSource
 from parallel.collective import worst_over_ranks
 from parallel.deepspeed.checkpoint import (
     CHECKPOINT_FOLDER,
@@ -76,7 +78,6 @@ from parallel.engine import (
     EngineRequest,
     Objective,
     TrainingEngine,
-    plain_loss,
 )
 from parallel.expert_parallel import expert_layers
 from parallel.grad_norm import clip_grad_norm
@@ -251,7 +252,7 @@ class DeepSpeedEngine(TrainingEngine):
         doc_ids: Tensor | None,
         divide_by: int,
         last: bool,
-        objective: Objective = plain_loss,
+        objective: Objective,
     ) -> Tensor:
         self.ds.set_gradient_accumulation_boundary(last)
         loss = self.ds(inputs, targets, doc_ids=doc_ids)
@@ -405,7 +406,7 @@ class DeepSpeedEngine(TrainingEngine):
     checkpoint_format = CHECKPOINT_FOLDER
 
     def write_checkpoint(
-        self, directory: Path, background: bool = False, group: Any = None
+        self, directory: Path, background: bool = False, group: ProcessGroup | None = None
     ) -> None:
         """DeepSpeed's save (collective): model, optimizer partitions, its step counters; never
         in the background (`background` and `group` are DCP's)."""
@@ -473,7 +474,7 @@ class DeepSpeedEngine(TrainingEngine):
         self._universal = universal
         return None
 
-    def read_checkpoint(self, directory: Path, source: Any = None) -> None:
+    def read_checkpoint(self, directory: Path, source: DCPSource | None = None) -> None:
         """DeepSpeed's load (collective): weights, optimizer partitions, its step counters;
         from the universal checkpoint checkpoint_conflict made when the rank count or the ZeRO
         stage differs (removed after, whatever happens); then Engram's tables from their own

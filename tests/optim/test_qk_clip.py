@@ -121,9 +121,9 @@ def _run(
     peaks = []
     for _ in range(steps):
         result = train_step(engine, batch, StepSettings(), LossTracker(0.0), hooks)
-        peaks.append(result.moe["qk/max_logit"])
+        peaks.append(result.metrics["qk/max_logit"])
         if stats is not None:
-            stats.append({k: v for k, v in result.moe.items() if k.startswith("qk/")})
+            stats.append({k: v for k, v in result.metrics.items() if k.startswith("qk/")})
     return peaks
 
 

@@ -109,7 +109,7 @@ def train_deepspeed(
         losses.append(result.loss)
         norms.append(result.grad_norm)
         applied.append(not result.skipped)
-        stats.append(result.moe)
+        stats.append(result.metrics)
         momenta.append(muon_momentum(engine))
     final = whole_weights(engine)
     return {

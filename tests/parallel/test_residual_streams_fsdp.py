@@ -93,6 +93,7 @@ def test_the_streams_with_moe_ffns_under_expert_parallelism_match_one_process(pr
 def dtypes_in_forward(rank: int, preset: str, precision: str) -> dict[str, str]:
     """One training step of the engine; the dtype of every stream parameter as its module's
     forward sees it (after FSDP2's gather / the bf16 cast), and of a block matrix."""
+    from parallel.engine import plain_loss
     from tests.parallel.workers import engine_for, global_batches, local_batch
 
     engine = engine_for(small_model(preset, n_layers=2), {}, precision)
@@ -109,7 +110,7 @@ def dtypes_in_forward(rank: int, preset: str, precision: str) -> dict[str, str]:
         if getattr(module, "keep_fp32", False) or name.endswith("layers.0.attn.q_proj"):
             module.register_forward_pre_hook(record(name))
     batch = local_batch(global_batches(1, 128)[0])
-    engine.forward_backward(batch.inputs, batch.targets, None, 1, True)
+    engine.forward_backward(batch.inputs, batch.targets, None, 1, True, plain_loss)
     engine.clip_gradients(float("inf"))
     engine.step(None)
     return seen

@@ -98,7 +98,7 @@ def train(
     settings = StepSettings(micro_batches=micro_batches, grad_clip=grad_clip)
     for tokens in global_batches(first + steps, model_cfg.vocab_size)[first:]:
         result = train_step(engine, local_batch(tokens), settings, tracker, hooks)
-        stats.append(result.moe)
+        stats.append(result.metrics)
         losses.append(result.loss)
         norms.append(result.grad_norm)
     if save_to:

@@ -19,7 +19,6 @@ from parallel.engine import (
     ModuleState,
     Objective,
     TrainingEngine,
-    plain_loss,
 )
 from tests.trainer.helpers import metric_rows, small_config
 from trainer.app import build_training
@@ -51,7 +50,7 @@ class RecordingEngine(TrainingEngine):
         doc_ids: Tensor | None,
         divide_by: int,
         last: bool,
-        objective: Objective = plain_loss,
+        objective: Objective,
     ) -> Tensor:
         self.calls["forward_backward"] += 1
         self.calls["last"] += last

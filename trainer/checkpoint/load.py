@@ -43,6 +43,16 @@ LOAD_ERRORS = (Exception, CheckpointException)
 Checkpointable = CheckpointFormat
 
 
+def require_checkpointable(target: object) -> None:
+    """A TypeError, before any file is touched, for an object without the checkpoint methods
+    (an object with only state_dict(): a programming error, never a damaged checkpoint)."""
+    if not isinstance(target, CheckpointFormat):
+        raise TypeError(
+            f"{type(target).__name__} cannot be checkpointed: subclass "
+            "parallel.checkpoint_format.CheckpointFormat (DCP files of its state_dict())"
+        )
+
+
 def format_of(path: Path) -> str | None:
     """The format a step directory was written in: DCP (its .metadata), an engine's folder,
     or None (neither: incomplete)."""
@@ -74,6 +84,7 @@ def load_checkpoint(
     problem, unsafe = "", False
     extra: dict[str, Any] = {}
     metadata = None
+    require_checkpointable(target)
     form = target.checkpoint_format
     _refuse_other_format(path, form)
     try:
@@ -161,6 +172,7 @@ def resume(
     weights half-read: the caller re-initializes when it starts from scratch after one. A
     refusal (settings, a crafted file), a collective timeout or Ctrl-C is raised, never taken
     for damage."""
+    require_checkpointable(target)  # before the loop below takes a TypeError for damage
     listing: list[Listed] = from_main(list_checkpoints(root))  # listings may differ per node
     if resume_from == "none":
         if listing:

@@ -1,19 +1,16 @@
-"""DCP checkpoints that appear only when complete and verified, and resume from the newest good one.
+"""The checkpoint transaction: a checkpoint appears only when complete and verified.
 
-    checkpoints/step_00000100/   .metadata + *.distcp (model and optimizer, via DCP)
+    checkpoints/step_00000100/   the engine's files (parallel.checkpoint_format: DCP's
+                                 .metadata + *.distcp, or DeepSpeed's deepspeed/ folder)
                                  trainer_rank<R>.pt (step, loader, RNG states, run id, configs)
                                  commit.json (run id, write order, checksum of every file)
     checkpoints/latest           the name of the newest complete checkpoint
 
 A checkpoint is written to `step_<N>.tmp/`, checksummed, renamed to `step_<N>/` when every rank
 has written its part, and only then named in `latest`; beyond `keep`, this run's oldest
-unprotected checkpoints are deleted (by write order, see trainer.checkpoint.record). Model and
-optimizer states come from `torch.distributed.checkpoint.state_dict`, which gives parameter-name
-keyed states for plain and FSDP2 models alike, so DCP can reshard them on load.
-
-Loading refuses, before reading any weights, a checkpoint whose model or optimizer structure
-differs from the run's (`CheckpointConflict`, exit 2); only I/O, format and checksum problems
-make a checkpoint "damaged", and `resume=auto` then falls back to the one before it.
+unprotected checkpoints are deleted (by write order, see trainer.checkpoint.record). What goes
+inside is the engine's (`write_checkpoint`): DCP's files of parameter-name keyed states for plain
+and FSDP2 models alike, so loading reshards them (trainer.checkpoint.load), or an engine's own.
 """
 
 from __future__ import annotations
@@ -35,9 +32,7 @@ from data.atomic import atomic_write_bytes, is_disk_full
 from parallel.collective import all_true, barrier, several_ranks
 from trainer.checkpoint.errors import CheckpointError
 from trainer.checkpoint.fingerprint import Fingerprint
-from trainer.checkpoint.load import (
-    Checkpointable,
-)
+from trainer.checkpoint.load import Checkpointable, require_checkpointable
 from trainer.checkpoint.record import (
     LATEST,
     CommitRecord,
@@ -89,8 +84,9 @@ class Checkpointer:
             self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
 
     def save(self, step: int, state: Checkpointable, extra: dict[str, Any]) -> Path:
-        """Write `state` (the engine: model + optimizer in DCP's form) and `extra` (this rank's
+        """Write `state` (the engine: its own files, model + optimizer) and `extra` (this rank's
         trainer state) as the checkpoint of `step`."""
+        require_checkpointable(state)
         self.wait()
         final = step_dir(self.root, step)
         tmp = final.with_name(final.name + ".tmp")
