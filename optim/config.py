@@ -51,9 +51,9 @@ def _require(ok: bool, message: str) -> None:
 class OptimConfig:
     name: str = "adamw"  # optimizer (the builder's registry key)
     lr: float = 3e-3  # peak learning rate
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
+    beta1: float = 0.9  # AdamW's first-moment decay (also the AdamW groups under Muon)
+    beta2: float = 0.95  # AdamW's second-moment decay
+    eps: float = 1e-8  # AdamW's denominator epsilon
     weight_decay: float = 0.1  # decoupled; applied to matrices only (not norms, biases, gains)
     schedule: str = "cosine"  # cosine | wsd (warmup-stable-decay) | constant (after warmup)
     warmup_steps: int = 50  # linear warmup from 0 to lr
@@ -62,9 +62,9 @@ class OptimConfig:
     decay_shape: str = "sqrt"  # wsd decay: linear | cosine | sqrt (1 - sqrt, as in MiniCPM)
     # Muon (optim=muon): hidden matrices; the rest (embeddings, head, norms, router) use AdamW
     muon_momentum: float = 0.95  # momentum of the Muon groups (Nesterov by muon_nesterov)
-    muon_nesterov: bool = True
+    muon_nesterov: bool = True  # Nesterov momentum in the Muon groups
     muon_momentum_warmup: int = 0  # steps ramping momentum from muon_momentum_start; 0 = off
-    muon_momentum_start: float = 0.85
+    muon_momentum_start: float = 0.85  # momentum at step 0 of muon_momentum_warmup
     ns_steps: int = 5  # Newton-Schulz iterations
     ns_schedule: str = "quintic"  # quintic (3.4445, -4.7750, 2.0315) | polar_express
     muon_scaling: str = "match_adamw"  # match_adamw (0.2 sqrt(max dim)) | spectral

@@ -188,8 +188,8 @@ class CheckpointConfig:
 @dataclass(kw_only=True)
 class LoggingConfig:
     wandb: str = "disabled"  # disabled | offline | online
-    project: str = "lmforge"
-    entity: str | None = None
+    project: str = "lmforge"  # wandb project
+    entity: str | None = None  # wandb entity (user or team); None = your default entity
     name: str | None = None  # run name shown in wandb; default: the run directory's name
     progress: bool = True  # a progress bar of steps on the console
 

@@ -58,7 +58,7 @@ def impls() -> list[str]:
 @pytest.mark.parametrize("impl", impls())
 def test_experts_match_the_per_expert_loop(impl, dtype):
     if impl == "grouped_mm" and not experts_module._grouped_mm_probe("cpu", dtype):
-        pytest.skip(f"torch._grouped_mm does not run on cpu/{dtype}")  # eager fp32 is enough
+        pytest.skip(f"machine: torch._grouped_mm does not run on cpu/{dtype}")  # eager fp32 is enough
     experts, x, counts = make(dtype=dtype)
     experts.impl = impl
     y = experts(x, counts)
@@ -103,7 +103,7 @@ def test_every_expert_empty_gives_an_empty_result():
 
 def test_auto_uses_the_grouped_gemm_when_aligned_and_falls_back_otherwise(monkeypatch):
     if not grouped_mm_supported("cpu", torch.bfloat16):
-        pytest.skip("no grouped GEMM here")
+        pytest.skip("machine: no grouped GEMM here")
     calls = []
     real = experts_module.grouped_mm
     monkeypatch.setattr(
@@ -141,7 +141,7 @@ def test_auto_takes_per_group_gemms_in_eager_fp32_on_cpu_and_pads_when_compiling
     monkeypatch, compiling
 ):
     if not experts_module._grouped_mm_probe("cpu", torch.float32):
-        pytest.skip("torch._grouped_mm does not run fp32 on this CPU")
+        pytest.skip("machine: torch._grouped_mm does not run fp32 on this CPU")
     experts, x, counts = make(counts=BALANCED * 2)  # 16 groups of about 3 rows: small
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: compiling)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
@@ -217,7 +217,7 @@ def test_counts_must_match_the_local_experts():
         experts(x, torch.tensor([10, 10, sum(COUNTS) - 20]))
 
 
-@pytest.mark.skipif(not grouped_mm_supported("cpu", torch.bfloat16), reason="no grouped GEMM")
+@pytest.mark.skipif(not grouped_mm_supported("cpu", torch.bfloat16), reason="machine: no grouped GEMM")
 def test_the_compiled_grouped_gemm_path_matches_eager_over_changing_counts():
     """Compiled as one graph (no gradient hook while compiling, no data_ptr() alignment check:
     model/moe/experts.py) with the row count changing from call to call (dynamic shapes, as
@@ -242,7 +242,7 @@ def test_the_compiled_grouped_gemm_path_matches_eager_over_changing_counts():
         experts.zero_grad()
 
 
-@pytest.mark.skipif(not grouped_mm_supported("cpu", torch.bfloat16), reason="no grouped GEMM")
+@pytest.mark.skipif(not grouped_mm_supported("cpu", torch.bfloat16), reason="machine: no grouped GEMM")
 @pytest.mark.parametrize("checkpointed", [False, True])
 def test_a_compiled_moe_layer_is_one_graph_unless_checkpointed(monkeypatch, checkpointed):
     """The MoE layer as compiled blocks run it on a GPU (grouped GEMMs, the gather combine): one

@@ -105,7 +105,7 @@ def test_a_checkpointed_moe_block_compiles_whole_and_counts_once():
     from parallel.activation import apply_activation_checkpointing
 
     if not grouped_mm_supported("cpu", torch.bfloat16):
-        pytest.skip("no grouped GEMM in this torch")
+        pytest.skip("machine: no grouped GEMM in this torch on this CPU")
     overrides = {"d_model": 64, "n_layers": 1, "attention.n_heads": 2, "attention.n_kv_heads": 1}
     overrides |= {
         "vocab_size": 96,

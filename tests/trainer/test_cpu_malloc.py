@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc only")
+pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="machine: glibc only")
 
 # Allocate, write and free a 64 MiB tensor until the heap settles (torch's 64-byte aligned blocks
 # do not fit the first freed ones exactly: glibc grows the heap a few times first, as in a
