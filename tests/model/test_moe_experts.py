@@ -58,7 +58,9 @@ def impls() -> list[str]:
 @pytest.mark.parametrize("impl", impls())
 def test_experts_match_the_per_expert_loop(impl, dtype):
     if impl == "grouped_mm" and not experts_module._grouped_mm_probe("cpu", dtype):
-        pytest.skip(f"machine: torch._grouped_mm does not run on cpu/{dtype}")  # eager fp32 is enough
+        pytest.skip(
+            f"machine: torch._grouped_mm does not run on cpu/{dtype}"
+        )  # eager fp32 is enough
     experts, x, counts = make(dtype=dtype)
     experts.impl = impl
     y = experts(x, counts)
@@ -217,7 +219,9 @@ def test_counts_must_match_the_local_experts():
         experts(x, torch.tensor([10, 10, sum(COUNTS) - 20]))
 
 
-@pytest.mark.skipif(not grouped_mm_supported("cpu", torch.bfloat16), reason="machine: no grouped GEMM")
+@pytest.mark.skipif(
+    not grouped_mm_supported("cpu", torch.bfloat16), reason="machine: no grouped GEMM"
+)
 def test_the_compiled_grouped_gemm_path_matches_eager_over_changing_counts():
     """Compiled as one graph (no gradient hook while compiling, no data_ptr() alignment check:
     model/moe/experts.py) with the row count changing from call to call (dynamic shapes, as
@@ -242,7 +246,9 @@ def test_the_compiled_grouped_gemm_path_matches_eager_over_changing_counts():
         experts.zero_grad()
 
 
-@pytest.mark.skipif(not grouped_mm_supported("cpu", torch.bfloat16), reason="machine: no grouped GEMM")
+@pytest.mark.skipif(
+    not grouped_mm_supported("cpu", torch.bfloat16), reason="machine: no grouped GEMM"
+)
 @pytest.mark.parametrize("checkpointed", [False, True])
 def test_a_compiled_moe_layer_is_one_graph_unless_checkpointed(monkeypatch, checkpointed):
     """The MoE layer as compiled blocks run it on a GPU (grouped GEMMs, the gather combine): one
