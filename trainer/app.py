@@ -25,6 +25,7 @@ from data.loader import TokenLoader
 from data.token_compression import canonical_ids, save_or_check
 from model.accounting import param_counts, training_flops_per_token
 from model.config import ModelConfig
+from model.mixers.attention_backend import check_training_device
 from model.training_hooks import TrainingHook
 from optim.builder import apply_config
 from optim.schedules import Schedule
@@ -95,6 +96,7 @@ def build_training(cfg: RootConfig, run_dir: Path, ranks: Ranks) -> Training:
         check_model_shape(model_cfg, cfg.data, dims)  # known only now: from the checkpoint's config
     else:
         model_cfg = resolve_model_config(cfg.model, manifest)
+    check_training_device(model_cfg.attention.backend, model_cfg.kernels, device.type)
     loader = build_loader(
         cfg.data, manifest, plan.global_batch, ranks.rank, ranks.world_size, cfg.seed
     )

@@ -105,6 +105,33 @@ def check_backend(backend: str, *, alibi: bool, head_dims: tuple[int, int]) -> N
         )
 
 
+def check_training_device(backend: str, kernels: KernelsConfig, device_type: str) -> None:
+    """Start-up rules of the kernel choices on the training device (ConfigError naming the key):
+    Triton kernels need CUDA (or Triton's interpreter, for tests); FlexAttention has no backward
+    on CPU. Otherwise the first forward would fail deep inside the model."""
+    if device_type == "cuda":
+        return
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if backend == "flex":
+        raise ConfigError(
+            f"model.attention.backend=flex trains on CUDA only (FlexAttention has no backward on "
+            f"{device_type}); use model.attention.backend=auto or sdpa here"
+        )
+    if backend == "triton" and not interpreted:
+        raise ConfigError(
+            f"model.attention.backend=triton runs on CUDA, not {device_type} (Triton's "
+            "interpreter, TRITON_INTERPRET=1, runs it for tests); use model.attention.backend="
+            "auto or sdpa here"
+        )
+    for key in ("rms_norm", "rope", "swiglu"):
+        if getattr(kernels, key) == "triton" and not interpreted:
+            raise ConfigError(
+                f"model.kernels.{key}=triton runs on CUDA, not {device_type} (Triton's "
+                f"interpreter, TRITON_INTERPRET=1, runs it for tests); use model.kernels.{key}="
+                "torch here"
+            )
+
+
 class KernelChoice:
     """Mixin of the softmax-attention mixers: `backend` (the config's request), the protocol
     method the model asks before a forward (model/mixers/mixer.py: TokenMixer.attention_backend), and

@@ -316,3 +316,27 @@ def test_auto_keeps_sdpa_for_layers_the_kernel_cannot_compute(monkeypatch, overr
 def test_bad_backend_settings_fail_with_their_keys(preset, overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_preset(preset, SMALL | overrides)
+
+
+@pytest.mark.parametrize(
+    ("backend", "kernels", "interpreted", "message"),
+    [
+        ("flex", {}, "1", "backend=flex trains on CUDA only"),
+        ("triton", {}, "0", "backend=triton runs on CUDA, not cpu"),
+        ("auto", {"rms_norm": "triton"}, "0", "model.kernels.rms_norm=triton runs on CUDA"),
+    ],
+)
+def test_kernels_the_training_device_cannot_run_are_refused_at_start(
+    monkeypatch, backend, kernels, interpreted, message
+):
+    """One line naming the key before anything is built, not a traceback from the first forward."""
+    from model.config import KernelsConfig
+    from model.mixers.attention_backend import check_training_device
+
+    monkeypatch.setenv("TRITON_INTERPRET", interpreted)
+    with pytest.raises(ConfigError, match=message):
+        check_training_device(backend, KernelsConfig(**kernels), "cpu")
+    check_training_device(backend, KernelsConfig(**kernels), "cuda")  # what they are for
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the tests' interpreter runs the Triton ones
+    if backend != "flex":
+        check_training_device(backend, KernelsConfig(**kernels), "cpu")

@@ -187,6 +187,17 @@ def test_a_missing_dataset_keeps_its_exit_code_and_leaves_no_run_directory(tmp_p
     assert list(tmp_path.iterdir()) == []
 
 
+def test_flex_attention_on_a_cpu_is_one_line_at_start_and_leaves_no_run_directory(
+    dataset, tmp_path
+):
+    result = run_trainer(
+        f"data.path={dataset}", *SMALL_OVERRIDES, "model.attention.backend=flex", cwd=tmp_path
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "model.attention.backend=flex trains on CUDA only" in result.stderr
+    assert "Traceback" not in result.stderr and list(tmp_path.iterdir()) == []
+
+
 def test_only_a_run_directory_that_never_trained_is_removed(tmp_path):
     fresh = run_dirs.claim_unique(tmp_path / "runs" / "a")
     trained = run_dirs.claim_unique(tmp_path / "runs" / "b")
