@@ -283,6 +283,9 @@ DEFAULT = re.compile(
     r"`((?:model|data|optim|trainer|checkpoint|logging|parallel)\.[\w.]+)`"
     r"\s*\((?:the )?default:?\s*(`[^`]+`|[^`),;\s]+)[),;]"
 )
+KEY = r"`((?:model|data|optim|trainer|checkpoint|logging|parallel)\.[\w.]+)`"
+VALUE_IN_PARENTHESES = re.compile(KEY + r"\s*\(([0-9][\w.+-]*)\)")  # `optim.ns_steps` (5)
+VALUE_AFTER = re.compile(KEY + r"\s+([0-9][\w.+-]*?)[,;]")  # `optim.beta1` 0.9, ...
 ASSIGNED_DEFAULT = re.compile(
     r"`((?:model|data|optim|trainer|checkpoint|logging|parallel)\.[\w.]+)=([^`\s]+)`"
     r"\s*\((?:the )?default\)"
@@ -304,7 +307,8 @@ def test_defaults_quoted_in_the_docs_are_the_code_s():
     wrong, checked = [], 0
     for page in pages():
         text = page.read_text(encoding="utf-8").replace("\n", " ")
-        for match in [*DEFAULT.finditer(text), *ASSIGNED_DEFAULT.finditer(text)]:
+        patterns = (DEFAULT, ASSIGNED_DEFAULT, VALUE_IN_PARENTHESES, VALUE_AFTER)
+        for match in (m for pattern in patterns for m in pattern.finditer(text)):
             key, value = match[1], match[2].strip().strip("`")
             if key not in known:
                 continue
@@ -312,7 +316,7 @@ def test_defaults_quoted_in_the_docs_are_the_code_s():
             if _normal(value) != _normal(known[key]):
                 wrong.append(f"{page.relative_to(ROOT)}: {key} default {value}, code {known[key]}")
     assert not wrong, "; ".join(wrong)
-    assert checked >= 5, "the pattern no longer finds quoted defaults"
+    assert checked >= 15, "the patterns no longer find quoted defaults"
 
 
 def _normal(value: str) -> str:

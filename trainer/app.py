@@ -23,10 +23,11 @@ from omegaconf import OmegaConf
 from data.config import LoaderConfig
 from data.loader import TokenLoader
 from data.token_compression import canonical_ids, save_or_check
-from model.accounting import param_counts, training_flops_per_token
+from model.accounting import ParamCounts, param_counts, training_flops_per_token
 from model.config import ModelConfig
 from model.mixers.attention_backend import check_training_device
 from model.training_hooks import TrainingHook
+from model.transformer import build_model
 from optim.builder import apply_config
 from optim.schedules import Schedule
 from parallel.collective import from_main
@@ -113,9 +114,12 @@ def build_training(cfg: RootConfig, run_dir: Path, ranks: Ranks) -> Training:
     peak, peak_source = from_main(
         device_peak(device, dtype, tcfg.peak_flops) if ranks.is_main else None
     )  # one value for every rank (MFU is averaged over them)
-    flops = training_flops_per_token(engine.model, cfg.data.seq_len).total
+    # counted on a meta build of the config: an engine's own modules may hold shards (ZeRO-3's
+    # partitions have no elements, expert parallelism keeps a rank's experts)
+    whole = build_model(model_cfg, device="meta")
+    flops = training_flops_per_token(whole, cfg.data.seq_len).total
     log.info("%s; device %s; %s", describe_environment(), device, dims.describe())
-    _log_model_and_data(cfg, engine, model_cfg, flops, loader, plan, choices.compile)
+    _log_model_and_data(cfg, param_counts(whole), model_cfg, flops, loader, plan, choices.compile)
     log.info("MFU peak: %.3g FLOP/s per device (%s)", peak, peak_source)
     checkpointer = Checkpointer(
         run_dir / "checkpoints",
@@ -220,14 +224,13 @@ def check_engine(name: str) -> None:
 
 def _log_model_and_data(
     cfg: RootConfig,
-    engine: TrainingEngine,
+    counts: ParamCounts,
     model_cfg: ModelConfig,
     flops: float,
     loader: TokenLoader,
     plan: BatchPlan,
     compiled: bool,
 ) -> None:
-    counts = param_counts(engine.model)
     active = f" ({counts.active:,} active per token)" if counts.active != counts.total else ""
     log.info(
         "model: %s parameters%s, %.3g training FLOPs/token at seq_len %d; vocab %d (tokenizer %s)",

@@ -8,12 +8,16 @@ under ZeRO-2 train, resume and move to FSDP2."""
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import pytest
 import torch
 
-from tests.trainer.helpers import SMALL_OVERRIDES, run_trainer, train_losses
+from model.accounting import param_counts
+from model.presets import load_preset
+from model.transformer import build_model
+from tests.trainer.helpers import SMALL_MODEL, SMALL_OVERRIDES, run_trainer, train_losses
 from tests.trainer.test_torchrun import torchrun
 
 pytest.importorskip("deepspeed")
@@ -30,6 +34,10 @@ def test_zero3_on_two_ranks_trains_checkpoints_and_resumes_exactly(dataset, tmp_
     assert result.returncode == 0, result.stderr[-4000:]
     log = (run_dir / "train.log").read_text()
     assert "sample at step 4" in log and "validation loss" in log
+    # counted on the config, not on ZeRO-3's partitions (which hold no elements)
+    vocab = int(re.search(r"; vocab (\d+)", log)[1])
+    whole = build_model(load_preset("tiny", SMALL_MODEL | {"vocab_size": vocab}), device="meta")
+    assert f"model: {param_counts(whole).total:,} parameters" in log, log[:3000]
     first = train_losses(run_dir)
     step2 = run_dir / "checkpoints" / "step_00000002"
     assert sorted(p.name for p in (step2 / "deepspeed").iterdir()) == [
