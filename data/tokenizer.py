@@ -285,7 +285,8 @@ def _no_downloads(name: str) -> Iterator[None]:
             raise DataError(
                 f"tokenizer={name} needs {blobpath}, which is not in tiktoken's cache and this "
                 f"project never downloads at run time: put the file in TIKTOKEN_CACHE_DIR "
-                f"(named by the SHA-1 of that URL), or pass tokenizer=path/to/{name}.tiktoken"
+                f"(named by the SHA-1 of that URL; tokenizer=<file>.tiktoken would split text "
+                f"with GPT-4's pattern, not {name}'s)"
             )
         return original(blobpath)
 

@@ -113,8 +113,10 @@ def test_cl100k_base_loads_offline():
 
 def test_a_named_encoding_missing_from_the_cache_is_an_error_not_a_download(tmp_path, monkeypatch):
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))
-    with pytest.raises(DataError, match="TIKTOKEN_CACHE_DIR"):
+    with pytest.raises(DataError, match="TIKTOKEN_CACHE_DIR") as refused:
         load_tokenizer("r50k_base")
+    # a bare .tiktoken file is no substitute: it would split with GPT-4's pattern (below)
+    assert "GPT-4's pattern, not r50k_base's" in str(refused.value)
 
 
 def test_a_bare_tiktoken_file_gets_gpt4_splitting_and_eot_after_the_ranks(tokenizer_dir, tmp_path):
