@@ -22,6 +22,7 @@ from model.errors import ConfigError
 from optim.builder import build_optimizer
 from optim.config import OptimConfig
 from parallel import EngineRequest, TrainingEngine, build_engine
+from parallel.collective import from_main
 from parallel.config import ParallelConfig
 from parallel.mesh import ParallelDims
 from parallel.precision import resolve_precision
@@ -33,20 +34,23 @@ VOCAB_MULTIPLE = 64
 
 
 def dataset_manifest(data: LoaderConfig, is_main: bool) -> Manifest:
-    """The manifest at `data.path`; with `data.path=""`, the default corpus (prepared on first
-    use by rank 0, then reused)."""
+    """The manifest at `data.path`; with `data.path=""`, the default corpus, prepared on first use
+    by rank 0 while the other ranks wait for it (torchrun ends them all if rank 0 fails), then
+    reused."""
     if data.path:
         return Manifest.load(data.path)
     default = PrepareConfig(progress=is_main)
     path = default.output_dir()
-    if not (path / "manifest.json").is_file():
-        if not is_main:
-            raise ConfigError(
-                f"the default dataset {path} is not prepared; run `python -m data.prepare` once "
-                "(or a single-process `python -m trainer`) before launching several ranks"
-            )
+    if is_main and not (path / "manifest.json").is_file():
         log.info("preparing the default corpus (Python's standard library) in %s", path)
         prepare(default)
+    from_main(None)  # every rank past this point sees rank 0's preparation
+    if not (path / "manifest.json").is_file():
+        raise ConfigError(
+            f"the default dataset {path} is not on this node (rank 0 prepared it on its own); "
+            "run `python -m data.prepare` once on every node, or set LMFORGE_DATA_DIR to a "
+            "directory all nodes share"
+        )
     return Manifest.load(path)
 
 

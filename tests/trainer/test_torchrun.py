@@ -15,14 +15,33 @@ from tests.trainer.helpers import SMALL_OVERRIDES, metric_rows, run_trainer, tra
 pytestmark = [pytest.mark.integration, pytest.mark.distributed]
 
 
-def torchrun(nproc: int, *overrides: str, cwd: Path):
+def torchrun(nproc: int, *overrides: str, cwd: Path, env: dict | None = None):
     import os
     import subprocess
 
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     command += [f"--nproc_per_node={nproc}", "-m", "trainer", *overrides]
-    env = os.environ | OFFLINE | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.run(command, capture_output=True, text=True, cwd=cwd, env=env, timeout=600)
+    full_env = (
+        os.environ | OFFLINE | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"} | (env or {})
+    )
+    return subprocess.run(
+        command, capture_output=True, text=True, cwd=cwd, env=full_env, timeout=600
+    )
+
+
+def test_two_ranks_on_a_fresh_machine_wait_for_rank_0_to_prepare_the_default_corpus(tmp_path):
+    """No data.path and nothing prepared yet: rank 0 prepares the default corpus while rank 1
+    waits for it (it used to stop at once, and torchrun ended the job)."""
+    data = tmp_path / "data"
+    run_dir = tmp_path / "run"
+    small = [o for o in SMALL_OVERRIDES if not o.startswith("model.vocab_size=")]
+    overrides = [*small, *FP32, "trainer.max_steps=1", f"hydra.run.dir={run_dir}"]
+    result = torchrun(2, *overrides, cwd=tmp_path, env={"LMFORGE_DATA_DIR": str(data)})
+    assert result.returncode == 0, result.stderr[-4000:]
+    (prepared,) = data.iterdir()
+    assert (prepared / "manifest.json").is_file()
+    assert "preparing the default corpus" in (run_dir / "train.log").read_text()
+    assert "done: 1 steps" in (run_dir / "train.log").read_text()
 
 
 FP32 = ["trainer.precision=fp32", "trainer.eval_every=0"]
