@@ -54,7 +54,9 @@ class OptimConfig:
     beta1: float = 0.9  # AdamW's first-moment decay (also the AdamW groups under Muon)
     beta2: float = 0.95  # AdamW's second-moment decay
     eps: float = 1e-8  # AdamW's denominator epsilon
-    weight_decay: float = 0.1  # decoupled; applied to matrices only (not norms, biases, gains)
+    # decoupled; on matrices, expert stacks, embeddings and routers (not norms, biases, gains,
+    # convs, mixing or decay parameters, nor Engram tables: optim/roles.py)
+    weight_decay: float = 0.1
     schedule: str = "cosine"  # cosine | wsd (warmup-stable-decay) | constant (after warmup)
     warmup_steps: int = 50  # linear warmup from 0 to lr
     min_lr_ratio: float = 0.1  # final lr = lr * min_lr_ratio (cosine and wsd)
