@@ -79,6 +79,23 @@ class OptimConfig:
     # Engram's tables (role memory): row-wise Adam at this x the AdamW learning rate, no decay
     memory_lr_multiplier: float = 5.0
 
+    def describe(self) -> str:
+        """One line for the start-up log: the optimizer, its peak lr and the schedule."""
+        shape = (
+            f", {self.decay_shape} decay over the last {self.decay_fraction:g}"
+            if (self.schedule == "wsd")
+            else ""
+        )
+        text = (
+            f"{self.name}, lr {self.lr:g}, weight decay {self.weight_decay:g}; {self.schedule} "
+            f"schedule after {self.warmup_steps} warmup steps{shape}"
+        )
+        if self.name in ("muon", "muonclip"):
+            text += f"; Newton-Schulz {self.ns_schedule} x {self.ns_steps}"
+        if self.qk_clip_tau > 0:
+            text += f"; QK-clip at tau {self.qk_clip_tau:g}"
+        return text
+
     def __post_init__(self) -> None:
         for key, choices in CHOICES.items():
             value = getattr(self, key)

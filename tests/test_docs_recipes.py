@@ -105,7 +105,9 @@ def test_the_readme_recipes_run_in_order(tmp_path: Path):
         done = run_module(argv[2], *argv[3:], *extra, cwd=tmp_path, env=env)
         assert done.returncode == 0, f"{shlex.join(argv)}:\n{done.stderr[-3000:]}"
         if argv[2] == "trainer":
-            assert f"done: {steps_in[run_dir]} steps" in done.stderr, done.stderr[-2000:]
+            steps = steps_in[run_dir]
+            ended = rf"done: (?:{steps} steps|step {steps} \(2 steps from step {steps - 2})"
+            assert re.search(ended, done.stderr), done.stderr[-2000:]
     prepared = json.loads((tmp_path / "lmforge-data" / "mine" / "manifest.json").read_text())
     assert prepared["tokenizer"]["vocab_size"] == 32768
     resumed = (tmp_path / "runs" / "exp1" / "train.log").read_text()
@@ -115,6 +117,9 @@ def test_the_readme_recipes_run_in_order(tmp_path: Path):
     assert (tmp_path / "runs" / "exp1-hf" / "config.json").is_file()
     continued = (tmp_path / "runs" / "exp2" / "train.log").read_text()
     assert "exp1-hf" in continued
+    # the start says where the weights came from, not "from scratch"
+    assert "starting a new run from init_from=hf:" in continued and "from scratch" not in continued
+    assert "optimizer: adamw, lr 0.003" in continued
 
 
 def quoted_path_example() -> str:

@@ -242,15 +242,18 @@ def _log_model_and_data(
         loader.manifest.tokenizer.short(),
     )
     log.info("layers: %s", model_cfg.layout_summary())
+    log.info("optimizer: %s", cfg.optim.describe())
     log.info("torch.compile: %s", compile_summary(cfg.trainer, compiled))
     warn_short_schedule(cfg)
     log.info(
-        "data: %s, %d training windows of %d tokens; %d micro-batch(es) of %d per step",
+        "data: %s, %d training windows of %d tokens; per step %d micro-batch(es) of %d "
+        "sequences on each of %d data-parallel rank(s)",
         loader.manifest.root,
         loader.windows,
         cfg.data.seq_len,
         plan.micro_batches,
         plan.micro_batch_size,
+        plan.dp_ranks,
     )
 
 
@@ -382,7 +385,8 @@ def _resume(
             )
             restart.start_over = True
         elif cfg.resume == "auto":
-            log.info("no checkpoint in %s: starting from scratch", checkpointer.root)
+            start = f"a new run from init_from={cfg.init_from}" if cfg.init_from else "from scratch"
+            log.info("no checkpoint in %s: starting %s", checkpointer.root, start)
         checkpointer.run_id = from_main(uuid.uuid4().hex[:12])
         metrics.truncate_after(-1)  # rows of an earlier attempt that saved nothing
         return restart

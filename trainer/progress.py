@@ -85,10 +85,21 @@ def summary(
     checkpoint: Path | None,
 ) -> list[str]:
     """The lines that end a finished run: what it achieved and where everything is."""
-    lines = [
-        f"done: {steps} steps in {clock(run_clock.elapsed())} "
-        f"({run_clock.tokens_per_s():,.0f} tokens/s of training), {skipped} skipped steps"
-    ]
+    trained = steps - run_clock.first_step
+    pace = (
+        f"in {clock(run_clock.elapsed())} ({run_clock.tokens_per_s():,.0f} tokens/s of "
+        f"training), {skipped} skipped steps"
+    )
+    if trained <= 0:  # resumed at trainer.max_steps: nothing was left to train
+        first = (
+            f"nothing to train: the run is already at step {steps} = trainer.max_steps (raise "
+            "trainer.max_steps to train on)"
+        )
+    elif run_clock.first_step:
+        first = f"done: step {steps} ({trained} steps from step {run_clock.first_step} {pace})"
+    else:
+        first = f"done: {steps} steps {pace}"
+    lines = [first]
     if val_loss is not None:
         lines.append(f"final validation loss {val_loss:.4f}")
     lines.append(f"run directory {run_dir}: train.log, metrics.jsonl, loss.png")

@@ -17,6 +17,7 @@ import fcntl
 import os
 import shutil
 import socket
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -99,6 +100,39 @@ def _make(run_dir: Path, exist_ok: bool = False) -> None:
     _created.add(run_dir.resolve())
 
 
+ORPHAN_WAIT_S = 60.0  # a killed run's forked workers (data loaders) hold its lock until they exit
+
+
+def _holder_is_dead(holder: str) -> bool:
+    """Whether the lock file names a process of this host that no longer exists (its children
+    still hold the inherited lock for a few seconds after a `kill -9`)."""
+    parts = holder.split()
+    if len(parts) < 4 or parts[0] != "pid" or parts[2] != "on" or not parts[1].isdigit():
+        return False
+    if parts[3] != socket.gethostname():
+        return False
+    try:
+        os.kill(int(parts[1]), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def _busy_message(run_dir: Path, holder: str) -> str:
+    if _holder_is_dead(holder):
+        return (
+            f"run directory {run_dir} is still locked by the children of {holder}, which has "
+            f"exited, after {ORPHAN_WAIT_S:.0f} s: stop them (`fuser {run_dir / LOCK_FILE}` "
+            "names them), or pass another hydra.run.dir"
+        )
+    return (
+        f"run directory {run_dir} is in use by {holder}: wait for that run to finish, or "
+        f"pass another hydra.run.dir"
+    )
+
+
 def lock(run_dir: Path) -> None:
     """Hold `run_dir`'s lock for the rest of this process (a no-op when already held)."""
     key = run_dir.resolve()
@@ -106,16 +140,25 @@ def lock(run_dir: Path) -> None:
         return
     create(run_dir)
     handle = open(run_dir / LOCK_FILE, "a+")  # noqa: SIM115  (kept open: the lock lives with it)
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.seek(0)
-        holder = handle.read().strip() or "another process"
-        handle.close()
-        raise RunDirError(
-            f"run directory {run_dir} is in use by {holder}: wait for that run to finish, or "
-            f"pass another hydra.run.dir"
-        ) from None
+    waited = False
+    deadline = time.monotonic() + ORPHAN_WAIT_S
+    while True:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            if not _holder_is_dead(holder) or time.monotonic() > deadline:
+                handle.close()
+                raise RunDirError(_busy_message(run_dir, holder)) from None
+            if not waited:  # the run was killed: its forked workers exit once they notice
+                waited = True
+                print(
+                    f"waiting for the processes of the killed run ({holder}) to exit",
+                    file=sys.stderr,
+                )
+            time.sleep(0.5)
     handle.seek(0)
     handle.truncate()
     handle.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%F %T')}\n")
