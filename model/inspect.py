@@ -105,7 +105,7 @@ def describe(cfg: ModelConfig, seq_len: int, args: InspectArgs) -> dict[str, Any
         "vocab_size": cfg.vocab_size,
         "position": cfg.position
         if cfg.position != "rope"
-        else f"rope ({cfg.rope.scaling}, theta {cfg.rope.theta:g})",
+        else f"rope (scaling {cfg.rope.scaling}, theta {cfg.rope.theta:g})",
         "params_total": params.total,
         "params_embedding": params.embedding,
         "params_head": params.head,
