@@ -179,3 +179,28 @@ def chunked_cross_entropy(
         # inputs' requires_grad even under no_grad: it would compute both gradients, 3x the
         # head GEMMs, for nothing.)
         return chunked_loss(h, weight, targets, chunk_tokens, chunk_fn, want_grad=False)[0]
+
+
+@torch.no_grad()
+def target_log_probs(h: Tensor, weight: Tensor, targets: Tensor, chunk_tokens: int) -> Tensor:
+    """Each target's log-probability under logits h @ W^T, fp32, 0 where the target is ignored:
+    h (..., C), targets (...) -> (...). What scoring needs (a continuation's log-likelihood is the
+    sum over its tokens), chunk by chunk like the loss, so no (N, V) logits exist at once; only
+    the rows with a target are computed. Matmuls in h's dtype (the autocast dtype under autocast),
+    the softmax in fp32, as in chunked_cross_entropy."""
+    shape = targets.shape
+    h, targets = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
+    device = h.device.type
+    if torch.is_autocast_enabled(device):
+        h = h.to(torch.get_autocast_dtype(device))
+    out = torch.zeros(targets.shape, dtype=torch.float32, device=h.device)
+    rows = (targets != IGNORE_INDEX).nonzero().squeeze(1)
+    with torch.autocast(device, enabled=False):
+        w = weight.to(h.dtype)
+        step = chunk_tokens if chunk_tokens > 0 else max(len(rows), 1)
+        for start in range(0, len(rows), step):
+            part = rows[start : start + step]
+            logits = (h[part] @ w.T).float()  # (n, V)
+            picked = logits.gather(1, targets[part, None])[:, 0]
+            out[part] = picked - torch.logsumexp(logits, dim=-1)
+    return out.view(shape)

@@ -26,7 +26,7 @@ from model.config import ConfigError, ModelConfig
 from model.engram.layer import Engram, TokenCompression
 from model.init import trunc_normal_
 from model.kernels.flash_attention import key_bounds
-from model.loss import chunked_cross_entropy
+from model.loss import chunked_cross_entropy, target_log_probs
 from model.mixers.attention_backend import MASK_FORM_BACKENDS, flex_block_mask
 from model.mixers.kv_cache import Cache
 from model.mixers.masks import AttentionContext, build_mask, document_starts, positions_in_documents
@@ -158,17 +158,22 @@ class Transformer(nn.Module):
         *,
         doc_ids: Tensor | None = None,
         cache: Cache | None = None,
+        per_token: bool = False,
     ) -> Tensor:
         """Logits (B, T, V) when `targets` is None, else the mean cross-entropy over non-ignored targets.
 
         doc_ids (B, T): document id of each token in packed sequences; attention stays inside a
         document and positions restart at each document's first token.
         cache: a `Cache` from `new_cache`; the tokens continue the sequence it holds.
+        per_token: with targets, each target's log-probability (B, T) fp32 instead of the mean
+        loss (0 where ignored; no gradients): scoring continuations without (B, T, V) logits.
         """
         trunk, ctx = self._trunk(tokens, doc_ids, cache)
         h = self.norm(trunk)
         if targets is None:
             return F.linear(h, self.head_weight)
+        if per_token:
+            return target_log_probs(h, self.head_weight, targets, self.cfg.loss_chunk_tokens)
         loss = self.loss_fn(h, self.head_weight, targets, self.cfg.loss_chunk_tokens)
         if self.mtp is not None and torch.is_grad_enabled():  # training forwards only
             self._mtp_objective = self.mtp.objective(self, trunk, tokens, targets, ctx)

@@ -12,6 +12,7 @@ and the optimizer and offers:
   autocast()             the compute precision of forwards
   evaluation_loss(...)   one batch's loss without gradients (validation); `evaluating()`: the
                          model in evaluation mode inside
+  evaluation_log_probs(...)  each target's log-probability without gradients (scoring)
   forward_backward(..., objective)  one micro-batch: forward, backward of objective(loss)
                          (accumulating); the only way the loop reaches the model
   clip_gradients(c)      the global gradient norm over every shard, clipped to c
@@ -135,6 +136,15 @@ class TrainingEngine(CheckpointFormat):
         only other way to the model (a pipeline engine runs it through its stages)."""
         with torch.no_grad(), self.autocast():
             return self.model(inputs, targets, doc_ids=doc_ids)
+
+    def evaluation_log_probs(
+        self, inputs: Tensor, targets: Tensor, doc_ids: Tensor | None = None
+    ) -> Tensor:
+        """Each target's log-probability (B, T) fp32, 0 where the target is ignored, without
+        gradients: downstream scoring (a continuation's log-likelihood is the sum over its
+        tokens). Every rank scores its own rows; the model runs its forward as in training."""
+        with torch.no_grad(), self.autocast():
+            return self.model(inputs, targets, doc_ids=doc_ids, per_token=True)
 
     @contextmanager
     def evaluating(self) -> Iterator[None]:

@@ -283,3 +283,16 @@ def started_from_expert_stacks(rank: int, model_cfg: ModelConfig, layout: dict[s
 
     parts = lambda: [{name: stack(name, t) for name, t in weights.items()}]  # noqa: E731
     return full_state(_engine_from(model_cfg, layout, parts).model)
+
+
+def scored_log_probs(
+    rank: int, model_cfg: ModelConfig, layout: dict[str, Any], precision: str = "fp32"
+) -> torch.Tensor:
+    """engine.evaluation_log_probs of this rank's slice of a fixed batch (some targets ignored,
+    as a scored context is), from the seeded initial weights."""
+    engine = engine_for(model_cfg, layout, precision)
+    batch = local_batch(global_batches(1, model_cfg.vocab_size)[0])
+    targets = batch.targets.clone()
+    targets[:, : SEQ // 2] = -100  # the context of each row
+    with engine.evaluating():
+        return engine.evaluation_log_probs(batch.inputs, targets, None)
