@@ -128,6 +128,12 @@ def _nproc(value: str) -> str:
     return str(torch.cuda.device_count() or 1)
 
 
+def _world_size(args: argparse.Namespace) -> int | None:
+    """Ranks the launch starts, when the command says (torchrun also takes gpu / cpu / xpu)."""
+    nproc = _nproc(args.nproc_per_node)
+    return args.nnodes * int(nproc) if nproc.isdigit() else None
+
+
 def _torchrun_options() -> set[str]:
     from torch.distributed.run import get_args_parser
 
@@ -193,12 +199,18 @@ def check_port(args: argparse.Namespace) -> None:
             ) from None
 
 
-def check_trainer_settings(overrides: list[str]) -> None:
-    """Compose and validate the trainer's settings here, once: a wrong one is one line before any
-    worker starts, instead of the same message from every rank and torchrun's traceback."""
+def check_trainer_settings(overrides: list[str], world_size: int | None) -> None:
+    """Compose and validate the trainer's settings here, once, with the start-up rules for
+    `world_size` ranks (layout, batch plan, model shape; None: unknown here): a wrong one is one
+    line before any worker starts, instead of the same message from every rank and torchrun's
+    traceback."""
     trainer_args = hydra_args(overrides)
     if checkable(trainer_args):
-        check_settings(trainer_args.overrides, trainer_args.config_name)
+        cfg = check_settings(trainer_args.overrides, trainer_args.config_name)
+        if world_size is not None:
+            from trainer.build import check_start  # the training stack: only for a job
+
+            check_start(cfg, world_size)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -207,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         resolve_rendezvous(args)
         check_port(args)
         check_run_dir(args.overrides)
-        check_trainer_settings(args.overrides)
+        check_trainer_settings(args.overrides, _world_size(args))
     except (LaunchError, *CONFIG_ERRORS) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -8,6 +8,7 @@ tests/test_docs_recipes.py runs README.md's recipes for real, in order, as a new
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -20,10 +21,13 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
+from model.transformer import build_model
 from tests.commands import OFFLINE, ROOT
 from tests.docs_pages import Block, Command, all_blocks, all_commands, anchors, links, pages
 from trainer import config_reference
+from trainer.build import check_start
 from trainer.config import CONF_DIR, RootConfig
+from trainer.hf_init import is_hf
 from trainer.settings import check_settings, hydra_args, is_sweep
 
 COMMANDS = all_commands()
@@ -114,7 +118,10 @@ def first_of_each_sweep(overrides: list[str]) -> list[str]:
     return chosen
 
 
-def check_trainer(overrides: list[str]) -> None:
+def check_trainer(overrides: list[str], world_size: int | None = 1) -> None:
+    """Composed and validated as `python -m trainer` does; with the command's number of ranks
+    (None: not known from the command), also the start-up rules of the layout, the batch plan
+    and the model's shape, and the model built on the meta device."""
     args = hydra_args(overrides)
     chosen = [o for o in args.overrides if not o.lstrip("+").startswith("hydra/")]
     if is_sweep(args):
@@ -122,7 +129,13 @@ def check_trainer(overrides: list[str]) -> None:
     for group in (o for o in args.overrides if o.startswith("hydra/")):
         name, _, value = group.partition("=")
         assert (CONF_DIR / name / f"{value}.yaml").exists(), f"no Hydra preset {group}"
-    assert isinstance(check_settings(chosen, args.config_name), RootConfig)
+    cfg = check_settings(chosen, args.config_name)
+    assert isinstance(cfg, RootConfig)
+    if world_size is not None:
+        check_start(cfg, world_size)
+    if not is_hf(cfg.init_from):  # else the model is the checkpoint's
+        vocab = cfg.model.vocab_size or 8192  # 0: the tokenizer's, known once data is read
+        build_model(dataclasses.replace(cfg.model, vocab_size=vocab), device="meta")
 
 
 def check_torchrun(argv: list[str]) -> None:
@@ -130,7 +143,10 @@ def check_torchrun(argv: list[str]) -> None:
 
     args = get_args_parser().parse_args(argv[1:])
     assert args.module and args.training_script == "trainer", "torchrun runs `-m trainer` here"
-    check_trainer(list(args.training_script_args))
+    nodes = str(args.nnodes).split(":")[-1]  # "2" or "1:4" (elastic: the largest)
+    nproc = str(args.nproc_per_node)
+    world = int(nodes) * int(nproc) if nodes.isdigit() and nproc.isdigit() else None
+    check_trainer(list(args.training_script_args), world)
 
 
 def check_flags(source: Path, argv: list[str]) -> None:
@@ -195,7 +211,7 @@ def check_pip(argv: list[str]) -> None:
 def check_sbatch(argv: list[str]) -> None:
     script = next(a for a in argv[1:] if not a.startswith("-"))
     assert (ROOT / script).is_file(), f"no {script}"
-    check_trainer([a for a in argv[argv.index(script) + 1 :] if "=" in a])
+    check_trainer([a for a in argv[argv.index(script) + 1 :] if "=" in a], None)
 
 
 def check_file(argv: list[str]) -> None:

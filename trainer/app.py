@@ -20,7 +20,6 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from data.config import LoaderConfig
 from data.loader import TokenLoader
 from data.token_compression import canonical_ids, save_or_check
 from model.accounting import ParamCounts, param_counts, training_flops_per_token
@@ -31,15 +30,14 @@ from model.transformer import build_model
 from optim.builder import apply_config
 from optim.schedules import Schedule
 from parallel.collective import from_main
-from parallel.engine import ENGINES, TrainingEngine
+from parallel.engine import TrainingEngine
 from parallel.mesh import ParallelDims
 from parallel.precision import compute_dtype, native_bf16, resolve_precision
 from trainer.build import (
     EngineChoices,
     build_loader,
-    check_context,
-    check_expert_count,
-    check_expert_layout,
+    check_model_shape,
+    check_start,
     dataset_manifest,
     resolve_model_config,
     start_engine,
@@ -63,7 +61,7 @@ from trainer.hooks import start_hooks
 from trainer.loop import Training
 from trainer.metrics import MetricsFile
 from trainer.mfu import device_peak
-from trainer.run_settings import BatchPlan, LoopSettings, plan_batches
+from trainer.run_settings import BatchPlan, LoopSettings
 from trainer.runtime import Ranks, describe_environment, pick_device, seed_everything, set_rng_state
 from trainer.signals import ParentWatch, StopFlag, under_torchrun
 from trainer.step import LossTracker, StepSettings
@@ -75,13 +73,8 @@ log = logging.getLogger("trainer")
 def build_training(cfg: RootConfig, run_dir: Path, ranks: Ranks) -> Training:
     tcfg = cfg.trainer
     # every check that needs no data first: a bad setting fails before any file is touched
-    dims = ParallelDims.resolve(cfg.parallel, ranks.world_size)
-    check_engine(cfg.parallel.engine)
-    check_expert_layout(dims, cfg.parallel.activation_checkpoint)
-    plan = plan_batches(tcfg.batch_size, tcfg.micro_batch_size, ranks.world_size)
+    dims, plan = check_start(cfg, ranks.world_size)
     hf = is_hf(cfg.init_from)  # the model comes from a Hugging Face checkpoint (trainer/hf_init.py)
-    if not hf:  # the model's shape is final (resolve_model_config fills in only the vocabulary)
-        check_model_shape(cfg.model, cfg.data, dims)
     run_dir.mkdir(parents=True, exist_ok=True)
     if tcfg.threads:
         torch.set_num_threads(tcfg.threads)
@@ -176,13 +169,6 @@ def build_training(cfg: RootConfig, run_dir: Path, ranks: Ranks) -> Training:
     )
 
 
-def check_model_shape(model_cfg: ModelConfig, data: LoaderConfig, dims: ParallelDims) -> None:
-    """The rules that need the model's final shape: its experts over parallel.ep, and
-    data.seq_len within its context."""
-    check_expert_count(model_cfg, dims)
-    check_context(model_cfg, data)
-
-
 def as_run(cfg: RootConfig, precision: str) -> RootConfig:
     """A copy of `cfg` as the run resolved it (trainer.precision chosen for the device): what
     checkpoints and wandb record; `cfg` itself is never changed."""
@@ -215,11 +201,6 @@ def explicit_overrides() -> list[str]:
     from hydra.core.hydra_config import HydraConfig
 
     return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
-
-
-def check_engine(name: str) -> None:
-    """Fail at start-up, before any file is touched, on an unknown parallel.engine."""
-    ENGINES.get(name)
 
 
 def _log_model_and_data(

@@ -21,12 +21,13 @@ from model.config import ModelConfig
 from model.errors import ConfigError
 from optim.builder import build_optimizer
 from optim.config import OptimConfig
-from parallel import EngineRequest, TrainingEngine, build_engine
+from parallel import ENGINES, EngineRequest, TrainingEngine, build_engine
 from parallel.collective import from_main
 from parallel.config import ParallelConfig
 from parallel.mesh import ParallelDims
 from parallel.precision import resolve_precision
-from trainer.config import TrainerConfig, compiles
+from trainer.config import RootConfig, TrainerConfig, compiles
+from trainer.hf_init import is_hf
 from trainer.run_settings import BatchPlan, plan_batches
 
 log = logging.getLogger("trainer")
@@ -166,6 +167,28 @@ def check_expert_parallel(cfg: ModelConfig, dims: ParallelDims, checkpointing: s
     are final)."""
     check_expert_layout(dims, checkpointing)
     check_expert_count(cfg, dims)
+
+
+def check_start(cfg: RootConfig, world_size: int) -> tuple[ParallelDims, BatchPlan]:
+    """Every start-up rule that needs neither data nor a device, for `world_size` ranks: the
+    parallel layout, the engine's name, the batch plan and, unless the model comes from a Hugging
+    Face checkpoint (init_from=hf:, shaped by its config.json), the model's shape against the
+    layout and data.seq_len. `python -m trainer` runs them before touching any file;
+    launch.torchrun before starting a worker."""
+    dims = ParallelDims.resolve(cfg.parallel, world_size)
+    ENGINES.get(cfg.parallel.engine)  # an unknown parallel.engine names the known ones
+    check_expert_layout(dims, cfg.parallel.activation_checkpoint)
+    plan = plan_batches(cfg.trainer.batch_size, cfg.trainer.micro_batch_size, world_size)
+    if not is_hf(cfg.init_from):
+        check_model_shape(cfg.model, cfg.data, dims)
+    return dims, plan
+
+
+def check_model_shape(model_cfg: ModelConfig, data: LoaderConfig, dims: ParallelDims) -> None:
+    """The rules that need the model's final shape: its experts over parallel.ep, and
+    data.seq_len within its context."""
+    check_expert_count(model_cfg, dims)
+    check_context(model_cfg, data)
 
 
 def check_expert_layout(dims: ParallelDims, checkpointing: str) -> None:

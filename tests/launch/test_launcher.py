@@ -108,6 +108,31 @@ def test_a_settings_error_is_one_line_before_any_worker_starts(
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize(
+    ("launch_args", "message"),
+    [
+        (["--nproc-per-node=16"], "trainer.batch_size=8 is not divisible by the 16 data-parallel"),
+        (["--nproc-per-node=2", "--nnodes=2", "--node-rank=0", "--master-addr=localhost",
+          "--master-port=29511", "--rdzv-id=x", "--", "parallel.ep=3", "trainer.batch_size=12",
+          "model=tiny_moe"], "parallel.ep=3"),
+    ],
+    ids=["batch_over_ranks", "experts_over_ranks"],
+)  # fmt: skip
+def test_start_up_rules_for_the_launch_s_ranks_are_checked_before_workers_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture,
+    launch_args: list[str], message: str,
+) -> None:  # fmt: skip
+    """The rules every rank would apply at start-up (the batch over the ranks, the parallel
+    layout, the experts over ep) for the number of ranks the launch starts: one line, exit 2,
+    in the launcher, instead of every worker failing after torchrun started them all."""
+    from launch.torchrun import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["--dry-run", *launch_args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and len(err.splitlines()) == 1, err
+
+
 def test_the_sbatch_templates_name_missing_slurm_commands(tmp_path: Path) -> None:
     for template in ("train.sbatch", "train_srun.sbatch"):
         script = ROOT / "launch" / "slurm" / template
