@@ -9,6 +9,7 @@ import copy
 import pytest
 
 import trainer.app as app
+import trainer.build as build
 from model.errors import ConfigError
 from tests.trainer.helpers import small_config
 from trainer.run_settings import BatchPlan, plan_batches
@@ -38,14 +39,14 @@ def test_build_training_resolves_each_setting_once_and_leaves_the_config_alone(
     dataset, tmp_path, monkeypatch
 ):
     calls = {"check_context": 0, "check_expert_count": 0, "check_expert_layout": 0}
-    for name in calls:
-        original = getattr(app, name)
+    for name in calls:  # the start-up rules live in trainer.build (check_start)
+        original = getattr(build, name)
 
         def counted(*args, _name=name, _original=original):
             calls[_name] += 1
             return _original(*args)
 
-        monkeypatch.setattr(app, name, counted)
+        monkeypatch.setattr(build, name, counted)
     cfg = small_config(dataset, max_steps=3, micro_batch_size=2, precision="auto")
     before = copy.deepcopy(cfg)
     training = app.build_training(cfg, tmp_path, ONE)
