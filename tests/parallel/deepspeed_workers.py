@@ -259,3 +259,14 @@ def muon_beta_after_schedule(rank: int, model_cfg: ModelConfig) -> float:
     hooks = start_hooks(engine, 0.0, None)
     train_step(engine, local_batch(tokens), StepSettings(grad_clip=0.0), LossTracker(0.0), hooks)
     return engine.ds.optimizer.muon_beta
+
+
+def deepspeed_scored_log_probs(rank: int, model_cfg: ModelConfig, zero_stage: int) -> torch.Tensor:
+    """engine.evaluation_log_probs of this rank's rows under DeepSpeed (workers.scored_log_probs'
+    batch and ignored context)."""
+    engine = deepspeed_engine(model_cfg, zero_stage)
+    batch = local_batch(global_batches(1, model_cfg.vocab_size)[0])
+    targets = batch.targets.clone()
+    targets[:, : targets.shape[1] // 2] = -100
+    with engine.evaluating():
+        return engine.evaluation_log_probs(batch.inputs, targets, None)

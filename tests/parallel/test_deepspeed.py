@@ -10,12 +10,13 @@ import pytest
 import torch
 
 from tests.parallel.ranks import run_ranks
-from tests.parallel.workers import small_model, train
+from tests.parallel.workers import scored_log_probs, small_model, train
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # these ranks train on the CPU, also on GPU hosts
 pytest.importorskip("deepspeed")
 from tests.parallel.deepspeed_workers import (
     conflict_with,
+    deepspeed_scored_log_probs,
     load_refusal,
     masters_after_init,
     muon_beta_after_schedule,
@@ -248,3 +249,13 @@ def test_deepspeeds_own_load_reads_without_running_code(tmp_path, name):
     (refusal,) = run_ranks(1, load_refusal, small_model(), 2, str(where))
     assert refusal.startswith("UnsafeFileError") and f"{name} refused" in refusal, refusal
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_scoring_under_zero_equals_one_process(stage):
+    """Downstream scoring's per-token log-probabilities (evaluation_log_probs) on 2 ranks, ZeRO-3
+    with every weight partitioned, equal one FSDP2-engine process's for the same rows."""
+    cfg = small_model()
+    whole = scored_log_probs(0, cfg, {})
+    got = torch.cat(run_ranks(2, deepspeed_scored_log_probs, cfg, stage))
+    torch.testing.assert_close(got, whole, rtol=1e-5, atol=1e-5)
