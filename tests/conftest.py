@@ -74,7 +74,7 @@ def _judge_skip(report: pytest.TestReport | pytest.CollectReport) -> None:
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     outcome = yield
     report = outcome.get_result()
-    if report.skipped:
+    if report.skipped and not hasattr(report, "wasxfail"):  # an expected failure is no skip
         _judge_skip(report)
 
 

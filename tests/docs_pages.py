@@ -77,14 +77,29 @@ def commands(block: Block) -> list[Command]:
     for offset, line in enumerate(block.text.splitlines(), start=1):
         if not logical:
             start = offset
-        if line.rstrip().endswith("\\"):
+        comment = line.lstrip().startswith("#")  # its trailing backslash continues nothing
+        if line.rstrip().endswith("\\") and not comment:
             logical += line.rstrip()[:-1] + " "
             continue
         argv = shlex.split(logical + line, comments=True)
         logical = ""
-        if argv:
-            found.append(Command(block.page, block.line + start, tuple(argv)))
+        for segment in _segments(argv):  # `cd x && python -m ...`: each command on its own
+            found.append(Command(block.page, block.line + start, tuple(segment)))
     return found
+
+
+SEPARATORS = {"&&", "||", ";", "|"}
+
+
+def _segments(argv: list[str]) -> list[list[str]]:
+    """The commands of one shell line, split at `&&`, `||`, `;` and `|`."""
+    segments: list[list[str]] = [[]]
+    for token in argv:
+        if token in SEPARATORS:
+            segments.append([])
+        else:
+            segments[-1].append(token)
+    return [segment for segment in segments if segment]
 
 
 COMMAND_STARTS = ("python ", "torchrun ", "sbatch ", "pip ", "make ", "lm_eval ")
@@ -114,22 +129,23 @@ def all_blocks(language: str) -> list[Block]:
     return [b for page in pages() for b in blocks(page) if b.language == language]
 
 
-LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)")
+LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)")  # text may wrap
 
 
 def links(page: Path) -> list[tuple[int, str]]:
-    """(line, target) of every inline link and image outside code blocks and code spans."""
-    found: list[tuple[int, str]] = []
+    """(line, target) of every inline link and image outside code blocks and code spans, also
+    where the link's text wraps onto the next line."""
+    prose: list[str] = []
     in_fence = False
-    for number, line in enumerate(page.read_text(encoding="utf-8").splitlines(), start=1):
-        if FENCE.match(line):
+    for line in page.read_text(encoding="utf-8").splitlines():
+        fence = FENCE.match(line)
+        if fence:
             in_fence = not in_fence
-            continue
-        if in_fence:
-            continue
-        prose = re.sub(r"`[^`]*`", "", line)
-        for match in LINK.finditer(prose):
-            found.append((number, match[1] or match[2]))
+        prose.append("" if in_fence or fence else re.sub(r"`[^`]*`", "", line))
+    text = "\n".join(prose)
+    found: list[tuple[int, str]] = []
+    for match in LINK.finditer(text):
+        found.append((text.count("\n", 0, match.start()) + 1, match[1] or match[2]))
     return found
 
 

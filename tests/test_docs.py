@@ -23,7 +23,16 @@ from omegaconf import OmegaConf
 
 from model.transformer import build_model
 from tests.commands import OFFLINE, ROOT
-from tests.docs_pages import Block, Command, all_blocks, all_commands, anchors, links, pages
+from tests.docs_pages import (
+    Block,
+    Command,
+    all_blocks,
+    all_commands,
+    anchors,
+    blocks,
+    links,
+    pages,
+)
 from trainer import config_reference
 from trainer.build import check_start
 from trainer.config import CONF_DIR, RootConfig
@@ -50,6 +59,21 @@ def test_the_readme_is_a_front_page():
 
 def test_the_documentation_shows_commands():
     assert len(COMMANDS) >= 60 and len(pages()) >= 12
+
+
+LANGUAGES = {"bash", "python", "python skip", "text", "yaml", "json", "toml"}
+
+
+def test_every_code_block_says_what_it_holds():
+    """Commands are checked only in `bash` blocks and Python only in `python` ones: a block
+    labelled otherwise (console, sh, none) would escape the checks."""
+    odd = [
+        f"{page.relative_to(ROOT)}:{block.line} {block.language!r}"
+        for page in pages()
+        for block in blocks(page)
+        if block.language not in LANGUAGES
+    ]
+    assert not odd, f"label these blocks with one of {sorted(LANGUAGES)}: {odd}"
 
 
 @pytest.mark.parametrize("page", pages(), ids=lambda p: str(p.relative_to(ROOT)))
@@ -177,6 +201,8 @@ def run_in_process(argv: list[str], home: Path, monkeypatch: pytest.MonkeyPatch)
 
     monkeypatch.chdir(home)
     monkeypatch.setenv("HOME", str(home))
+    for key in ("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "TORCHELASTIC_SIGNALS_TO_HANDLE"):
+        monkeypatch.setenv(key, os.environ.get(key, ""))  # the launcher sets them: restored after
     if argv[2] == "model.inspect":
         assert inspect.main(argv[3:]) == 0
     else:
@@ -290,7 +316,7 @@ def test_every_python_block_runs(block: Block, tmp_path: Path):
 def test_skipped_python_blocks_say_why():
     for block in all_blocks("python skip"):
         before = block.page.read_text(encoding="utf-8").splitlines()[: block.line - 1]
-        assert (before and before[-1].strip()) or before[-2].strip(), _block_id(block)
+        assert any(line.strip() for line in before[-2:]), f"{_block_id(block)}: say why above it"
 
 
 # ------------------------------------------------------------------ quoted defaults

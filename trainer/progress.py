@@ -92,8 +92,8 @@ def summary(
     )
     if trained <= 0:  # resumed at trainer.max_steps: nothing was left to train
         first = (
-            f"nothing to train: the run is already at step {steps} = trainer.max_steps (raise "
-            "trainer.max_steps to train on)"
+            f"nothing to train: the run is already at step {steps}, which trainer.max_steps does "
+            "not exceed (raise trainer.max_steps to train on)"
         )
     elif run_clock.first_step:
         first = f"done: step {steps} ({trained} steps from step {run_clock.first_step} {pace})"

@@ -26,5 +26,5 @@ def test_a_resumed_run_names_where_it_resumed_and_what_it_trained():
 
 def test_a_run_resumed_at_its_last_step_says_how_to_train_on():
     line = first_line(20, 20)
-    assert line.startswith("nothing to train: the run is already at step 20"), line
+    assert line.startswith("nothing to train: the run is already at step 20,"), line
     assert "raise trainer.max_steps" in line
