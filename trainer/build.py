@@ -27,6 +27,7 @@ from parallel.config import ParallelConfig
 from parallel.mesh import ParallelDims
 from parallel.precision import resolve_precision
 from trainer.config import RootConfig, TrainerConfig, compiles
+from trainer.downstream.tasks import check_task_names
 from trainer.hf_init import is_hf
 from trainer.run_settings import BatchPlan, plan_batches
 
@@ -181,6 +182,8 @@ def check_start(cfg: RootConfig, world_size: int) -> tuple[ParallelDims, BatchPl
     plan = plan_batches(cfg.trainer.batch_size, cfg.trainer.micro_batch_size, world_size)
     if not is_hf(cfg.init_from):
         check_model_shape(cfg.model, cfg.data, dims)
+    if cfg.eval.downstream.tasks:  # names known to the library (and the library installed)
+        check_task_names(cfg.eval.downstream.tasks)
     return dims, plan
 
 

@@ -23,6 +23,7 @@ from model.errors import ConfigError
 from optim.bounds import AT_LEAST_ONE, NON_NEGATIVE, Bounds, broken_rule
 from optim.config import OptimConfig
 from parallel.config import ParallelConfig
+from trainer.downstream.config import EvalConfig
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 PRECISIONS = ("auto", "bf16", "bf16_master", "fp32")
@@ -208,6 +209,7 @@ class RootConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)  # downstream tasks (trainer/downstream/)
     seed: int = 0  # seeds weight init, the data order and sampling
     resume: str = "auto"  # auto (newest complete checkpoint in this run directory) | none | <path>
     # a checkpoint (step or run directory, either engine) whose weights a new run starts from,

@@ -28,7 +28,7 @@ from trainer.config import CONF_DIR, RootConfig
 from trainer.export import ExportConfig
 
 REQUIRED = "(required)"
-GROUPS = ("model", "data", "optim", "trainer", "checkpoint", "logging", "parallel")
+GROUPS = ("model", "data", "optim", "trainer", "checkpoint", "logging", "parallel", "eval")
 HEADER = """# Configuration reference
 
 Every setting of `python -m trainer`, `python -m data.prepare` and `python -m trainer.export`, with

