@@ -270,3 +270,13 @@ def deepspeed_scored_log_probs(rank: int, model_cfg: ModelConfig, zero_stage: in
     targets[:, : targets.shape[1] // 2] = -100
     with engine.evaluating():
         return engine.evaluation_log_probs(batch.inputs, targets, None)
+
+
+def deepspeed_downstream_scores(
+    rank: int, model_cfg: ModelConfig, zero_stage: int, tasks: list, batch_tokens: int
+) -> tuple:
+    """workers.downstream_scores through the DeepSpeed engine."""
+    from tests.parallel.workers import score_tasks
+
+    engine = deepspeed_engine(model_cfg, zero_stage)
+    return score_tasks(engine, tasks, batch_tokens, model_cfg.vocab_size - 1)

