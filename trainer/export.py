@@ -34,12 +34,12 @@ from tqdm import tqdm
 
 from data.atomic import atomic_write_json, is_disk_full
 from data.errors import DataError
-from data.manifest import Manifest
-from data.tokenizer import Tokenizer, TokenizerIdentity, load_verified_tokenizer
+from data.tokenizer import Tokenizer
 from model.config import ModelConfig
 from model.errors import ConfigError
 from model.hf import hf_architecture, staged_dir, write_hf_parts
 from trainer.checkpoint.errors import CheckpointError
+from trainer.checkpoint.tokenizer import TokenizerGone, checkpoint_tokenizer, tokenizer_dir
 from trainer.checkpoint.weights import WeightParts, candidates, newest_weights
 from trainer.config import CONF_DIR
 from trainer.export_target import check_out, write_marker
@@ -96,19 +96,12 @@ def _with_progress(parts: Iterable, cfg: ModelConfig) -> Iterator:
 def copy_tokenizer(extra: dict, out: Path, model_max_length: int | None = None) -> Tokenizer | None:
     """The training data's tokenizer, verified to be the one the checkpoint was trained with
     (returned; None when the checkpoint's is gone)."""
-    if not extra.get("tokenizer_dir"):
-        log.warning("the checkpoint names no tokenizer: exported without one")
+    try:
+        tokenizer = checkpoint_tokenizer(extra)
+    except TokenizerGone as gone:
+        log.warning("%s: exported without a tokenizer", gone)
         return None
-    directory = Path(extra["tokenizer_dir"])
-    if not directory.is_dir():
-        log.warning("the tokenizer %s is not there any more: exported without it", directory)
-        return None
-    if "tokenizer" in extra:
-        expected = TokenizerIdentity.from_dict(extra["tokenizer"])
-    else:  # older checkpoints: the dataset's manifest says which tokenizer it was
-        expected = Manifest.load(directory.parent).tokenizer
-    tokenizer = load_verified_tokenizer(directory, expected, "the checkpoint")
-    shutil.copytree(directory, out / "tokenizer", dirs_exist_ok=True)
+    shutil.copytree(tokenizer_dir(extra), out / "tokenizer", dirs_exist_ok=True)
     # and as Hugging Face's tokenizer.json + tokenizer_config.json (AutoTokenizer, init_from=hf:)
     from data.hf_tokenizer_export import write_hf_tokenizer  # (imported here: one edit)
 
