@@ -25,7 +25,7 @@ def test_an_unknown_task_fails_in_one_line_naming_close_matches():
         check_task_names(["hellaswag", "helaswag"])
     message = str(err.value)
     assert "'helaswag'" in message and "did you mean hellaswag" in message
-    assert "\n" not in message and "python -m trainer.eval list=true" in message
+    assert "\n" not in message and "python -m trainer.eval list_tasks=true" in message
 
 
 def test_settings_are_checked():

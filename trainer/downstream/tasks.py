@@ -79,24 +79,29 @@ def task_names() -> list[str]:
     return list(_library().list_tasks())
 
 
-def check_task_names(names: Sequence[str]) -> None:
-    """A ConfigError naming close matches for a task the library does not define."""
+def check_task_names(names: Sequence[str], key: str = "eval.downstream.tasks") -> None:
+    """A ConfigError naming close matches for a task the library does not define (`key`: the
+    setting that named it)."""
     known = task_names()
     for name in names:
         if name not in known:
             close = difflib.get_close_matches(name, known, n=4, cutoff=0.6)
             hint = f"did you mean {', '.join(close)}? " if close else ""
             raise ConfigError(
-                f"eval.downstream.tasks: no task named {name!r}; {hint}the {len(known)} names "
-                f"are printed by `python -m trainer.eval list=true`"
+                f"{key}: no task named {name!r}; {hint}the {len(known)} names "
+                f"are printed by `python -m trainer.eval list_tasks=true`"
             )
 
 
 def build_tasks(
-    names: Sequence[str], tokenizer: Tokenizer, seq_len: int, limit: int = 0
+    names: Sequence[str],
+    tokenizer: Tokenizer,
+    seq_len: int,
+    limit: int = 0,
+    key: str = "eval.downstream.tasks",
 ) -> list[DownstreamTask]:
     """The named tasks with their requests, contexts left-truncated to `seq_len` tokens."""
-    check_task_names(names)
+    check_task_names(names, key)
     library = _library()
     adapter = library_tokenizer(tokenizer)
     logging.getLogger("olmo_eval").setLevel(logging.WARNING)  # per-task chatter
