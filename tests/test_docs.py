@@ -122,6 +122,7 @@ def expand(argv: tuple[str, ...], home: Path) -> list[str]:
 def compose_group(config_name: str, overrides: list[str]) -> object:
     """A command's typed config, composed by Hydra as its `hydra.main` would."""
     import data.prepare  # noqa: F401  (registers prepare's schema)
+    import trainer.eval  # noqa: F401
     import trainer.export  # noqa: F401
 
     GlobalHydra.instance().clear()
@@ -221,6 +222,14 @@ def check_pytest(argv: list[str]) -> None:
             assert (ROOT / arg.split("::")[0]).exists(), f"no {arg}"
 
 
+def check_lm_eval(argv: list[str]) -> None:
+    """lm-eval's own parser reads the options (`run` is its default command)."""
+    from lm_eval.__main__ import HarnessCLI
+
+    args = HarnessCLI()._parser.parse_args(["run", *argv])
+    assert args.model == "lmforge", "the lmforge command scores with --model lmforge"
+
+
 def check_make(argv: list[str]) -> None:
     targets = set(re.findall(r"^([\w-]+):", (ROOT / "Makefile").read_text(), re.M))
     assert set(argv[1:]) <= targets, f"no make target {set(argv[1:]) - targets}"
@@ -260,6 +269,10 @@ def check_command(argv: list[str], home: Path, monkeypatch: pytest.MonkeyPatch) 
         check_torchrun(argv)
     elif head == ["python", "-m", "trainer.export"]:
         compose_group("export", argv[3:])
+    elif head == ["python", "-m", "trainer.eval"]:
+        compose_group("eval", argv[3:])
+    elif head == ["python", "-m", "trainer.lm_eval_model"]:
+        check_lm_eval(argv[3:])
     elif head == ["python", "-m", "data.prepare"]:
         compose_group("prepare", argv[3:])
     elif head in (["python", "-m", "model.inspect"], ["python", "-m", "launch.torchrun"]):

@@ -29,7 +29,7 @@ TRAIN_OVERRIDES = [o for o in SMALL_OVERRIDES if not o.startswith("model.vocab_s
     "trainer.micro_batch_size=0",
     "logging.wandb=disabled",
 ]
-RUN_FOR_REAL = ("data.prepare", "trainer", "trainer.export")
+RUN_FOR_REAL = ("data.prepare", "trainer", "trainer.export", "trainer.eval")
 
 
 def setting(argv: list[str] | tuple[str, ...], key: str) -> str | None:
@@ -94,10 +94,13 @@ def test_the_readme_recipes_run_in_order(tmp_path: Path):
     real = [argv for argv in recipes(tmp_path) if runs_for_real(argv)]
     assert [a[2] for a in real] == [
         "data.prepare", "trainer", "trainer", "trainer.export", "data.prepare", "trainer",
+        "trainer.eval",
     ], "the README's recipe chain changed: update this test with it"  # fmt: skip
     steps_in: dict[str, int] = {}
     for argv in real:
         extra = ["progress=false"] if argv[2] == "data.prepare" else []
+        if argv[2] == "trainer.eval":  # a few questions of each task
+            argv = [a for a in argv if not a.startswith("limit=")] + ["limit=3"]
         if argv[2] == "trainer":
             run_dir = setting(argv, "hydra.run.dir")
             steps_in[run_dir] = steps_in.get(run_dir, 0) + 2  # a resume trains 2 steps more
@@ -120,6 +123,8 @@ def test_the_readme_recipes_run_in_order(tmp_path: Path):
     # the start says where the weights came from, not "from scratch"
     assert "starting a new run from init_from=hf:" in continued and "from scratch" not in continued
     assert "optimizer: adamw, lr 0.003" in continued
+    (scores,) = tmp_path.glob("eval_exp1_step*.json")  # trainer.eval's table, as JSON
+    assert set(json.loads(scores.read_text())["tasks"]) == {"hellaswag", "arc_easy", "piqa"}
 
 
 def quoted_path_example() -> str:
