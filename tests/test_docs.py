@@ -122,7 +122,7 @@ def expand(argv: tuple[str, ...], home: Path) -> list[str]:
 def compose_group(config_name: str, overrides: list[str]) -> object:
     """A command's typed config, composed by Hydra as its `hydra.main` would."""
     import data.prepare  # noqa: F401  (registers prepare's schema)
-    import trainer.eval  # noqa: F401
+    import trainer.eval  # (registers its schema)
     import trainer.export  # noqa: F401
 
     GlobalHydra.instance().clear()
