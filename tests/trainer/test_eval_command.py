@@ -1,18 +1,22 @@
-"""`python -m trainer.eval`: a run directory, a checkpoint and its Hugging Face export score the
-in-loop numbers of the same step and limit; a table and JSON; one-line errors for bad input."""
+"""`python -m trainer.eval`: a run directory (from an unusual working directory), a checkpoint and
+its Hugging Face export score the in-loop numbers of the same step and limit; a table and JSON;
+bad settings named; an unknown task in one line (exit 2)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
 
+from model.errors import ConfigError
 from tests.commands import run_module
 from tests.trainer.helpers import metric_rows, small_config
 from trainer.app import train
 from trainer.config import CheckpointConfig
 from trainer.downstream.config import DownstreamConfig, EvalConfig
+from trainer.eval import EvalCommandConfig, evaluate_checkpoint
 from trainer.export import ExportConfig, export
 from trainer.runtime import Ranks
 
@@ -39,6 +43,7 @@ def trained(dataset, tmp_path_factory):
 
 
 def scored(source, cwd, *extra: str) -> dict:
+    """The command in a subprocess, from `cwd`: its JSON record."""
     out = cwd / "scores.json"
     result = run_module(
         "trainer.eval", f"path={source}", TASKS, "limit=6", f"out={out}", *extra, cwd=cwd
@@ -48,14 +53,12 @@ def scored(source, cwd, *extra: str) -> dict:
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("what", ["run", "checkpoint", "hf"])
-def test_scores_equal_the_in_loop_numbers_of_that_step(what, trained, tmp_path):
-    run_dir, hf_dir, row = trained
-    source = {"run": run_dir, "checkpoint": run_dir / "checkpoints" / "step_00000002", "hf": hf_dir}
-    cwd = tmp_path / "some" / "where"  # not the project, not the run
-    cwd.mkdir(parents=True)
-    # an export does not know the length the run trained at (its model's limit is 64)
-    record = scored(source[what], cwd, *(["seq_len=32"] if what == "hf" else []))
+def in_process(source, out, **settings) -> dict:
+    cfg = EvalCommandConfig(path=str(source), tasks=["arc_easy", "piqa"], out=str(out), **settings)
+    return evaluate_checkpoint(cfg)
+
+
+def assert_in_loop_numbers(record: dict, row: dict) -> None:
     assert record["step"] == 2 and record["limit"] == 6 and record["seq_len"] == 32
     for task in ("arc_easy", "piqa"):
         assert record["tasks"][task]["questions"] == 6
@@ -64,32 +67,46 @@ def test_scores_equal_the_in_loop_numbers_of_that_step(what, trained, tmp_path):
             assert got == pytest.approx(row[f"downstream/{task}/{metric}"], rel=1e-4, abs=1e-5)
 
 
-def test_default_output_is_named_after_the_run_and_step(trained, tmp_path):
-    run_dir, _, _ = trained
-    result = run_module("trainer.eval", f"path={run_dir}", TASKS, "limit=2", cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
+def test_a_run_directory_scores_the_in_loop_numbers_of_its_step(trained, tmp_path):
+    run_dir, _, row = trained
+    cwd = tmp_path / "some" / "where"  # not the project, not the run
+    cwd.mkdir(parents=True)
+    assert_in_loop_numbers(scored(run_dir, cwd), row)
+
+
+def test_a_checkpoint_and_its_export_score_the_same(trained, tmp_path, monkeypatch):
+    run_dir, hf_dir, row = trained
+    checkpoint = run_dir / "checkpoints" / "step_00000002"
+    assert_in_loop_numbers(in_process(checkpoint, tmp_path / "a.json", limit=6), row)
+    # an export does not know the length the run trained at (its model's limit is 64)
+    assert_in_loop_numbers(in_process(hf_dir, tmp_path / "b.json", limit=6, seq_len=32), row)
+    monkeypatch.chdir(tmp_path)  # the default output: named after the run and step
+    in_process(run_dir, "", limit=2)
     assert (tmp_path / "eval_run_step2.json").is_file()
 
 
 @pytest.mark.parametrize(
-    ("args", "expected"),
+    ("settings", "expected"),
     [
-        (["path=/no/such/run", TASKS], "path=/no/such/run does not exist"),
-        (
-            ["path=RUN", "tasks=[piqa,hellaswagg]"],
-            "tasks: no task named 'hellaswagg'; did you mean hellaswag",
-        ),
-        (["path=RUN"], "pass path=<run dir, checkpoint dir or Hugging Face dir> and tasks="),
-        (["path=RUN", TASKS, "limit=-1"], "limit=-1 is out of range"),
+        ({"path": "/no/such/run"}, "path=/no/such/run does not exist"),
+        ({"tasks": []}, "pass path=<run dir, checkpoint dir or Hugging Face dir> and tasks="),
+        ({"limit": -1}, "limit=-1 is out of range"),
     ],
 )
-def test_bad_input_fails_in_one_line(args, expected, trained, tmp_path):
-    run_dir, _, _ = trained
-    args = [a.replace("RUN", str(run_dir)) for a in args]
-    result = run_module("trainer.eval", *args, cwd=tmp_path)
-    assert result.returncode == 2
-    assert result.stderr.strip() == f"error: {result.stderr.strip().removeprefix('error: ')}"
-    assert expected in result.stderr and len(result.stderr.strip().splitlines()) == 1
+def test_bad_settings_are_named(settings, expected, trained, tmp_path):
+    cfg = {"path": str(trained[0]), "tasks": ["piqa"], "out": str(tmp_path / "x.json")}
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        evaluate_checkpoint(EvalCommandConfig(**(cfg | settings)))
+
+
+def test_an_unknown_task_fails_in_one_line(trained, tmp_path):
+    result = run_module(
+        "trainer.eval", f"path={trained[0]}", "tasks=[piqa,hellaswagg]", cwd=tmp_path
+    )
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("error: tasks: no task named 'hellaswagg'; did you mean hellaswag, ")
+    assert line.endswith("the 252 names are printed by `python -m trainer.eval list_tasks=true`")
 
 
 def test_list_tasks_prints_every_name(tmp_path):
