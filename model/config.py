@@ -449,7 +449,8 @@ class MoEConfig:
     seq_aux_loss_coef: float = 0.0
     z_loss_coef: float = 0.0  # router z-loss: mean over tokens of logsumexp(logits)^2
     bias_update_rate: float = 0.0  # aux-loss-free balancing step gamma (selection bias); 0 = off
-    capacity_factor: float = 0.0  # 0 = dropless; else ceil(cf x N x k / E) token slots per expert
+    # 0 = dropless; else ceil(cf x N x k / E) token slots per expert in training (eval: dropless)
+    capacity_factor: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("n_routed_experts", "n_shared_experts", "expert_hidden", "shared_hidden"):

@@ -107,7 +107,7 @@ class MoE(Fp32Buffers):
         order = torch.argsort(slot_expert, stable=True)  # (M,) slots by expert, then by token
         counts = expert_counts(slot_expert, self.n_experts)  # (E,)
         dropped = counts.new_zeros(())
-        if self.cfg.capacity_factor > 0:
+        if self._drops():
             order, counts, dropped = self._drop_over_capacity(slot_expert, order, counts, N)
         if self._routes_padded(flat, order, counts):
             out = padded_route(flat, order, counts, routing.topk_weight, self.experts)
@@ -120,10 +120,16 @@ class MoE(Fp32Buffers):
         out = combine_slots(y_sorted, slot_row, routing.topk_weight, kept, order)  # (N, C)
         return self._finish(out, flat, routing, counts, dropped, B, out_dtype)
 
+    def _drops(self) -> bool:
+        """Whether this forward drops slots over capacity: training forwards with a capacity
+        factor only. Evaluation, scoring and generation drop nothing (as DeepSeek-V2 at
+        inference), so a sequence's output never depends on which others share its batch."""
+        return self.cfg.capacity_factor > 0 and self.training
+
     def _routes_padded(self, flat: Tensor, order: Tensor, counts: Tensor) -> bool:
         """Whether the direct padded route applies: every expert local (no expert-parallel
         dispatch), nothing dropped, and the experts would pad (model/moe/padded.py)."""
-        if self.dispatch is not local_dispatch or self.cfg.capacity_factor > 0:
+        if self.dispatch is not local_dispatch or self._drops():
             return False
         dtype = self.experts.compute_dtype(flat)
         impl = self.experts.choose(flat.device.type, dtype, order.numel(), counts)

@@ -340,3 +340,21 @@ def test_stats_count_training_forwards_only_and_not_checkpoint_recomputes(early_
     assert layer.pop_aux_losses() == []  # nor keep another loss
     for a, b in zip(plain_grads, ckpt_grads):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+def test_evaluation_forwards_drop_nothing_whatever_the_batch():
+    """Capacity limits training forwards only: in eval mode a row's output does not depend on
+    which other rows share its batch (downstream scores do not depend on their packing)."""
+    layer = make_layer(capacity_factor=0.5)
+    layer.router.expert_bias[2] = 0.5  # a popular expert: training forwards overflow it
+    x = inputs()
+    layer.train()
+    with torch.no_grad():
+        trained_together = layer(x)
+        trained_alone = torch.cat([layer(x[i : i + 1]) for i in range(x.shape[0])])
+    assert not torch.allclose(trained_together, trained_alone)  # training drops per batch
+    layer.eval()
+    with torch.no_grad():
+        together = layer(x)
+        alone = torch.cat([layer(x[i : i + 1]) for i in range(x.shape[0])])
+    torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-6)
