@@ -45,11 +45,10 @@ from bench.machine import save_result
 from data.config import PrepareConfig
 from data.manifest import Manifest
 from data.tokenizer import load_tokenizer
-from trainer.downstream.batches import pack
 from trainer.downstream.tasks import build_tasks
 
 TASKS = ["hellaswag", "arc_easy", "piqa"]
-SEQ_LEN, BATCH, DEFAULT_STEPS = 256, 8, 300  # data.seq_len, trainer.batch_size, max_steps
+SEQ_LEN, DEFAULT_STEPS = 256, 300  # data.seq_len, trainer.max_steps
 SHARE = re.compile(r"downstream at step (\d+) \(([\d.]+) s, ([\d.]+)% of the time since the last")
 
 
@@ -60,20 +59,17 @@ def default_dataset() -> Path:
 
 
 def request_counts(tokenizer_dir: Path, limit: int) -> dict[str, dict[str, int]]:
-    """Per task, as the loop builds it: questions, requests, tokens scored (unpadded) and
-    forwarded (padded, in the loop's length-packed batches), and its chance level."""
+    """Per task, as the loop builds it: questions, requests, tokens scored (unpadded; the
+    loop's length-packed batches add a few percent of padding) and its chance level."""
     tokenizer = load_tokenizer(tokenizer_dir)
     counts = {}
     for task in build_tasks(TASKS, tokenizer, SEQ_LEN, limit):
         requests = task.all_requests()
-        batches = pack(requests, BATCH * SEQ_LEN)
-        padded = sum(len(b) * max(len(requests[i].tokens) for i in b) for b in batches)
         counts[task.name] = {
             "metric": task.metric_type,
             "questions": task.questions,
             "requests": len(requests),
             "tokens": sum(len(r.tokens) for r in requests),
-            "padded_tokens": padded,
             "chance": task.chance,
         }
     return counts
@@ -116,7 +112,6 @@ def evaluations(rows: list[dict], log: str, counts: dict) -> list[dict]:
     """Each evaluation's time, throughput and share of the interval before it."""
     shares = {int(m[1]): float(m[3]) / 100 for m in SHARE.finditer(log)}
     total = {k: sum(c[k] for c in counts.values()) for k in ("questions", "requests", "tokens")}
-    padded = sum(c["padded_tokens"] for c in counts.values())
     out = []
     for row in (r for r in rows if "downstream_s" in r):
         seconds = row["downstream_s"]
@@ -127,7 +122,6 @@ def evaluations(rows: list[dict], log: str, counts: dict) -> list[dict]:
                 "requests_per_s": round(total["requests"] / seconds, 1),
                 "questions_per_s": round(total["questions"] / seconds, 1),
                 "tokens_per_s": round(total["tokens"] / seconds),
-                "padded_tokens_per_s": round(padded / seconds),
                 "share_of_interval": shares.get(row["step"]),
             }
         )
