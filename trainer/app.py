@@ -133,6 +133,8 @@ def build_training(cfg: RootConfig, run_dir: Path, ranks: Ranks) -> Training:
         plan.micro_batch_size * cfg.data.seq_len,
     )
     if downstream is not None:
+        # FlexAttention compiles once per shape (model/mixers/attention_backend.py): few shapes
+        downstream.fixed_shapes(model_cfg.attention.backend == "flex")
         log.info("%s", downstream.describe())
     restart = Restart(engine=engine, hooks=hooks)
     del engine, hooks  # the restart holds them (and drops them if they must be rebuilt)

@@ -169,7 +169,7 @@ class Training:
         self.phase = "the evaluation at step 0"
         if self.step == 0 and not self._evaluate():  # the starting validation loss
             return self._stop_now()
-        if self.step == 0 and self.downstream and not self._evaluate_downstream():
+        if self._downstream_missing() and not self._evaluate_downstream():
             return self._stop_now()
         window = _Window()  # opened after that evaluation: it is not training time either
         self.clock = RunClock(self.step)
@@ -211,6 +211,7 @@ class Training:
                 if evaluate and not self._evaluate():
                     continue  # stopped inside evaluation: the next check saves and exits
                 if self._downstream_due(last):
+                    self.phase = f"the downstream evaluation at step {self.step}"
                     progress.update(task, description="downstream evaluation")
                     if not self._evaluate_downstream():
                         continue
@@ -400,6 +401,18 @@ class Training:
         d = self.downstream
         return d is not None and d.due(self.step, last, self.loop.eval_every)
 
+    def _downstream_missing(self) -> bool:
+        """Before the first step: a fresh run's step-0 evaluation, or one due at the resumed
+        step that metrics.jsonl lacks (a stop signal interrupted it, and the run saved there)."""
+        if not self._downstream_due(last=self.step >= self.loop.max_steps):
+            return False
+        if self.step == 0:
+            return True
+        done = self.ranks.is_main and any(
+            r.get("step") == self.step and "downstream_s" in r for r in self.metrics.rows()
+        )
+        return not from_main(done)
+
     def _evaluate_downstream(self) -> bool:
         """Score the downstream tasks (eval.downstream): one metrics row, a log line with the
         time it took, downstream.png; False when a stop signal interrupted it."""
@@ -408,8 +421,8 @@ class Training:
             log.warning("downstream evaluation at step %d skipped: %s", self.step, problem)
             return True
         started = time.perf_counter()
-        # eager in a compiled run: every batch has its own length
-        with self.engine.evaluating(), self._eager_stance(validation=False):
+        # as the validation forwards: eager, or compiled where _decide_evaluation_compile chose
+        with self.engine.evaluating(), self._eager_stance(validation=True):
             results = self.downstream.evaluate(
                 self.engine.evaluation_log_probs, self.device, self.stop.requested
             )

@@ -308,12 +308,9 @@ def downstream_scores(
 
 def score_tasks(engine: TrainingEngine, tasks: list, batch_tokens: int, pad_id: int) -> tuple:
     from trainer.downstream.evaluator import DownstreamEvaluator
-    from trainer.downstream.scoring import log_likelihoods
 
     evaluator = DownstreamEvaluator(tasks, batch_tokens, pad_id)
     cpu = torch.device("cpu")
     with engine.evaluating():
-        sums = log_likelihoods(
-            engine.evaluation_log_probs, evaluator.requests, batch_tokens, pad_id, cpu
-        )
+        sums = evaluator.log_likelihoods(engine.evaluation_log_probs, cpu)
         return sums, evaluator.evaluate(engine.evaluation_log_probs, cpu)

@@ -38,7 +38,5 @@ def test_every_family_scores_each_request_as_alone(family, tasks):
     assert evaluator.batches > 1
     results = evaluator.evaluate(per_token(model), torch.device("cpu"))
     assert set(results) == {"arc_easy", "piqa"}
-    from trainer.downstream.scoring import log_likelihoods
-
-    got = log_likelihoods(per_token(model), evaluator.requests, 200, 511, torch.device("cpu"))
+    got = evaluator.log_likelihoods(per_token(model), torch.device("cpu"))
     torch.testing.assert_close(got, obvious_sums(model, evaluator.requests), rtol=1e-5, atol=2e-4)

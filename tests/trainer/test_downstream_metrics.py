@@ -87,15 +87,13 @@ def test_metrics_equal_the_library_path_on_full_logits(name, metric_type, tokeni
     assert task.metric_type in ours
 
 
-def test_packed_batches_score_every_request_as_alone(tokenizer, model):
+@pytest.mark.parametrize("fixed_shapes", [False, True], ids=["tight", "fixed_shapes"])
+def test_packed_batches_score_every_request_as_alone(fixed_shapes, tokenizer, model):
     (task,) = [from_library("piqa", library_dataset("piqa", tokenizer), QUESTIONS)]
     evaluator = DownstreamEvaluator([task], batch_tokens=300, pad_id=tokenizer.eot_id)
+    evaluator.fixed_shapes(fixed_shapes)
     assert evaluator.batches > 3  # several batches, rows padded to their longest
-    from trainer.downstream.scoring import log_likelihoods
-
-    got = log_likelihoods(
-        per_token(model), task.requests, 300, tokenizer.eot_id, torch.device("cpu")
-    )
+    got = evaluator.log_likelihoods(per_token(model), torch.device("cpu"))
     torch.testing.assert_close(got, obvious_sums(model, task.requests), rtol=1e-5, atol=1e-4)
 
 

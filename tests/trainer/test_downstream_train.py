@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import signal
 
 import pytest
 
 from tests.trainer.helpers import SMALL_OVERRIDES, metric_rows, small_config
 from tests.trainer.test_torchrun import torchrun
-from trainer.app import train
+from trainer.app import build_training, train
 from trainer.config import CheckpointConfig
 from trainer.downstream.config import DownstreamConfig, EvalConfig
 from trainer.runtime import Ranks
@@ -57,10 +58,34 @@ def test_scores_every_interval_and_resume_scores_the_same_questions(dataset, tmp
     )
     assert train(cfg, resumed, ONE) == 0
     again = downstream_rows(resumed)
-    assert sorted(again) == [4]  # the resumed run starts at step 2: no step-0 evaluation
-    for key, value in rows[4].items():
-        if key.startswith("downstream/"):
-            assert again[4][key] == pytest.approx(value, rel=1e-6), key
+    # a new directory starting at step 2 has no scores of step 2 yet: it scores them first
+    assert sorted(again) == [2, 4]
+    for step in (2, 4):
+        for key, value in rows[step].items():
+            if key.startswith("downstream/"):
+                assert again[step][key] == pytest.approx(value, rel=1e-6), (step, key)
+
+
+def test_a_stop_during_downstream_evaluation_scores_that_step_on_resume(
+    dataset, tmp_path, monkeypatch
+):
+    """SIGTERM while step 2's tasks are scored: the run saves step 2 and exits; the resumed run
+    scores step 2 before training on (it used to be lost)."""
+    run_dir = tmp_path / "run"
+    training = build_training(config(dataset, 4), run_dir, ONE)
+    scores = training.downstream.log_likelihoods
+
+    def stopped_at_step_2(*args, **kwargs):
+        if training.step == 2:
+            training.stop.received = signal.SIGTERM  # as the handler records it
+        return scores(*args, **kwargs)
+
+    monkeypatch.setattr(training.downstream, "log_likelihoods", stopped_at_step_2)
+    assert training.run() == 0 and training.step == 2
+    assert sorted(downstream_rows(run_dir)) == [0]
+    assert (run_dir / "checkpoints" / "step_00000002").is_dir()
+    assert train(config(dataset, 4), run_dir, ONE) == 0  # resume=auto
+    assert sorted(downstream_rows(run_dir)) == [0, 2, 4]
 
 
 @pytest.mark.integration

@@ -27,7 +27,6 @@ from tests.trainer.helpers import SMALL_OVERRIDES, metric_rows, run_trainer
 from trainer.checkpoint.weights import newest_model
 from trainer.downstream.evaluator import DownstreamEvaluator
 from trainer.downstream.metrics import task_metrics
-from trainer.downstream.scoring import log_likelihoods
 from trainer.downstream.tasks import Request, build_tasks
 from trainer.export import ExportConfig, export
 
@@ -76,13 +75,7 @@ def sums(run, evaluator) -> tuple[torch.Tensor, torch.Tensor]:
     run_dir, out = run
     _, extra, model = newest_model(run_dir, "scored")
     assert extra["step"] == STEPS
-    ours = log_likelihoods(
-        per_token(model.eval()),
-        evaluator.requests,
-        evaluator.batch_tokens,
-        evaluator.pad_id,
-        torch.device("cpu"),
-    )
+    ours = evaluator.log_likelihoods(per_token(model.eval()), torch.device("cpu"))
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         out, dtype=torch.float32, attn_implementation="eager"
     ).eval()

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 
 from data.tokenizer import Tokenizer
-from trainer.downstream.batches import pack
+from trainer.downstream.batches import PackedBatch, pack
 from trainer.downstream.config import DownstreamConfig
 from trainer.downstream.metrics import task_metrics
 from trainer.downstream.scoring import LogProbs, log_likelihoods
@@ -25,8 +25,18 @@ class DownstreamEvaluator:
     ) -> None:
         self.tasks, self.batch_tokens, self.pad_id, self.every = tasks, batch_tokens, pad_id, every
         self.requests = [r for task in tasks for r in task.all_requests()]
-        self.batches = len(pack(self.requests, batch_tokens))
+        self.packed: list[PackedBatch] = []
+        self.fixed_shapes(False)
         self.last_end: float | None = None  # when the previous evaluation ended (its share)
+
+    def fixed_shapes(self, on: bool) -> None:
+        """Pack for forwards compiled per shape (FlexAttention's): widths rounded up to
+        multiples of 128 and one row count per width (trainer/downstream/batches.py)."""
+        self.packed = pack(self.requests, self.batch_tokens, 128 if on else 1)
+
+    @property
+    def batches(self) -> int:
+        return len(self.packed)
 
     @classmethod
     def build(
@@ -53,9 +63,10 @@ class DownstreamEvaluator:
                 f"{task.name} ({task.metric_type}; {task.questions:,} of {task.available:,} "
                 f"questions, {len(task.all_requests()):,} requests; {chance})"
             )
+        largest = max((b.tokens for b in self.packed), default=0)  # over budget: one request
         return (
             f"downstream evaluation: {'; '.join(parts)}; {len(self.requests):,} requests in "
-            f"{self.batches:,} batches of <= {self.batch_tokens:,} tokens"
+            f"{self.batches:,} batches of <= {largest:,} tokens"
         )
 
     def evaluate(
@@ -66,9 +77,7 @@ class DownstreamEvaluator:
         progress: Callable[[int], None] | None = None,
     ) -> Results | None:
         """Every task's metrics (the same on every rank); None when `stop` interrupted it."""
-        sums = log_likelihoods(
-            log_probs_of, self.requests, self.batch_tokens, self.pad_id, device, stop, progress
-        )
+        sums = self.log_likelihoods(log_probs_of, device, stop, progress)
         if sums is None:
             return None
         results: Results = {}
@@ -81,6 +90,18 @@ class DownstreamEvaluator:
                 dc, offset = sums[offset : offset + n], offset + n
             results[task.name] = task_metrics(task, own, dc)
         return results
+
+    def log_likelihoods(
+        self,
+        log_probs_of: LogProbs,
+        device: torch.device,
+        stop: Callable[[], bool] = lambda: False,
+        progress: Callable[[int], None] | None = None,
+    ) -> torch.Tensor | None:
+        """Every request's summed continuation log-probability (trainer.downstream.scoring)."""
+        return log_likelihoods(
+            log_probs_of, self.requests, self.packed, self.pad_id, device, stop, progress
+        )
 
     def share(self, seconds: float) -> float | None:
         """This evaluation's share of the time since the previous one ended (None the first

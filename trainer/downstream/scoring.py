@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from parallel.collective import several_ranks
-from trainer.downstream.batches import batch_tensors, idle_batch, pack
+from trainer.downstream.batches import PackedBatch, batch_tensors, idle_batch
 from trainer.downstream.tasks import Request
 
 # (inputs, targets, doc_ids) -> (B, T) fp32 target log-probabilities, 0 where ignored
@@ -23,7 +23,7 @@ LogProbs = Callable[[Tensor, Tensor, Tensor | None], Tensor]
 def log_likelihoods(
     log_probs_of: LogProbs,
     requests: Sequence[Request],
-    batch_tokens: int,
+    batches: Sequence[PackedBatch],
     pad_id: int,
     device: torch.device,
     stop: Callable[[], bool] = lambda: False,
@@ -31,8 +31,8 @@ def log_likelihoods(
 ) -> Tensor | None:
     """(len(requests),) float64 on the CPU, the same on every rank; None when `stop` (which
     every rank must agree on) interrupted it. Every rank must call it (collective forwards).
-    `progress(n)`: n more requests were scored on this rank."""
-    batches = pack(requests, batch_tokens)
+    `batches`: trainer.downstream.batches.pack's; `progress(n)`: n more requests were scored
+    on this rank."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if several_ranks() else (0, 1)
     mine = batches[rank::world]
     sums = torch.zeros(len(requests), dtype=torch.float64, device=device)
@@ -45,10 +45,10 @@ def log_likelihoods(
             inputs, targets = idle_batch(pad_id)
         scores = log_probs_of(inputs.to(device), targets.to(device), None)
         if turn < len(mine):
-            index = torch.tensor(mine[turn], device=device)
-            sums[index] = scores.double().sum(dim=-1)
+            rows = mine[turn].indices
+            sums[torch.tensor(rows, device=device)] = scores[: len(rows)].double().sum(dim=-1)
             if progress is not None:
-                progress(len(mine[turn]))
+                progress(len(rows))
     if several_ranks():
         dist.all_reduce(sums)  # each request was scored on exactly one rank; 0 elsewhere
     return sums.cpu()

@@ -105,7 +105,19 @@ def build_tasks(
     library = _library()
     adapter = library_tokenizer(tokenizer)
     logging.getLogger("olmo_eval").setLevel(logging.WARNING)  # per-task chatter
-    return [from_library(name, library.build_task(name, adapter, seq_len), limit) for name in names]
+    return [
+        from_library(name, _built(library, name, adapter, seq_len, key), limit) for name in names
+    ]
+
+
+def _built(library: Any, name: str, adapter: Any, seq_len: int, key: str) -> Any:
+    try:
+        return library.build_task(name, adapter, seq_len)
+    except AssertionError as err:  # e.g. a fast multiple-choice task's choices are not 1 token
+        raise ConfigError(
+            f"{key}: {name} cannot be built with this tokenizer ({err or 'the library refused'}); "
+            f"use the task's other form (e.g. without _fast)"
+        ) from err
 
 
 def from_library(name: str, dataset: Any, limit: int) -> DownstreamTask:
