@@ -72,11 +72,17 @@ def resolve_model_config(model: ModelConfig, manifest: Manifest) -> ModelConfig:
     return model
 
 
-def check_context(model: ModelConfig, data: LoaderConfig) -> None:
-    """data.seq_len fits the model's context (rope scaling included)."""
+def context_limit(model: ModelConfig) -> int:
+    """The longest sequence the model takes: max_seq_len, or what its rope scaling reaches."""
     limit = model.max_seq_len
     if model.rope.scaling != "none":
         limit = max(limit, int(model.rope_original_max_seq_len * model.rope.factor))
+    return limit
+
+
+def check_context(model: ModelConfig, data: LoaderConfig) -> None:
+    """data.seq_len fits the model's context (rope scaling included)."""
+    limit = context_limit(model)
     if data.seq_len > limit:
         raise ConfigError(
             f"data.seq_len={data.seq_len} exceeds the model's context of {limit} tokens "

