@@ -108,6 +108,8 @@ def test_two_ranks_score_as_one_process(dataset, tmp_path):
     cfg = dataclasses.replace(config(dataset, 2), checkpoint=CheckpointConfig(every=0))
     assert train(cfg, tmp_path / "one", ONE) == 0
     one = downstream_rows(tmp_path / "one")
-    for key, value in one[0].items():  # the same initial weights: the same scores
-        if key.startswith("downstream/"):
-            assert two[0][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    # the same initial weights, then the same 2 steps in fp32 (sums in another order)
+    for step in (0, 2):
+        for key, value in one[step].items():
+            if key.startswith("downstream/"):
+                assert two[step][key] == pytest.approx(value, rel=1e-4, abs=1e-6), (step, key)
