@@ -211,7 +211,6 @@ class Training:
                 if evaluate and not self._evaluate():
                     continue  # stopped inside evaluation: the next check saves and exits
                 if self._downstream_due(last):
-                    self.phase = f"the downstream evaluation at step {self.step}"
                     progress.update(task, description="downstream evaluation")
                     if not self._evaluate_downstream():
                         continue
@@ -417,6 +416,7 @@ class Training:
         """Score the downstream tasks (eval.downstream): one metrics row, a log line with the
         time it took, downstream.png; False when a stop signal interrupted it."""
         assert self.downstream is not None
+        self.phase = f"the downstream evaluation at step {self.step}"
         if problem := self._nonfinite_weights():
             log.warning("downstream evaluation at step %d skipped: %s", self.step, problem)
             return True
