@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 import data.prepare  # noqa: F401  (registers `prepare_schema`)
 from data.config import PrepareConfig
 from trainer.config import CONF_DIR, RootConfig, register_configs
+from trainer.eval import EvalCommandConfig
 from trainer.export import ExportConfig
 from trainer.runtime import register_resolvers
 
@@ -60,15 +61,21 @@ def test_every_launcher_preset_composes(launcher: str):
     assert cfg.hydra.launcher._target_.endswith("SlurmLauncher")
 
 
-@pytest.mark.parametrize(("config_name", "schema"), [("prepare", PrepareConfig), ("export", None)])
-def test_the_other_commands_configs_compose(config_name: str, schema):
-    overrides = ["path=x", "out=y"] if config_name == "export" else []
+@pytest.mark.parametrize(
+    ("config_name", "overrides", "schema"),
+    [
+        ("prepare", [], PrepareConfig),
+        ("export", ["path=x", "out=y"], ExportConfig),
+        ("eval", ["path=x", "tasks=[piqa]"], EvalCommandConfig),
+    ],
+)
+def test_the_other_commands_configs_compose(config_name: str, overrides: list[str], schema):
     cfg = compose(config_name=config_name, overrides=overrides)
     obj = OmegaConf.to_object(cfg)
-    assert isinstance(obj, schema or ExportConfig)
+    assert isinstance(obj, schema)
 
 
 def test_no_yaml_is_left_outside_the_groups():
     top = {p.name for p in CONF_DIR.glob("*.yaml")}
-    assert top == {"config.yaml", "export.yaml", "prepare.yaml"}
+    assert top == {"config.yaml", "eval.yaml", "export.yaml", "prepare.yaml"}
     assert all(p.suffix == ".yaml" for p in Path(CONF_DIR).rglob("*") if p.is_file())
