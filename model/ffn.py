@@ -33,6 +33,14 @@ class GatedFFN(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(type(self).activation(self.gate_proj(x)) * self.up_proj(x))
 
+    def tensor_parallel_plan(self, tp: int) -> dict[str, str]:
+        """The hidden units split over `tp` ranks: gate and up column-wise, down row-wise."""
+        return {
+            "gate_proj": "colwise",
+            "up_proj": "colwise",
+            "down_proj": "rowwise",
+        }
+
     def init_weights(self, stds: InitStds) -> None:
         init_linear(self.gate_proj, stds.value)
         init_linear(self.up_proj, stds.value)
@@ -49,6 +57,10 @@ class PlainFFN(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(type(self).activation(self.up_proj(x)))
+
+    def tensor_parallel_plan(self, tp: int) -> dict[str, str]:
+        """The hidden units split over `tp` ranks: up column-wise, down row-wise."""
+        return {"up_proj": "colwise", "down_proj": "rowwise"}
 
     def init_weights(self, stds: InitStds) -> None:
         init_linear(self.up_proj, stds.value)

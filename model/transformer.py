@@ -60,6 +60,9 @@ class Transformer(nn.Module):
         self.stream = stream(cfg)  # expands the embedding into the carried state, collapses it
         # the fused head + cross-entropy; parallel.activation.compile_model swaps in a compiled one
         self.loss_fn = chunked_cross_entropy
+        # the head's other uses (parallel/tensor_parallel.py swaps vocab-parallel ones in)
+        self.log_probs_fn = target_log_probs
+        self.logits_fn = F.linear
         # the RoPE widths the layers rotate (layers of different kinds may differ)
         self.rotary_dims = sorted({b.attn.rotary_dim for b in self.layers.values()} - {0})
         # token id -> canonical id the Engram layers hash (the identity until set)
@@ -171,9 +174,9 @@ class Transformer(nn.Module):
         trunk, ctx = self._trunk(tokens, doc_ids, cache)
         h = self.norm(trunk)
         if targets is None:
-            return F.linear(h, self.head_weight)
+            return self.logits_fn(h, self.head_weight)
         if per_token:
-            return target_log_probs(h, self.head_weight, targets, self.cfg.loss_chunk_tokens)
+            return self.log_probs_fn(h, self.head_weight, targets, self.cfg.loss_chunk_tokens)
         loss = self.loss_fn(h, self.head_weight, targets, self.cfg.loss_chunk_tokens)
         if self.mtp is not None and torch.is_grad_enabled():  # training forwards only
             self._mtp_objective = self.mtp.objective(self, trunk, tokens, targets, ctx)
@@ -188,7 +191,7 @@ class Transformer(nn.Module):
     def last_logits(self, tokens: Tensor, *, cache: Cache | None = None) -> Tensor:
         """(B, V) logits of the last position only: what sampling needs, without (B, T, V)."""
         h = self.hidden_states(tokens, cache=cache)[:, -1]
-        return F.linear(h, self.head_weight)
+        return self.logits_fn(h, self.head_weight)
 
     def hidden_states(
         self, tokens: Tensor, *, doc_ids: Tensor | None = None, cache: Cache | None = None

@@ -77,9 +77,10 @@ class Attention(KernelChoice, TokenMixer, QKClipHooks):
 
     def forward(self, x: Tensor, ctx: AttentionContext, state: KVCache | None = None) -> Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
+        # -1: the heads this rank holds (all, or its share under tensor parallelism)
+        q = self.q_proj(x).view(B, T, -1, self.head_dim)
+        k = self.k_proj(x).view(B, T, -1, self.head_dim)
+        v = self.v_proj(x).view(B, T, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         rot = ctx.rotations(self.rotary_dim)
@@ -89,7 +90,7 @@ class Attention(KernelChoice, TokenMixer, QKClipHooks):
         if state is not None:
             k, v = state.update(k, v, ctx.start)  # (B, K, S, D)
         y = self.attend(q, k, v, ctx, self.scale)  # (B, H, T, D)
-        y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
+        y = y.transpose(1, 2).reshape(B, T, -1)
         if self.gate_proj is not None:
             y = y * torch.sigmoid(self.gate_proj(x))
         return self.o_proj(y)
@@ -104,6 +105,27 @@ class Attention(KernelChoice, TokenMixer, QKClipHooks):
         for norm in (self.q_norm, self.k_norm):
             if norm is not None:
                 norm.init_weights()
+
+    def tensor_parallel_plan(self, tp: int) -> dict[str, str]:
+        """Heads split over `tp` ranks (parallel/tensor_parallel.py): q, k, v and the output
+        gate column-wise (each rank computes its heads), the output projection row-wise (its
+        all-reduce gives every rank the whole output)."""
+        if self.q_norm is not None:  # its gains act on every head: a rank's share of heads
+            # gives a partial gradient, to be summed over the tp ranks (not built yet)
+            raise ConfigError(
+                "tensor parallelism does not split attention with QK-norm yet "
+                "(model.attention.qk_norm=true)"
+            )
+        if self.n_heads % tp or self.n_kv_heads % tp:
+            raise ConfigError(
+                f"parallel.tp={tp} must divide the attention's {self.n_heads} query and "
+                f"{self.n_kv_heads} key/value heads"
+            )
+        plan = {name: "colwise" for name in ("q_proj", "k_proj", "v_proj")}
+        if self.gate_proj is not None:
+            plan["gate_proj"] = "colwise"
+        plan["o_proj"] = "rowwise"
+        return plan
 
     def qk_clip_blocker(self) -> str | None:
         if self.q_norm is not None:

@@ -1,0 +1,73 @@
+"""Tensor parallelism (parallel/tensor_parallel.py) on 2 gloo ranks against one process, fp32:
+the loss, every gradient, the scoring log-probabilities and the logits of a dense model whose
+attention heads, FFN hidden units and vocabulary (also one tp does not divide) are split over the
+ranks; kinds without a plan yet run replicated, exactly, and are named; what cannot be split is
+refused in one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model.errors import ConfigError
+from model.presets import load_preset
+from model.transformer import build_model
+from tests.parallel.ranks import run_ranks
+from tests.parallel.tp_workers import tp_forward_backward
+
+pytestmark = pytest.mark.distributed
+
+DENSE = {"d_model": 64, "n_layers": 2, "attention.n_heads": 4, "attention.n_kv_heads": 2}
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        DENSE,
+        DENSE | {"tie_embeddings": False, "attention.output_gate": True},
+    ],
+    ids=["tied", "untied_gated"],
+)
+def test_two_tp_ranks_equal_one_process(overrides):
+    whole = tp_forward_backward(0, "tiny", overrides)
+    for got in run_ranks(2, tp_forward_backward, "tiny", overrides):
+        assert got["replicated"] == []  # every weight-holding module of a dense model is split
+        assert "layers.0.attn.q_proj.weight" in got["sharded"] and "embed.weight" in got["sharded"]
+        torch.testing.assert_close(got["loss"], whole["loss"], rtol=1e-6, atol=1e-6)
+        assert set(got["grads"]) == set(whole["grads"])
+        for name, grad in whole["grads"].items():
+            torch.testing.assert_close(got["grads"][name], grad, rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(got["log_probs"], whole["log_probs"], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got["logits"], whole["logits"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("preset", "overrides", "replicated"),
+    [
+        ("tiny_moe", {"d_model": 64, "n_layers": 2}, "layers.1.ffn"),
+        ("tiny_hybrid", {"d_model": 64, "n_layers": 4}, "layers.0.attn"),
+        ("tiny_mla", {"d_model": 64, "n_layers": 2}, "layers.0.attn"),
+    ],
+)
+def test_kinds_without_a_plan_run_replicated_and_exact(preset, overrides, replicated):
+    whole = tp_forward_backward(0, preset, overrides)
+    for got in run_ranks(2, tp_forward_backward, preset, overrides):
+        assert any(name.startswith(replicated) for name in got["replicated"]), got["replicated"]
+        assert "embed.weight" in got["sharded"]
+        torch.testing.assert_close(got["loss"], whole["loss"], rtol=1e-6, atol=1e-6)
+        for name, grad in whole["grads"].items():
+            torch.testing.assert_close(got["grads"][name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"attention.qk_norm": True}, "does not split attention with QK-norm yet"),
+        ({"attention.n_kv_heads": 1}, "parallel.tp=2 must divide the attention's 4 query and 1"),
+    ],
+)
+def test_what_cannot_be_split_is_refused_in_one_line(overrides, message):
+    cfg = load_preset("tiny", {"vocab_size": 128} | DENSE | overrides)
+    attn = build_model(cfg, device="meta").layers["0"].attn
+    with pytest.raises(ConfigError, match=message):
+        attn.tensor_parallel_plan(2)
