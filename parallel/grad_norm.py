@@ -20,17 +20,22 @@ from torch.distributed.tensor import DTensor, Replicate
 from parallel.collective import rank_and_size, several_ranks
 
 
-def _copies(grad: Tensor) -> int:
+def _copies(grad: Tensor, tp: int = 1) -> int:
+    """Ranks holding the same values as this rank's `grad`: a plain tensor's are everywhere; a
+    DTensor's, its replicated mesh dims, times tp when its mesh has no "tp" dim (a weight that
+    tensor parallelism left whole, which every rank of a tp group holds)."""
     if not isinstance(grad, DTensor):
         return rank_and_size()[1]
     mesh = grad.device_mesh
-    return math.prod(
+    copies = math.prod(
         mesh.size(i) for i, p in enumerate(grad.placements) if isinstance(p, Replicate)
     )
+    return copies * (tp if "tp" not in (mesh.mesh_dim_names or ()) else 1)
 
 
-def global_grad_norm(params: list[torch.nn.Parameter]) -> Tensor:
-    """The L2 norm of all gradients as if they were whole on one device (fp32 scalar)."""
+def global_grad_norm(params: list[torch.nn.Parameter], tp: int = 1) -> Tensor:
+    """The L2 norm of all gradients as if they were whole on one device (fp32 scalar); `tp`:
+    the tensor-parallel degree (parallel/tensor_parallel.py)."""
     by_copies: dict[int, list[Tensor]] = {}  # gradients grouped by how many ranks hold them
     for p in params:
         if p.grad is not None:
@@ -38,7 +43,7 @@ def global_grad_norm(params: list[torch.nn.Parameter]) -> Tensor:
             if local.is_sparse:  # repeated rows summed before squaring
                 local = p.grad = local.coalesce()
                 local = local.values()
-            by_copies.setdefault(_copies(p.grad), []).append(local)
+            by_copies.setdefault(_copies(p.grad, tp), []).append(local)
     if not by_copies:
         return torch.zeros(())
     device = next(iter(by_copies.values()))[0].device
@@ -53,9 +58,9 @@ def global_grad_norm(params: list[torch.nn.Parameter]) -> Tensor:
 
 
 @torch.no_grad()
-def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> Tensor:
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, tp: int = 1) -> Tensor:
     """Scale gradients so their global norm is at most `max_norm` (inf: only measure)."""
-    norm = global_grad_norm(params)
+    norm = global_grad_norm(params, tp)
     if max_norm != float("inf"):
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         if scale.item() == 1.0:  # within the limit (most steps of a long run): x * 1 == x, so

@@ -13,7 +13,7 @@ from model.errors import ConfigError
 from model.presets import load_preset
 from model.transformer import build_model
 from tests.parallel.ranks import run_ranks
-from tests.parallel.tp_workers import tp_forward_backward
+from tests.parallel.tp_workers import tp_forward_backward, tp_fsdp_train
 
 pytestmark = pytest.mark.distributed
 
@@ -71,3 +71,22 @@ def test_what_cannot_be_split_is_refused_in_one_line(overrides, message):
     attn = build_model(cfg, device="meta").layers["0"].attn
     with pytest.raises(ConfigError, match=message):
         attn.tensor_parallel_plan(2)
+
+
+@pytest.mark.parametrize(("ranks", "tp"), [(2, 2), (4, 2)], ids=["tp2", "dp_shard2_x_tp2"])
+def test_training_steps_with_fsdp2_over_the_data_ranks_equal_one_process(ranks, tp):
+    """Built on the meta device, split over tp, sharded by FSDP2 over the data ranks of the same
+    root mesh, initialized as one process would be; 3 SGD steps clipped at 1.0 with the tp-aware
+    global norm (the optimizer's own part is the trainer's business)."""
+    whole = tp_fsdp_train(0, "tiny", DENSE, 1)
+    for got in run_ranks(ranks, tp_fsdp_train, "tiny", DENSE, tp):
+        torch.testing.assert_close(got["losses"], whole["losses"], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got["norms"], whole["norms"], rtol=1e-5, atol=1e-6)
+        for name, weight in whole["weights"].items():
+            torch.testing.assert_close(
+                got["weights"][name],
+                weight,
+                rtol=1e-5,
+                atol=1e-6,
+                msg=lambda m, n=name: f"{n}: {m}",
+            )

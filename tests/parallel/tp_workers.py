@@ -52,3 +52,63 @@ def tp_forward_backward(rank: int, preset: str, overrides: dict[str, Any]) -> di
         "replicated": replicated,
         "sharded": sorted(n for n, p in model.named_parameters() if isinstance(p, DTensor)),
     }
+
+
+GLOBAL_BATCH, STEPS = 4, 3
+
+
+def train_batches(seed: int = 5) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(STEPS):
+        tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, T + 1), generator=g)
+        out.append((tokens[:, :-1], tokens[:, 1:]))
+    return out
+
+
+def tp_fsdp_train(rank: int, preset: str, overrides: dict[str, Any], tp: int) -> dict[str, Any]:
+    """STEPS SGD steps (clipped at 1.0) of a seeded fp32 model: FSDP2 over world / tp data
+    ranks composed with tensor parallelism over tp (built on the meta device, then materialized
+    and initialized as one process would be), or whole without a process group. Each data rank
+    takes its rows of every global batch; the tp ranks of a group take the same rows."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from model.transformer import Transformer
+    from parallel.fsdp import FP32, apply_fsdp
+    from parallel.grad_norm import clip_grad_norm
+    from parallel.init import init_like_single_process
+    from parallel.mesh import Meshes, ParallelDims
+    from parallel.tensor_parallel import apply_tensor_parallel
+
+    cfg = load_preset(preset, {"vocab_size": VOCAB, "max_seq_len": 64} | overrides)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    dp, dp_rank = world // tp, rank // tp
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    if world > 1:
+        root = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp_shard", "tp"))
+        apply_tensor_parallel(model, root["tp"])
+        dims = ParallelDims(dp_replicate=1, dp_shard=dp, ep=1, world_size=world)
+        apply_fsdp(
+            model, Meshes(dims=dims, dense=root["dp_shard"], experts=None, ep=None), FP32, True
+        )
+    model.to_empty(device="cpu")
+    init_like_single_process(model, torch.device("cpu"), seed=0)
+    params = list(model.parameters())
+    # SGD: the update is linear in the gradient, so the weights compare as tightly as they do
+    optimizer = torch.optim.SGD(params, lr=0.5)
+    losses, norms = [], []
+    rows = slice(dp_rank * GLOBAL_BATCH // dp, (dp_rank + 1) * GLOBAL_BATCH // dp)
+    for inputs, targets in train_batches():
+        loss = model(inputs[rows], targets[rows])
+        loss.backward()
+        norms.append(clip_grad_norm(params, 1.0, tp if world > 1 else 1))
+        optimizer.step()
+        optimizer.zero_grad()
+        mean = loss.detach().clone()
+        if world > 1:
+            dist.all_reduce(mean)
+            mean /= world  # every tp rank of a data rank holds the same loss
+        losses.append(mean)
+    weights = {n: whole(p.detach()) for n, p in model.named_parameters()}
+    return {"losses": torch.stack(losses), "norms": torch.stack(norms), "weights": weights}
