@@ -1,7 +1,7 @@
 """Tensor parallelism over a `tp` mesh, with DTensor's styles (torch.distributed.tensor.parallel).
 
 Each layer kind declares its own plan where it lives: a module with
-`tensor_parallel_plan(tp) -> {child name: "colwise" | "rowwise"}` (attention: its heads,
+`tensor_parallel_plan(tp) -> {child name: "colwise" | "rowwise" | "head_shared"}` (attention: its heads,
 model/mixers/attention.py; dense FFNs: their hidden units, model/ffn.py; model/ never imports
 torch.distributed, so the plans name the styles this file maps to DTensor's). This file applies
 the plans, with no branch on kinds, and splits the model's own parts:
@@ -23,11 +23,19 @@ rank's H / tp features; a row-wise one (H -> C) holds (C, H / tp) and all-reduce
 
 from __future__ import annotations
 
+import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    parallelize_module,
+)
+from torch.nn.utils.stateless import _reparametrize_module
 
 from model.transformer import Transformer
 from parallel.vocab_parallel import (
@@ -36,7 +44,48 @@ from parallel.vocab_parallel import (
     vocab_shard,
 )
 
-STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}  # what a plan may name
+
+class HeadShared(ParallelStyle):
+    """A module whose weights every rank holds whole but applies to its own share of the heads
+    (QK-norm's gains): each rank's gradient is partial, so it is summed over the tp ranks. The
+    weights become Replicate DTensors (FSDP2 then shards them over the data ranks); the module
+    runs on its local tensors, whose gradient an all-reduce completes in backward."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name, p in list(module.named_parameters(recurse=False)):
+            whole = distribute_tensor(p.data, device_mesh, [Replicate()])
+            module.register_parameter(name, nn.Parameter(whole, requires_grad=p.requires_grad))
+        group, forward = device_mesh.get_group(), type(module).forward
+
+        def local_forward(*args: object, **kwargs: object) -> object:
+            local = {
+                name: _SumGrad.apply(p.to_local(), group) if isinstance(p, DTensor) else p
+                for name, p in module.named_parameters(recurse=False)
+            }
+            with _reparametrize_module(module, local):
+                return forward(module, *args, **kwargs)
+
+        module.forward = local_forward  # (an instance attribute: nn.Module calls it)
+        return module
+
+
+class _SumGrad(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over `group` (every rank's share)."""
+
+    @staticmethod
+    def forward(ctx: object, x: Tensor, group: object) -> Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: object, grad: Tensor) -> tuple[Tensor, None]:
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+# what a plan may name
+STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "head_shared": HeadShared}
 
 
 def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> list[str]:
@@ -78,10 +127,22 @@ def _swap_head_functions(model: Transformer, tp_mesh: DeviceMesh) -> None:
 
     def logits(h: Tensor, w: Tensor) -> Tensor:
         local, _ = local_rows(w)
-        part = F.linear(h, local)  # (..., V / tp)
-        return DTensor.from_local(part, tp_mesh, [Shard(part.dim() - 1)]).full_tensor()
+        part = F.linear(h, local)  # (..., ~V / tp): shards may differ by a row (uneven V)
+        shape = (*part.shape[:-1], model.cfg.vocab_size)
+        whole = DTensor.from_local(
+            part, tp_mesh, [Shard(part.dim() - 1)], shape=shape, stride=_contiguous(shape)
+        )
+        return whole.full_tensor()
 
     model.loss_fn, model.log_probs_fn, model.logits_fn = loss, log_probs, logits
+
+
+def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
 
 
 def _replicated_modules(model: nn.Module, planned: set[str]) -> list[str]:

@@ -109,13 +109,8 @@ class Attention(KernelChoice, TokenMixer, QKClipHooks):
     def tensor_parallel_plan(self, tp: int) -> dict[str, str]:
         """Heads split over `tp` ranks (parallel/tensor_parallel.py): q, k, v and the output
         gate column-wise (each rank computes its heads), the output projection row-wise (its
-        all-reduce gives every rank the whole output)."""
-        if self.q_norm is not None:  # its gains act on every head: a rank's share of heads
-            # gives a partial gradient, to be summed over the tp ranks (not built yet)
-            raise ConfigError(
-                "tensor parallelism does not split attention with QK-norm yet "
-                "(model.attention.qk_norm=true)"
-            )
+        all-reduce gives every rank the whole output), QK-norm's gains whole on every rank with
+        their gradient summed over the ranks."""
         if self.n_heads % tp or self.n_kv_heads % tp:
             raise ConfigError(
                 f"parallel.tp={tp} must divide the attention's {self.n_heads} query and "
@@ -125,6 +120,8 @@ class Attention(KernelChoice, TokenMixer, QKClipHooks):
         if self.gate_proj is not None:
             plan["gate_proj"] = "colwise"
         plan["o_proj"] = "rowwise"
+        if self.q_norm is not None:  # one gain vector for every head: each rank's is partial
+            plan |= {"q_norm": "head_shared", "k_norm": "head_shared"}
         return plan
 
     def qk_clip_blocker(self) -> str | None:

@@ -25,8 +25,10 @@ DENSE = {"d_model": 64, "n_layers": 2, "attention.n_heads": 4, "attention.n_kv_h
     [
         DENSE,
         DENSE | {"tie_embeddings": False, "attention.output_gate": True},
+        DENSE | {"attention.qk_norm": True},
+        DENSE | {"vocab_size": 127},  # shards of 64 and 63 rows
     ],
-    ids=["tied", "untied_gated"],
+    ids=["tied", "untied_gated", "qk_norm", "uneven_vocab"],
 )
 def test_two_tp_ranks_equal_one_process(overrides):
     whole = tp_forward_backward(0, "tiny", overrides)
@@ -62,7 +64,6 @@ def test_kinds_without_a_plan_run_replicated_and_exact(preset, overrides, replic
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"attention.qk_norm": True}, "does not split attention with QK-norm yet"),
         ({"attention.n_kv_heads": 1}, "parallel.tp=2 must divide the attention's 4 query and 1"),
     ],
 )
@@ -73,13 +74,17 @@ def test_what_cannot_be_split_is_refused_in_one_line(overrides, message):
         attn.tensor_parallel_plan(2)
 
 
-@pytest.mark.parametrize(("ranks", "tp"), [(2, 2), (4, 2)], ids=["tp2", "dp_shard2_x_tp2"])
-def test_training_steps_with_fsdp2_over_the_data_ranks_equal_one_process(ranks, tp):
+@pytest.mark.parametrize(
+    ("ranks", "tp", "overrides"),
+    [(2, 2, DENSE), (4, 2, DENSE), (4, 2, DENSE | {"attention.qk_norm": True})],
+    ids=["tp2", "dp_shard2_x_tp2", "dp_shard2_x_tp2_qk_norm"],
+)
+def test_training_steps_with_fsdp2_over_the_data_ranks_equal_one_process(ranks, tp, overrides):
     """Built on the meta device, split over tp, sharded by FSDP2 over the data ranks of the same
     root mesh, initialized as one process would be; 3 SGD steps clipped at 1.0 with the tp-aware
     global norm (the optimizer's own part is the trainer's business)."""
-    whole = tp_fsdp_train(0, "tiny", DENSE, 1)
-    for got in run_ranks(ranks, tp_fsdp_train, "tiny", DENSE, tp):
+    whole = tp_fsdp_train(0, "tiny", overrides, 1)
+    for got in run_ranks(ranks, tp_fsdp_train, "tiny", overrides, tp):
         torch.testing.assert_close(got["losses"], whole["losses"], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(got["norms"], whole["norms"], rtol=1e-5, atol=1e-6)
         for name, weight in whole["weights"].items():
