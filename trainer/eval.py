@@ -11,7 +11,6 @@ the same step and limit agree. `list_tasks=true` prints every task name.
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,14 +22,13 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from data.atomic import atomic_write_json
-from data.errors import DataError
 from model.errors import ConfigError
 from trainer.build import context_limit
-from trainer.checkpoint.errors import CheckpointError
 from trainer.config import CONF_DIR
 from trainer.downstream.evaluator import DownstreamEvaluator, Results
 from trainer.downstream.tasks import build_tasks, task_names
 from trainer.runtime import pick_device
+from trainer.scoring_errors import one_line_errors
 from trainer.scoring_model import ScoringModel, load_scoring_model
 
 log = logging.getLogger("trainer.eval")
@@ -145,18 +143,12 @@ ConfigStore.instance().store(name="eval_schema", node=EvalCommandConfig)
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="eval")
 def main(dict_cfg: DictConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
+    with one_line_errors():
         cfg = OmegaConf.to_object(dict_cfg)
         if cfg.list_tasks:
             print("\n".join(task_names()))
             return
         evaluate_checkpoint(cfg)
-    except (ConfigError, DataError) as err:  # as trainer.lm_eval_model: the input's fault
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
-    except CheckpointError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(err.exit_code)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ tokenizer (replaces the one found). One process: lm-eval's data parallelism is n
 from __future__ import annotations
 
 import logging
-import sys
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -37,11 +36,10 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from torch import Tensor
 from tqdm import tqdm
 
-from data.errors import DataError
 from model.errors import ConfigError
 from model.generate import sample_next
 from model.loss import IGNORE_INDEX, target_log_probs
-from trainer.checkpoint.errors import CheckpointError
+from trainer.scoring_errors import one_line_errors
 from trainer.scoring_model import ScoringModel, load_scoring_model
 
 log = logging.getLogger("trainer.lm_eval_model")
@@ -352,14 +350,8 @@ def main() -> None:
     """lm-eval's command line with `lmforge` registered; user errors are one line (exit 2)."""
     from lm_eval.__main__ import cli_evaluate
 
-    try:
+    with one_line_errors():
         cli_evaluate()
-    except (ConfigError, DataError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
-    except CheckpointError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(err.exit_code)
 
 
 if __name__ == "__main__":
