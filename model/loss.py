@@ -3,7 +3,7 @@
 Shapes: h (N, C) final hidden states, W (V, C) output head, targets (N,) with -100 = ignore.
 
 The loss is the last op of the graph, so its gradient with respect to h and W is known up to
-the scalar that flows back into it. `FusedLinearCrossEntropy` therefore computes, chunk by
+the scalar that flows back into it. `GradientsInForward` therefore computes, chunk by
 chunk, the logits (n, V), the loss, and right away the gradients
     dlogits = (softmax(logits) - onehot(target)) / count          (zero rows for ignored targets)
     dh = dlogits @ W,   dW += dlogits^T @ h
@@ -109,6 +109,8 @@ def loss_chunk_fusable(
 
 
 ChunkFn = Callable[..., tuple[Tensor, Tensor | None, Tensor | None]]  # loss_chunk's signature
+# (h, weight, want_grad) -> (loss, grad_h, grad_w): what GradientsInForward runs
+LossWithGradients = Callable[[Tensor, Tensor, bool], tuple[Tensor, Tensor | None, Tensor | None]]
 
 
 def chunked_loss(
@@ -141,15 +143,16 @@ def chunked_loss(
     return total / count, grad_h, grad_w
 
 
-class FusedLinearCrossEntropy(torch.autograd.Function):
+class GradientsInForward(torch.autograd.Function):
+    """A loss whose forward computes its own gradients: `compute(h, weight, want_grad)` gives
+    (loss, grad_h, grad_w) (the gradients None unless wanted); backward only scales them by the
+    incoming gradient. The fused head + cross-entropy here, and its vocab-parallel form
+    (parallel/vocab_parallel.py)."""
+
     @staticmethod
-    def forward(
-        ctx, h: Tensor, weight: Tensor, targets: Tensor, chunk: int, chunk_fn: ChunkFn
-    ) -> Tensor:
+    def forward(ctx, h: Tensor, weight: Tensor, compute: LossWithGradients) -> Tensor:
         want_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        loss, grad_h, grad_w = chunked_loss(
-            h, weight, targets, chunk, chunk_fn, want_grad=want_grad
-        )
+        loss, grad_h, grad_w = compute(h, weight, want_grad)
         if want_grad:
             ctx.save_for_backward(grad_h, grad_w.to(weight.dtype))
         return loss
@@ -160,7 +163,16 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
         # (always multiplied, also by 1: handing the saved tensors on would let AccumulateGrad
         # keep them as .grad, which a retained graph's next backward then finds changed)
         scaled_h, scaled_w = grad_h * grad_out.to(grad_h.dtype), grad_w * grad_out.to(grad_w.dtype)
-        return scaled_h, scaled_w, None, None, None
+        return scaled_h, scaled_w, None
+
+
+def matmul_input(h: Tensor) -> Tensor:
+    """h (..., C) as (N, C) in the matmul dtype (the autocast dtype under autocast)."""
+    h = h.reshape(-1, h.shape[-1])
+    device = h.device.type
+    if torch.is_autocast_enabled(device):
+        h = h.to(torch.get_autocast_dtype(device))
+    return h
 
 
 def chunked_cross_entropy(
@@ -168,13 +180,15 @@ def chunked_cross_entropy(
 ) -> Tensor:
     """Mean cross-entropy of `targets` under logits h @ W^T; chunk_tokens=0 computes it in one go.
     chunk_fn: what computes each chunk (loss_chunk, or loss_chunk_fusable compiled)."""
-    h, targets = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
+    h, targets = matmul_input(h), targets.reshape(-1)
     device = h.device.type
-    if torch.is_autocast_enabled(device):
-        h = h.to(torch.get_autocast_dtype(device))
     with torch.autocast(device, enabled=False):
         if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
-            return FusedLinearCrossEntropy.apply(h, weight, targets, chunk_tokens, chunk_fn)
+
+            def compute(h: Tensor, weight: Tensor, want_grad: bool) -> tuple:
+                return chunked_loss(h, weight, targets, chunk_tokens, chunk_fn, want_grad=want_grad)
+
+            return GradientsInForward.apply(h, weight, compute)
         # evaluation: the loss alone. (An autograd Function's needs_input_grad follows the
         # inputs' requires_grad even under no_grad: it would compute both gradients, 3x the
         # head GEMMs, for nothing.)
@@ -189,10 +203,8 @@ def target_log_probs(h: Tensor, weight: Tensor, targets: Tensor, chunk_tokens: i
     the rows with a target are computed. Matmuls in h's dtype (the autocast dtype under autocast),
     the softmax in fp32, as in chunked_cross_entropy."""
     shape = targets.shape
-    h, targets = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
+    h, targets = matmul_input(h), targets.reshape(-1)
     device = h.device.type
-    if torch.is_autocast_enabled(device):
-        h = h.to(torch.get_autocast_dtype(device))
     out = torch.zeros(targets.shape, dtype=torch.float32, device=h.device)
     rows = (targets != IGNORE_INDEX).nonzero().squeeze(1)
     with torch.autocast(device, enabled=False):

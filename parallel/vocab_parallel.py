@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from model.loss import IGNORE_INDEX, chunk_gradients
+from model.loss import IGNORE_INDEX, GradientsInForward, chunk_gradients, matmul_input
 
 Group = dist.ProcessGroup | None
 
@@ -158,37 +158,6 @@ def _chunked_loss(
     return total / count, grad_h, grad_w
 
 
-class VocabParallelCrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx, h: Tensor, w_local: Tensor, targets: Tensor, chunk: int, vocab_start: int, group
-    ) -> Tensor:
-        want_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        loss, grad_h, grad_w = _chunked_loss(
-            h, w_local, targets, chunk, vocab_start, group, want_grad=want_grad
-        )
-        if want_grad:
-            ctx.save_for_backward(grad_h, grad_w.to(w_local.dtype))
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_out: Tensor):
-        grad_h, grad_w = ctx.saved_tensors
-        # no communication: every rank holds the full grad_h and its own rows' grad_w already
-        # (multiplied also by 1, for the reason FusedLinearCrossEntropy.backward gives)
-        scaled_h, scaled_w = grad_h * grad_out.to(grad_h.dtype), grad_w * grad_out.to(grad_w.dtype)
-        return scaled_h, scaled_w, None, None, None, None
-
-
-def _matmul_input(h: Tensor) -> Tensor:
-    """h (..., C) as (N, C) in the matmul dtype (the autocast dtype under autocast)."""
-    h = h.reshape(-1, h.shape[-1])
-    device = h.device.type
-    if torch.is_autocast_enabled(device):
-        h = h.to(torch.get_autocast_dtype(device))
-    return h
-
-
 def vocab_parallel_cross_entropy(
     h: Tensor,
     w_local: Tensor,
@@ -203,13 +172,18 @@ def vocab_parallel_cross_entropy(
     in one go. h (..., C) and targets (...) the same on every rank. Returns the 0-d fp32 loss,
     alike on every rank; backward gives every rank the full gradient of h and the gradient of
     its own w_local (see the module's docstring for the communication)."""
-    h, targets = _matmul_input(h), targets.reshape(-1)
+    h, targets = matmul_input(h), targets.reshape(-1)
     device = h.device.type
     with torch.autocast(device, enabled=False):
         if torch.is_grad_enabled() and (h.requires_grad or w_local.requires_grad):
-            return VocabParallelCrossEntropy.apply(
-                h, w_local, targets, chunk_tokens, vocab_start, group
-            )
+            # backward needs no communication: every rank holds the full grad_h already
+
+            def compute(h: Tensor, w: Tensor, want_grad: bool) -> tuple:
+                return _chunked_loss(
+                    h, w, targets, chunk_tokens, vocab_start, group, want_grad=want_grad
+                )
+
+            return GradientsInForward.apply(h, w_local, compute)
         # evaluation: the loss alone (no gradient GEMMs, no grad_h all-reduce)
         return _chunked_loss(
             h, w_local, targets, chunk_tokens, vocab_start, group, want_grad=False
@@ -230,7 +204,7 @@ def vocab_parallel_target_log_probs(
     -> (...), alike on every rank. Chunk by chunk over only the rows with a target (the same rows
     on every rank, so the ranks' collectives match): one all_gather of 3n floats per chunk."""
     shape = targets.shape
-    h, targets = _matmul_input(h), targets.reshape(-1)
+    h, targets = matmul_input(h), targets.reshape(-1)
     out = torch.zeros(targets.shape, dtype=torch.float32, device=h.device)
     rows = (targets != IGNORE_INDEX).nonzero().squeeze(1)
     with torch.autocast(h.device.type, enabled=False):
