@@ -106,17 +106,22 @@ class Attention(KernelChoice, TokenMixer, QKClipHooks):
             if norm is not None:
                 norm.init_weights()
 
-    def tensor_parallel_plan(self, tp: int) -> dict[str, str]:
+    def tensor_parallel_plan(self, tp: int) -> dict[str, object]:
         """Heads split over `tp` ranks (parallel/tensor_parallel.py): q, k, v and the output
         gate column-wise (each rank computes its heads), the output projection row-wise (its
         all-reduce gives every rank the whole output), QK-norm's gains whole on every rank with
-        their gradient summed over the ranks."""
-        if self.n_heads % tp or self.n_kv_heads % tp:
+        their gradient summed over the ranks. With fewer kv heads than ranks (tp a multiple of
+        them), k and v are whole on every rank, which computes the one kv head its query heads
+        use (Megatron's choice; torchtitan refuses): rank r's query heads [r H / tp, (r+1) H / tp)
+        all lie in kv head r K / tp, as `head_rows` picks."""
+        H, K = self.n_heads, self.n_kv_heads
+        if H % tp or (K % tp and tp % K):
             raise ConfigError(
-                f"parallel.tp={tp} must divide the attention's {self.n_heads} query and "
-                f"{self.n_kv_heads} key/value heads"
+                f"parallel.tp={tp} must divide the attention's {H} query heads and divide or be "
+                f"a multiple of its {K} key/value heads (model.attention.n_heads, n_kv_heads)"
             )
-        plan = {name: "colwise" for name in ("q_proj", "k_proj", "v_proj")}
+        kv = "colwise" if K % tp == 0 else ("colwise_replicated", K)
+        plan: dict[str, object] = {"q_proj": "colwise", "k_proj": kv, "v_proj": kv}
         if self.gate_proj is not None:
             plan["gate_proj"] = "colwise"
         plan["o_proj"] = "rowwise"

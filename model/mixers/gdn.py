@@ -89,14 +89,17 @@ def delta_rule(
 
 def conv_qkv(
     layer: nn.Module, x: Tensor, ctx: AttentionContext, state: RecurrentState | None
-) -> tuple[Tensor, Tensor]:
-    """SiLU(causal conv([W_q x | W_k x | W_v x])) of a delta-rule layer (B, T, 2 Hk Dk + H Dv),
-    restarting at documents and continuing `state`'s conv inputs; and the last K-1 inputs."""
-    mixed = torch.cat([layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)], dim=-1)
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """SiLU(causal conv([W_q x | W_k x | W_v x])) of a delta-rule layer, split back into q, k
+    (B, T, Hk Dk) and v (B, T, H Dv), restarting at documents and continuing `state`'s conv
+    inputs; and the last K-1 inputs. Widths as projected: under tensor parallelism, this
+    rank's heads (and their conv channels)."""
+    parts = [layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)]
     positions = ctx.positions if ctx.doc_starts is not None else None
     past = state.conv if state is not None else None
-    mixed, last_inputs = causal_conv(mixed, layer.conv.weight[:, 0], past, positions)
-    return F.silu(mixed), last_inputs
+    mixed, last_inputs = causal_conv(torch.cat(parts, -1), layer.conv.weight[:, 0], past, positions)
+    q, k, v = F.silu(mixed).split([t.shape[-1] for t in parts], dim=-1)
+    return q, k, v, last_inputs
 
 
 def l2_normalize(x: Tensor, eps: float = 1e-6) -> Tensor:
@@ -212,20 +215,46 @@ class GatedDeltaNet(DeltaRuleMixer):
         self, x: Tensor, ctx: AttentionContext, state: RecurrentState | None = None
     ) -> Tensor:
         B, T, _ = x.shape
-        H, Hk, Dk, Dv = self.n_heads, self.n_k_heads, self.k_dim, self.v_dim
-        mixed, last_inputs = conv_qkv(self, x, ctx, state)
-        q, k, v = mixed.split([Hk * Dk, Hk * Dk, H * Dv], dim=-1)
-        group, dt = H // Hk, state_dtype(x.dtype)  # the rule runs in fp32 (fp64 for fp64 models)
-        q = l2_normalize(q.to(dt).view(B, T, Hk, Dk)) * Dk**-0.5
-        k = l2_normalize(k.to(dt).view(B, T, Hk, Dk))
+        Dk, Dv = self.k_dim, self.v_dim
+        # -1 below: the heads this rank holds (all, or its share under tensor parallelism)
+        q, k, v, last_inputs = conv_qkv(self, x, ctx, state)
+        group = self.n_heads // self.n_k_heads
+        dt = state_dtype(x.dtype)  # the rule runs in fp32 (fp64 for fp64 models)
+        q = l2_normalize(q.to(dt).view(B, T, -1, Dk)) * Dk**-0.5
+        k = l2_normalize(k.to(dt).view(B, T, -1, Dk))
         q, k = (t.repeat_interleave(group, dim=2).transpose(1, 2) for t in (q, k))  # (B, H, T, Dk)
-        v_heads = v.to(dt).view(B, T, H, Dv).transpose(1, 2)
+        v_heads = v.to(dt).view(B, T, -1, Dv).transpose(1, 2)
         beta = torch.sigmoid(self.b_proj(x).to(dt)) * (2.0 if self.neg_eigval else 1.0)
         g = -self.A_log.to(dt).exp() * F.softplus(self.a_proj(x).to(dt) + self.dt_bias.to(dt))
         beta, g = beta.transpose(1, 2), g.transpose(1, 2)  # (B, H, T)
         o = self.run_rule(q, k, v_heads, g, beta, ctx, state, last_inputs, v.dtype)
-        gate = self.z_proj(x).view(B, T, H, Dv)
-        return self.o_proj(self.norm(o, gate).reshape(B, T, H * Dv))
+        gate = self.z_proj(x).view(B, T, -1, Dv)
+        return self.o_proj(self.norm(o, gate).reshape(B, T, -1))
+
+    def tensor_parallel_plan(self, tp: int) -> dict[str, object]:
+        """Heads split over `tp` ranks (parallel/tensor_parallel.py): the q, k, v projections,
+        the output gate z and the per-head beta and time-step projections column-wise; the
+        conv's channels over [q | k | v], A_log and dt_bias by the same heads ("head_rows":
+        small, whole on every rank, each computing with its heads' rows); the gated norm's gain
+        (one per value dim, shared by the heads) whole with its gradient summed; the output
+        projection row-wise. Value head h uses key head h // (H / Hk) locally too, since tp
+        divides both head counts."""
+        Hk, H, Dk, Dv = self.n_k_heads, self.n_heads, self.k_dim, self.v_dim
+        if Hk % tp or H % tp:
+            raise ConfigError(
+                f"parallel.tp={tp} must divide the gdn layers' {Hk} query/key and {H} value "
+                "heads (model.gdn.n_heads, n_v_heads)"
+            )
+        plan: dict[str, object] = {
+            name: "colwise" for name in ("q_proj", "k_proj", "v_proj", "z_proj", "b_proj", "a_proj")
+        }
+        return plan | {
+            "conv.weight": ("head_rows", ((Hk, Dk), (Hk, Dk), (H, Dv))),
+            "A_log": ("head_rows", ((H, 1),)),
+            "dt_bias": ("head_rows", ((H, 1),)),
+            "norm": "head_shared",
+            "o_proj": "rowwise",
+        }
 
     @torch.no_grad()
     def init_weights(self, stds: InitStds) -> None:

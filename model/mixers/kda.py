@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from model.config import KDAConfig, ModelConfig
+from model.config import ConfigError, KDAConfig, ModelConfig
 from model.init import InitStds, init_linear
 from model.mixers.gdn import (
     DeltaRuleMixer,
@@ -74,20 +74,44 @@ class KimiDeltaAttention(DeltaRuleMixer):
         self, x: Tensor, ctx: AttentionContext, state: RecurrentState | None = None
     ) -> Tensor:
         B, T, _ = x.shape
-        H, D = self.n_heads, self.head_dim
-        mixed, last_inputs = conv_qkv(self, x, ctx, state)
-        q, k, v = mixed.split(H * D, dim=-1)
+        D = self.head_dim
+        # -1 below: the heads this rank holds (all, or its share under tensor parallelism)
+        q, k, v, last_inputs = conv_qkv(self, x, ctx, state)
         dt = state_dtype(x.dtype)
-        q = l2_normalize(q.to(dt).view(B, T, H, D)) * D**-0.5
-        k = l2_normalize(k.to(dt).view(B, T, H, D))
+        q = l2_normalize(q.to(dt).view(B, T, -1, D)) * D**-0.5
+        k = l2_normalize(k.to(dt).view(B, T, -1, D))
         forget = self.f_b_proj(self.f_a_proj(x)).to(dt) + self.dt_bias.to(dt)
-        g = -self.A_log.to(dt).exp()[:, None] * F.softplus(forget.view(B, T, H, D))
+        g = -self.A_log.to(dt).exp()[:, None] * F.softplus(forget.view(B, T, -1, D))
         beta = torch.sigmoid(self.b_proj(x).to(dt))
         q, k, g = (t.transpose(1, 2) for t in (q, k, g))  # (B, H, T, D)
-        v_heads, beta = v.to(dt).view(B, T, H, D).transpose(1, 2), beta.transpose(1, 2)
+        v_heads, beta = v.to(dt).view(B, T, -1, D).transpose(1, 2), beta.transpose(1, 2)
         o = self.run_rule(q, k, v_heads, g, beta, ctx, state, last_inputs, v.dtype)  # (B, T, H, D)
-        gate = self.g_b_proj(self.g_a_proj(x)).view(B, T, H, D)
-        return self.o_proj(self.norm(o, gate).reshape(B, T, H * D))
+        gate = self.g_b_proj(self.g_a_proj(x)).view(B, T, -1, D)
+        return self.o_proj(self.norm(o, gate).reshape(B, T, -1))
+
+    def tensor_parallel_plan(self, tp: int) -> dict[str, object]:
+        """Heads split over `tp` ranks (parallel/tensor_parallel.py): the q, k, v projections,
+        beta's, and the low-rank gates' up projections (H D outputs) column-wise, their down
+        projections (C -> D) whole on every rank (as MLA's: small, and read by every head);
+        the conv's channels over [q | k | v], A_log (per head) and dt_bias (per head and
+        channel) by the same heads ("head_rows"); the gated norm's gain (one per head dim,
+        shared by the heads) whole with its gradient summed; the output projection row-wise."""
+        H, D = self.n_heads, self.head_dim
+        if H % tp:
+            raise ConfigError(
+                f"parallel.tp={tp} must divide the kda layers' {H} heads (model.kda.n_heads)"
+            )
+        colwise = ("q_proj", "k_proj", "v_proj", "b_proj", "f_b_proj", "g_b_proj")
+        plan: dict[str, object] = {name: "colwise" for name in colwise}
+        return plan | {
+            "f_a_proj": "replicated",
+            "g_a_proj": "replicated",
+            "conv.weight": ("head_rows", ((H, D),) * 3),
+            "A_log": ("head_rows", ((H, 1),)),
+            "dt_bias": ("head_rows", ((H, D),)),
+            "norm": "head_shared",
+            "o_proj": "rowwise",
+        }
 
     @torch.no_grad()
     def init_weights(self, stds: InitStds) -> None:

@@ -104,6 +104,9 @@ class MultiHeadLatentAttention(KernelChoice, TokenMixer, QKClipHooks):
         self.kv_a_norm = RMSNorm(self.kv_rank, eps)
         self.kv_b_proj = nn.Linear(self.kv_rank, H * (self.nope_dim + self.v_dim), bias=False)
         self.o_proj = nn.Linear(H * self.v_dim, C, bias=bias)
+        # where the one rope key meets every head: an identity, which tensor parallelism makes
+        # sum the key's gradient over the ranks (each rank's heads give part of it)
+        self.rope_key_to_heads = nn.Identity()
         rotate = self.rotary_dim > 0
         self.rope_pairing = dims.rope.pairing if rotate else None
         self.apply_rope = rope_applier(dims.rope.pairing) if rotate else None
@@ -130,7 +133,8 @@ class MultiHeadLatentAttention(KernelChoice, TokenMixer, QKClipHooks):
 
     def forward(self, x: Tensor, ctx: AttentionContext, state: LatentCache | None = None) -> Tensor:
         B, T, _ = x.shape
-        q = self._queries(x).view(B, T, self.n_heads, self.nope_dim + self.rope_dim)
+        # -1: the heads this rank holds (all, or its share under tensor parallelism)
+        q = self._queries(x).view(B, T, -1, self.nope_dim + self.rope_dim)
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
         c, k_rope = self.kv_a_proj(x).split([self.kv_rank, self.rope_dim], dim=-1)
         c = self.kv_a_norm(c)  # (B, T, R)
@@ -142,17 +146,17 @@ class MultiHeadLatentAttention(KernelChoice, TokenMixer, QKClipHooks):
             c, k_rope = state.update(c, k_rope, ctx.start)  # (B, S, R), (B, S, Dr)
         attend = self._expanded if T > 1 else self._absorbed
         y = attend(q_nope, q_rope, c, k_rope, ctx)  # (B, T, H, Dv)
-        return self.o_proj(y.reshape(B, T, self.n_heads * self.v_dim))
+        return self.o_proj(y.reshape(B, T, -1))
 
     def _expanded(
         self, q_nope: Tensor, q_rope: Tensor, c: Tensor, k_rope: Tensor, ctx: AttentionContext
     ) -> Tensor:
         """Per-head keys and values from the latent (training, prefill)."""
-        B, S, H = c.shape[0], c.shape[1], self.n_heads
+        B, S, H = c.shape[0], c.shape[1], q_nope.shape[2]
         kv = self.kv_b_proj(c).view(B, S, H, self.nope_dim + self.v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         q = torch.cat([q_nope, q_rope], dim=-1).transpose(1, 2)  # (B, H, T, Dn + Dr)
-        k_rope = k_rope[:, :, None, :].expand(B, S, H, self.rope_dim)
+        k_rope = self.rope_key_to_heads(k_rope)[:, :, None, :].expand(B, S, H, self.rope_dim)
         k = torch.cat([k_nope, k_rope], dim=-1).transpose(1, 2)  # (B, H, S, Dn + Dr)
         y = self.attend(q, k, v.transpose(1, 2), ctx, self.scale)  # (B, H, T, Dv)
         return y.transpose(1, 2)
@@ -161,10 +165,11 @@ class MultiHeadLatentAttention(KernelChoice, TokenMixer, QKClipHooks):
         self, q_nope: Tensor, q_rope: Tensor, c: Tensor, k_rope: Tensor, ctx: AttentionContext
     ) -> Tensor:
         """Attention straight over the latent (decoding): q_nope . k_nope == (q_nope W_uk) . c."""
-        w = self.kv_b_proj.weight.view(self.n_heads, self.nope_dim + self.v_dim, self.kv_rank)
+        w = self.kv_b_proj.weight.view(-1, self.nope_dim + self.v_dim, self.kv_rank)
         w_uk, w_uv = w[:, : self.nope_dim], w[:, self.nope_dim :]  # (H, Dn, R), (H, Dv, R)
         q_latent = torch.einsum("bthn,hnr->bhtr", q_nope, w_uk)
         q = torch.cat([q_latent, q_rope.transpose(1, 2)], dim=-1)  # (B, H, T, R + Dr)
+        k_rope = self.rope_key_to_heads(k_rope)
         k = torch.cat([c, k_rope], dim=-1)[:, None]  # (B, 1, S, R + Dr): one shared kv head
         y_latent = F.scaled_dot_product_attention(
             q,
@@ -176,6 +181,31 @@ class MultiHeadLatentAttention(KernelChoice, TokenMixer, QKClipHooks):
             enable_gqa=True,
         )  # (B, H, T, R)
         return torch.einsum("bhtr,hvr->bthv", y_latent, w_uv)
+
+    def tensor_parallel_plan(self, tp: int) -> dict[str, str]:
+        """Heads split over `tp` ranks (parallel/tensor_parallel.py), as torchtitan's DeepSeek-V3
+        plan: the low-rank down projections and their norms whole on every rank (small, and
+        the latent feeds every head), the up projections column-wise by heads, the output
+        projection row-wise. Each whole part computes the same thing on every rank from the
+        whole input and gets its whole gradient back (the column-wise projections sum their
+        input's gradient over the ranks; the rope key, used by each rank's heads directly,
+        sums its gradient in `rope_key_to_heads`)."""
+        if self.n_heads % tp:
+            raise ConfigError(
+                f"parallel.tp={tp} must divide the MLA attention's {self.n_heads} heads "
+                "(model.attention.n_heads)"
+            )
+        if self.q_proj is not None:
+            plan = {"q_proj": "colwise"}
+        else:
+            plan = {"q_a_proj": "replicated", "q_a_norm": "replicated", "q_b_proj": "colwise"}
+        return plan | {
+            "kv_a_proj": "replicated",
+            "kv_a_norm": "replicated",
+            "rope_key_to_heads": "copy_to_heads",
+            "kv_b_proj": "colwise",
+            "o_proj": "rowwise",
+        }
 
     def init_weights(self, stds: InitStds) -> None:
         for linear in (self.q_proj, self.q_a_proj, self.q_b_proj, self.kv_a_proj):

@@ -46,9 +46,8 @@ def test_two_tp_ranks_equal_one_process(overrides):
 @pytest.mark.parametrize(
     ("preset", "overrides", "replicated"),
     [
+        # the router and routed experts (MLA, GDN, KDA: tests/parallel/test_tensor_parallel_kinds.py)
         ("tiny_moe", {"d_model": 64, "n_layers": 2}, "layers.1.ffn"),
-        ("tiny_hybrid", {"d_model": 64, "n_layers": 4}, "layers.0.attn"),
-        ("tiny_mla", {"d_model": 64, "n_layers": 2}, "layers.0.attn"),
     ],
 )
 def test_kinds_without_a_plan_run_replicated_and_exact(preset, overrides, replicated):
@@ -64,7 +63,10 @@ def test_kinds_without_a_plan_run_replicated_and_exact(preset, overrides, replic
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"attention.n_kv_heads": 1}, "parallel.tp=2 must divide the attention's 4 query and 1"),
+        (
+            {"attention.n_heads": 3, "attention.head_dim": 16, "attention.n_kv_heads": 1},
+            "parallel.tp=2 must divide the attention's 3 query heads",
+        ),
     ],
 )
 def test_what_cannot_be_split_is_refused_in_one_line(overrides, message):
