@@ -159,5 +159,7 @@ def compile_model(model: Transformer, device_type: str) -> None:
     # the loss compiles per chunk (under no_grad, inside its autograd Function: no backward
     # graph), one graph for every chunk and batch size instead of one per number of chunks;
     # in the form Inductor fuses into one pass over the logits (model.loss.loss_chunk_fusable)
+    if model.loss_fn is not chunked_cross_entropy:
+        return  # another loss took its place (vocab-parallel under tensor parallelism): eager
     compiled_chunk = torch.compile(loss_chunk_fusable, options=options)
     model.loss_fn = functools.partial(chunked_cross_entropy, chunk_fn=compiled_chunk)

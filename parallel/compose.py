@@ -1,5 +1,6 @@
 """The one composition path: a plain model built on the meta device, rewritten in a fixed order
-(expert parallelism -> activation checkpointing -> compile per block -> FSDP2), then allocated
+(expert parallelism -> tensor parallelism -> activation checkpointing -> compile per block ->
+FSDP2), then allocated
 and filled with the weights a single process would have started from.
 
 The same path serves one process and many. With one rank there is no mesh, so the EP and FSDP
@@ -13,6 +14,8 @@ plus the fused head + loss as a function.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from model.transformer import Transformer
@@ -23,6 +26,8 @@ from parallel.fsdp import apply_fsdp, mixed_precision
 from parallel.init import init_like_single_process, load_weights
 from parallel.mesh import Meshes, build_meshes
 from parallel.precision import MasterWeights
+
+log = logging.getLogger("parallel")
 
 
 def fsdp_param_dtype(cfg: ParallelConfig, precision: str) -> torch.dtype:
@@ -46,6 +51,16 @@ def parallelize(
         from parallel.expert_parallel import apply_expert_parallel
 
         apply_expert_parallel(model, meshes.ep)
+    if meshes is not None and meshes.tp is not None:
+        from parallel.tensor_parallel import apply_tensor_parallel
+
+        replicated = apply_tensor_parallel(model, meshes.tp)
+        if replicated:  # exact, but each tp rank holds and computes these whole
+            log.info(
+                "tensor parallelism: %d module(s) without a plan run whole on every tp rank: %s",
+                len(replicated),
+                ", ".join(_shorten(replicated)),
+            )
     apply_activation_checkpointing(model, cfg.activation_checkpoint)
     if compile:
         compile_model(model, device_type)
@@ -57,6 +72,11 @@ def parallelize(
             cfg.reshard_after_forward,
             recompute=cfg.activation_checkpoint != "none",
         )
+
+
+def _shorten(names: list[str], shown: int = 6) -> list[str]:
+    """Module names for a log line: the first few, then how many more."""
+    return names[:shown] + ([f"... {len(names) - shown} more"] if len(names) > shown else [])
 
 
 def build_model_for(request: EngineRequest) -> tuple[Transformer, MasterWeights | None]:

@@ -66,6 +66,9 @@ class ParallelConfig:
     dp_shard: int = -1  # ranks that shard dense weights (FSDP2); -1 = all that remain
     dp_replicate: int = 1  # replicas of the sharded group (HSDP when both > 1)
     ep: int = 1  # expert-parallel ranks, taken from dp_shard (experts split over them)
+    # tensor-parallel ranks (heads, hidden units and vocabulary split over them; consecutive
+    # ranks, so keep it within a node)
+    tp: int = 1
     activation_checkpoint: str = "none"  # none | full (recompute each block) | selective
     reshard_after_forward: bool = True  # FSDP2: free gathered weights after forward (ZeRO-3)
     param_dtype: str = "auto"  # FSDP2 gather/compute dtype: auto (bf16 unless precision=fp32)
@@ -83,7 +86,7 @@ class ParallelConfig:
             self.dp_shard == -1 or self.dp_shard >= 1,
             f"parallel.dp_shard={self.dp_shard} must be >= 1, or -1 for all remaining ranks",
         )
-        for key in ("dp_replicate", "ep"):
+        for key in ("dp_replicate", "ep", "tp"):
             value = getattr(self, key)
             _require(value >= 1, f"parallel.{key}={value} must be >= 1")
         _require(

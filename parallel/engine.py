@@ -31,6 +31,8 @@ and the optimizer and offers:
   state_module           the module whose weights the optimizer updates and checkpoints hold
   weight_modules()       the distinct modules holding weights (model, then state_module)
   nonfinite_weights()    the weights holding NaN or inf on this rank (never saved, sampled)
+  ranks_per_forward      consecutive ranks that run one forward on the same inputs (tensor
+                         parallelism: they read the same rows and score the same requests)
 
 The engine knows no model feature: what a feature adds to a step comes through the objective
 and the edit the trainer's step passes in, and parallel code finds parts by parameter role.
@@ -59,7 +61,7 @@ from model.training_hooks import RowScaler, UpdatedWeights
 from parallel.checkpoint_format import CheckpointFormat
 from parallel.config import ParallelConfig
 from parallel.fsdp import replicated_tables
-from parallel.grad_norm import clip_grad_norm
+from parallel.grad_norm import clip_grad_norm, tp_size
 from parallel.mesh import ParallelDims
 from parallel.precision import MasterWeights, autocast_factory
 from parallel.sparse_sync import average_sparse_gradients
@@ -109,6 +111,9 @@ class TrainingEngine(CheckpointFormat):
     # the run's directory, for an engine's temporary files (DeepSpeed's checkpoint conversion);
     # set by the trainer, None elsewhere (then beside the checkpoint read)
     scratch_dir: Path | None = None
+    # consecutive ranks that run one forward together on the same inputs (tensor parallelism);
+    # they read the same batch rows and score the same requests
+    ranks_per_forward: int = 1
 
     @property
     def state_module(self) -> nn.Module:
@@ -231,6 +236,7 @@ class FSDP2Engine(TrainingEngine):
         self.model, self.optimizer, self.master = model, optimizer, master
         self._autocast = autocast_factory(precision, device)
         self._replicated = replicated_tables(model)
+        self.ranks_per_forward = tp_size(model)
 
     @property
     def state_module(self) -> nn.Module:
@@ -267,7 +273,7 @@ class FSDP2Engine(TrainingEngine):
             params = [m for _, m in self.master.pairs if m.grad is not None]
         else:
             params = [p for p in self.model.parameters() if p.grad is not None]
-        return clip_grad_norm(params, max_norm)
+        return clip_grad_norm(params, max_norm, self.ranks_per_forward)
 
     def step(self, edit: Edit | None = None) -> None:
         self.optimizer.step()

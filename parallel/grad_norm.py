@@ -76,3 +76,13 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, tp: int = 
             if g.is_sparse:
                 g._values().mul_(scale.to(g.device))  # (coalesced or not)
     return norm
+
+
+def tp_size(model: torch.nn.Module) -> int:
+    """The tensor-parallel degree `model` was split with (1 when it was not): the size of the
+    "tp" dim of the first parameter whose mesh has one."""
+    for p in model.parameters():
+        names = p.device_mesh.mesh_dim_names or () if isinstance(p, DTensor) else ()
+        if "tp" in names:
+            return p.device_mesh.size(names.index("tp"))
+    return 1

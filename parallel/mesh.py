@@ -10,6 +10,11 @@ each expert's weights are sharded over the `dp_shard / ep` groups (and replicate
 
 so that FSDP2 can compose the expert mesh with the expert-parallel one (same root); the dense
 mesh is built on its own (a mesh whose dim is a flattened pair of another is being deprecated).
+
+Tensor parallelism adds the innermost dimension: the root is ("dp_replicate", "dp_shard", "tp"),
+consecutive ranks form a tp group (they share a node and its fast links), FSDP2 shards over the
+data-parallel sub-mesh of that root (the 2D/3D composition needs one root), and a rank's
+data-parallel index is rank // tp (its tp group reads the same batch rows).
 """
 
 from __future__ import annotations
@@ -28,22 +33,27 @@ class ParallelDims:
     dp_shard: int
     ep: int
     world_size: int
+    tp: int = 1  # tensor-parallel ranks (innermost: consecutive ranks)
 
     @classmethod
     def resolve(cls, cfg: ParallelConfig, world_size: int) -> ParallelDims:
         """Fill in dp_shard=-1 and check that the sizes multiply to the world size."""
-        shard = cfg.dp_shard
+        tp, shard = cfg.tp, cfg.dp_shard
         if shard == -1:
-            shard, rest = divmod(world_size, cfg.dp_replicate)
+            shard, rest = divmod(world_size, cfg.dp_replicate * tp)
             if rest or shard == 0:
-                raise ConfigError(
-                    f"parallel.dp_replicate={cfg.dp_replicate} does not divide the world size "
-                    f"{world_size} (WORLD_SIZE from torchrun/srun)"
+                sizes = f"parallel.dp_replicate={cfg.dp_replicate}" + (
+                    f" x parallel.tp={tp} = {cfg.dp_replicate * tp}" if tp > 1 else ""
                 )
-        if cfg.dp_replicate * shard != world_size:
+                raise ConfigError(
+                    f"{sizes} does not divide the world size {world_size} (WORLD_SIZE from "
+                    "torchrun/srun)"
+                )
+        if cfg.dp_replicate * shard * tp != world_size:
+            with_tp = f" x parallel.tp={tp}" if tp > 1 else ""
             raise ConfigError(
-                f"parallel.dp_replicate={cfg.dp_replicate} x parallel.dp_shard={shard} = "
-                f"{cfg.dp_replicate * shard} ranks, but the world size is {world_size}; set "
+                f"parallel.dp_replicate={cfg.dp_replicate} x parallel.dp_shard={shard}{with_tp} = "
+                f"{cfg.dp_replicate * shard * tp} ranks, but the world size is {world_size}; set "
                 "parallel.dp_shard=-1 to use all remaining ranks"
             )
         if shard % cfg.ep:
@@ -51,7 +61,28 @@ class ParallelDims:
                 f"parallel.ep={cfg.ep} must divide parallel.dp_shard={shard}: expert-parallel "
                 "ranks are taken from the sharded data-parallel ones"
             )
-        return cls(dp_replicate=cfg.dp_replicate, dp_shard=shard, ep=cfg.ep, world_size=world_size)
+        if tp > 1 and cfg.ep > 1:
+            raise ConfigError(
+                f"parallel.ep={cfg.ep} with parallel.tp={tp} is not supported yet: use one of "
+                "them (MoE layers under tensor parallelism split their shared experts and keep "
+                "the routed ones whole on every rank)"
+            )
+        return cls(
+            dp_replicate=cfg.dp_replicate,
+            dp_shard=shard,
+            ep=cfg.ep,
+            world_size=world_size,
+            tp=tp,
+        )
+
+    @property
+    def dp_ranks(self) -> int:
+        """Data-parallel ranks: each reads its own rows of the global batch."""
+        return self.dp_replicate * self.dp_shard
+
+    def dp_rank(self, rank: int) -> int:
+        """The data-parallel index of global `rank` (the tp ranks of a group share it)."""
+        return rank // self.tp
 
     @property
     def expert_shard(self) -> int:
@@ -64,6 +95,8 @@ class ParallelDims:
             parts.append(f"dp_replicate {self.dp_replicate} (HSDP)")
         if self.ep > 1:
             parts.append(f"ep {self.ep} (expert weights sharded over {self.expert_shard})")
+        if self.tp > 1:
+            parts.append(f"tp {self.tp}")
         return ", ".join(parts)
 
 
@@ -73,11 +106,20 @@ class Meshes:
     dense: DeviceMesh  # (dp_replicate, dp_shard) or (dp_shard,): FSDP2/HSDP of dense weights
     experts: DeviceMesh | None  # (dp_replicate, dp_shard_mod_ep) or (dp_shard_mod_ep,), ep > 1
     ep: DeviceMesh | None  # (ep,) when parallel.ep > 1
+    tp: DeviceMesh | None = None  # (tp,) when parallel.tp > 1: a sub-mesh of dense's root
 
 
 def build_meshes(dims: ParallelDims, device_type: str) -> Meshes:
     """The meshes over all ranks (the default process group must exist)."""
     hsdp = dims.dp_replicate > 1
+    if dims.tp > 1:  # one root, tp innermost: FSDP2 composes with TP over its sub-meshes
+        root = init_device_mesh(
+            device_type,
+            (dims.dp_replicate, dims.dp_shard, dims.tp),
+            mesh_dim_names=("dp_replicate", "dp_shard", "tp"),
+        )
+        dense = root["dp_replicate", "dp_shard"] if hsdp else root["dp_shard"]
+        return Meshes(dims=dims, dense=dense, experts=None, ep=None, tp=root["tp"])
     if hsdp:
         dense = init_device_mesh(
             device_type,

@@ -81,7 +81,7 @@ def build_training(cfg: RootConfig, run_dir: Path, ranks: Ranks) -> Training:
         torch.set_num_threads(tcfg.threads)
     device = pick_device(tcfg.device, ranks.local_rank)
     choices = EngineChoices(
-        choose_precision(tcfg.precision, device), compiles(tcfg), tcfg.grad_clip, plan
+        choose_precision(tcfg.precision, device), compiles(tcfg, dims.tp), tcfg.grad_clip, plan
     )
     if device.type == "cpu" and tcfg.cpu_malloc == "keep":
         log.info("CPU allocator: %s", keep_freed_memory())
@@ -92,8 +92,8 @@ def build_training(cfg: RootConfig, run_dir: Path, ranks: Ranks) -> Training:
     else:
         model_cfg = resolve_model_config(cfg.model, manifest)
     check_training_device(model_cfg.attention.backend, model_cfg.kernels, device.type)
-    loader = build_loader(
-        cfg.data, manifest, plan.global_batch, ranks.rank, ranks.world_size, cfg.seed
+    loader = build_loader(  # the ranks of a tp group read the same rows
+        cfg.data, manifest, plan.global_batch, dims.dp_rank(ranks.rank), dims.dp_ranks, cfg.seed
     )
     loader.manifest.check_tokenizer(manifest.tokenizer)
     canonical = token_compression(model_cfg, loader, run_dir)  # checked; written once started

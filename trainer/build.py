@@ -130,9 +130,9 @@ def build_training_engine(
     check_expert_parallel(model_cfg, dims, parallel.activation_checkpoint)
     choices = EngineChoices(
         precision=resolve_precision(trainer.precision, device),
-        compile=compiles(trainer),
+        compile=compiles(trainer, dims.tp),
         grad_clip=trainer.grad_clip,
-        plan=plan_batches(trainer.batch_size, trainer.micro_batch_size, dims.world_size),
+        plan=plan_batches(trainer.batch_size, trainer.micro_batch_size, dims.dp_ranks),
     )
     return start_engine(model_cfg, parallel, optim, dims, device, seed, choices, initial_weights)
 
@@ -185,12 +185,30 @@ def check_start(cfg: RootConfig, world_size: int) -> tuple[ParallelDims, BatchPl
     dims = ParallelDims.resolve(cfg.parallel, world_size)
     ENGINES.get(cfg.parallel.engine)  # an unknown parallel.engine names the known ones
     check_expert_layout(dims, cfg.parallel.activation_checkpoint)
-    plan = plan_batches(cfg.trainer.batch_size, cfg.trainer.micro_batch_size, world_size)
+    check_tensor_parallel(cfg, dims)
+    plan = plan_batches(cfg.trainer.batch_size, cfg.trainer.micro_batch_size, dims.dp_ranks)
     if not is_hf(cfg.init_from):
         check_model_shape(cfg.model, cfg.data, dims)
     if cfg.eval.downstream.tasks:  # names known to the library (and the library installed)
         check_task_names(cfg.eval.downstream.tasks)
     return dims, plan
+
+
+def check_tensor_parallel(cfg: RootConfig, dims: ParallelDims) -> None:
+    """What parallel.tp > 1 does not take yet, in one line each."""
+    if dims.tp > 1 and cfg.trainer.compile == "true":
+        # compiled blocks under tensor parallelism gave wrong gradients or failed in backward on
+        # CPU (torch 2.13: AOTAutograd around the DTensor linears); eager is exact
+        raise ConfigError(
+            f"trainer.compile=true does not work with parallel.tp={dims.tp} yet; set "
+            "trainer.compile=false (or auto, which stays eager under tensor parallelism)"
+        )
+    if dims.tp > 1 and cfg.optim.qk_clip_tau > 0:
+        # each tp rank records the max logits of its own heads only; QK-clip needs them all
+        raise ConfigError(
+            f"optim.qk_clip_tau={cfg.optim.qk_clip_tau:g} (QK-clip) does not work with "
+            f"parallel.tp={dims.tp} yet; set optim.qk_clip_tau=0 or parallel.tp=1"
+        )
 
 
 def check_model_shape(model_cfg: ModelConfig, data: LoaderConfig, dims: ParallelDims) -> None:

@@ -424,7 +424,10 @@ class Training:
         # as the validation forwards: eager, or compiled where _decide_evaluation_compile chose
         with self.engine.evaluating(), self._eager_stance(validation=True):
             results = self.downstream.evaluate(
-                self.engine.evaluation_log_probs, self.device, self.stop.requested
+                self.engine.evaluation_log_probs,
+                self.device,
+                self.stop.requested,
+                together=self.engine.ranks_per_forward,
             )
         if results is None:
             return False

@@ -112,6 +112,11 @@ def refuse_unsupported(request: EngineRequest, optimizer_name: str) -> None:
     problems = []
     if request.dims.ep > 1:
         problems += expert_parallel_problems(ds.zero_stage, ds.offload_optimizer)
+    if request.dims.tp > 1:
+        problems.append(
+            "parallel.tp > 1: tensor parallelism runs on parallel.engine=fsdp2 (DeepSpeed's "
+            "AutoTP is not wired in); use parallel.engine=fsdp2 with parallel.tp"
+        )
     if request.dims.dp_replicate > 1:
         problems.append(
             "parallel.dp_replicate > 1 (HSDP) is FSDP2's layout; ZeRO partitions over every rank"

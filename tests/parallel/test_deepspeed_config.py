@@ -103,6 +103,7 @@ def test_bad_settings_name_their_keys(settings, message):
         ),
         ({"ep": 2}, {"zero_stage": 2, "offload_optimizer": "cpu"}, "set offload_optimizer=none"),
         ({"dp_replicate": 2}, {}, "parallel.dp_replicate > 1 (HSDP) is FSDP2's layout"),
+        ({"tp": 2}, {}, "parallel.tp > 1: tensor parallelism runs on parallel.engine=fsdp2"),
     ],
 )
 def test_layouts_the_engine_does_not_take_are_refused_with_the_way_on(layout, settings, message):

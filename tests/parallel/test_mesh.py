@@ -15,6 +15,10 @@ def test_dp_shard_takes_all_remaining_ranks() -> None:
     dims = ParallelDims.resolve(ParallelConfig(ep=2), 4)
     assert (dims.dp_shard, dims.ep, dims.expert_shard) == (4, 2, 2)
     assert "ep 2 (expert weights sharded over 2)" in dims.describe()
+    dims = ParallelDims.resolve(ParallelConfig(tp=2, dp_replicate=2), 8)
+    assert (dims.dp_replicate, dims.dp_shard, dims.tp, dims.dp_ranks) == (2, 2, 2, 4)
+    assert [dims.dp_rank(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]  # tp innermost
+    assert dims.describe().endswith("tp 2")
 
 
 @pytest.mark.parametrize(
@@ -29,6 +33,13 @@ def test_dp_shard_takes_all_remaining_ranks() -> None:
         (dict(ep=4, dp_replicate=2), 4, "parallel.ep=4 must divide parallel.dp_shard=2"),
         (dict(ep=4), 2, "parallel.ep=4 must divide parallel.dp_shard=2"),
         (dict(ep=2), 1, "parallel.ep=2 must divide parallel.dp_shard=1"),
+        (dict(tp=3), 4, r"parallel.dp_replicate=1 x parallel.tp=3 = 3 does not divide the world"),
+        (
+            dict(tp=2, dp_shard=4),
+            4,
+            r"parallel.dp_replicate=1 x parallel.dp_shard=4 x parallel.tp=2 = 8 ranks, but the",
+        ),
+        (dict(tp=2, ep=2), 8, "parallel.ep=2 with parallel.tp=2 is not supported yet"),
     ],
 )
 def test_inconsistent_sizes_fail_with_the_keys(cfg: dict, world: int, message: str) -> None:
@@ -41,6 +52,7 @@ def test_inconsistent_sizes_fail_with_the_keys(cfg: dict, world: int, message: s
     [
         (dict(dp_shard=0), "parallel.dp_shard=0 must be >= 1, or -1"),
         (dict(ep=0), "parallel.ep=0 must be >= 1"),
+        (dict(tp=0), "parallel.tp=0 must be >= 1"),
         (dict(activation_checkpoint="some"), "parallel.activation_checkpoint='some' is not one of"),
         (dict(param_dtype="fp16"), "parallel.param_dtype='fp16' is not one of"),
     ],

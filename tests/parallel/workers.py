@@ -312,5 +312,6 @@ def score_tasks(engine: TrainingEngine, tasks: list, batch_tokens: int, pad_id: 
     evaluator = DownstreamEvaluator(tasks, batch_tokens, pad_id)
     cpu = torch.device("cpu")
     with engine.evaluating():
-        sums = evaluator.log_likelihoods(engine.evaluation_log_probs, cpu)
-        return sums, evaluator.evaluate(engine.evaluation_log_probs, cpu)
+        together = engine.ranks_per_forward  # tp ranks score one batch together
+        sums = evaluator.log_likelihoods(engine.evaluation_log_probs, cpu, together=together)
+        return sums, evaluator.evaluate(engine.evaluation_log_probs, cpu, together=together)

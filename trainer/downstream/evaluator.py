@@ -75,9 +75,11 @@ class DownstreamEvaluator:
         device: torch.device,
         stop: Callable[[], bool] = lambda: False,
         progress: Callable[[int], None] | None = None,
+        together: int = 1,
     ) -> Results | None:
-        """Every task's metrics (the same on every rank); None when `stop` interrupted it."""
-        sums = self.log_likelihoods(log_probs_of, device, stop, progress)
+        """Every task's metrics (the same on every rank); None when `stop` interrupted it.
+        `together`: ranks that run one forward together (scoring.log_likelihoods)."""
+        sums = self.log_likelihoods(log_probs_of, device, stop, progress, together)
         if sums is None:
             return None
         results: Results = {}
@@ -97,10 +99,11 @@ class DownstreamEvaluator:
         device: torch.device,
         stop: Callable[[], bool] = lambda: False,
         progress: Callable[[int], None] | None = None,
+        together: int = 1,
     ) -> torch.Tensor | None:
         """Every request's summed continuation log-probability (trainer.downstream.scoring)."""
         return log_likelihoods(
-            log_probs_of, self.requests, self.packed, self.pad_id, device, stop, progress
+            log_probs_of, self.requests, self.packed, self.pad_id, device, stop, progress, together
         )
 
     def share(self, seconds: float) -> float | None:

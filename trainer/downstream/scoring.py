@@ -28,12 +28,15 @@ def log_likelihoods(
     device: torch.device,
     stop: Callable[[], bool] = lambda: False,
     progress: Callable[[int], None] | None = None,
+    together: int = 1,
 ) -> Tensor | None:
     """(len(requests),) float64 on the CPU, the same on every rank; None when `stop` (which
     every rank must agree on) interrupted it. Every rank must call it (collective forwards).
     `batches`: trainer.downstream.batches.pack's; `progress(n)`: n more requests were scored
-    on this rank."""
+    on this rank; `together`: consecutive ranks that run one forward on the same batch (tensor
+    parallelism, TrainingEngine.ranks_per_forward)."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if several_ranks() else (0, 1)
+    rank, world = rank // together, world // together  # data-parallel index and count
     mine = batches[rank::world]
     sums = torch.zeros(len(requests), dtype=torch.float64, device=device)
     for turn in range(math.ceil(len(batches) / world)):
@@ -50,5 +53,6 @@ def log_likelihoods(
             if progress is not None:
                 progress(len(rows))
     if several_ranks():
-        dist.all_reduce(sums)  # each request was scored on exactly one rank; 0 elsewhere
+        dist.all_reduce(sums)  # each request was scored by one group of `together` ranks
+        sums /= together  # (a power of two when tp is: exact)
     return sums.cpu()

@@ -1,0 +1,92 @@
+"""`torchrun -m trainer parallel.tp=2` end to end on CPU (gloo, fp32): 2 ranks (tp=2) and 4 ranks
+(dp_shard=2 x tp=2) train the loss curve of one process, and checkpoints move between tensor-
+parallel sizes (tp=2 -> one process, one process -> dp_shard=2 x tp=2 with activation
+checkpointing) and continue it exactly; what tensor parallelism does not take yet is refused in one
+line, and trainer.compile=auto stays eager under it."""
+
+from __future__ import annotations
+
+import pytest
+
+from model.errors import ConfigError
+from tests.trainer.helpers import SMALL_OVERRIDES, run_trainer, small_config, train_losses
+from tests.trainer.test_torchrun import torchrun
+from trainer.build import check_start
+from trainer.config import TrainerConfig, compiles
+
+pytestmark = [pytest.mark.integration, pytest.mark.distributed]
+
+FP32 = ["trainer.precision=fp32", "trainer.eval_every=0", "trainer.max_steps=4"]
+# losses of the same fp32 steps: tp ranks sum partial products in another order (measured
+# differences up to 2e-7 relative)
+RTOL = 1e-5
+
+
+def assert_same_losses(got: dict[int, float], want: dict[int, float], steps: list[int]) -> None:
+    assert sorted(got) == steps
+    for step in steps:
+        assert got[step] == pytest.approx(want[step], rel=RTOL), step
+
+
+def test_tensor_parallel_runs_equal_one_process_and_resume_across_tp_sizes(dataset, tmp_path):
+    common = [f"data.path={dataset}", *SMALL_OVERRIDES, *FP32, "checkpoint.every=2"]
+    one = tmp_path / "one"
+    result = run_trainer(*common, f"hydra.run.dir={one}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    whole = train_losses(one)
+
+    tp2 = tmp_path / "tp2"
+    result = torchrun(2, *common, "parallel.tp=2", f"hydra.run.dir={tp2}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    log = (tp2 / "train.log").read_text()
+    assert "world 2, dp_shard 1, tp 2" in log
+    assert "sample at step 4" in log  # generation under tensor parallelism: every rank runs it
+    assert_same_losses(train_losses(tp2), whole, [1, 2, 3, 4])
+
+    # tp=2's checkpoint in one process, and one process's in dp_shard=2 x tp=2
+    resumed = tmp_path / "tp2_to_one"
+    checkpoint = tp2 / "checkpoints" / "step_00000002"
+    result = run_trainer(*common, f"resume={checkpoint}", f"hydra.run.dir={resumed}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert_same_losses(train_losses(resumed), whole, [3, 4])
+
+    resumed = tmp_path / "one_to_dp2_tp2"
+    checkpoint = one / "checkpoints" / "step_00000002"
+    result = torchrun(
+        4,
+        *common,
+        "parallel.tp=2",
+        "parallel.activation_checkpoint=full",  # recomputed blocks: the same numbers
+        f"resume={checkpoint}",
+        f"hydra.run.dir={resumed}",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "world 4, dp_shard 2, tp 2" in (resumed / "train.log").read_text()
+    assert_same_losses(train_losses(resumed), whole, [3, 4])
+
+
+@pytest.mark.parametrize(
+    ("settings", "world", "message"),
+    [
+        ({"optim.qk_clip_tau": 50.0}, 2, "optim.qk_clip_tau=50 (QK-clip) does not work with"),
+        ({"trainer.compile": "true"}, 2, "trainer.compile=true does not work with parallel.tp=2"),
+        ({"parallel.tp": 3}, 4, "parallel.dp_replicate=1 x parallel.tp=3 = 3 does not divide"),
+    ],
+)
+def test_what_tensor_parallelism_does_not_take_is_refused_at_start(
+    tmp_path, settings, world, message
+):
+    cfg = small_config(tmp_path)
+    cfg.parallel.tp = 2
+    for key, value in settings.items():
+        group, name = key.split(".")
+        setattr(getattr(cfg, group), name, value)
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        check_start(cfg, world)
+
+
+def test_compile_auto_stays_eager_under_tensor_parallelism():
+    long_run = TrainerConfig(compile="auto", max_steps=100_000)
+    assert not compiles(long_run, tp=2)
+    assert compiles(long_run, tp=1) == compiles(long_run)
