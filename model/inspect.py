@@ -4,12 +4,18 @@
     python -m model.inspect model=llama3_8b seq_len=8192
     python -m model.inspect model=llama2_7b,llama3_8b,deepseek_v3 dtype=bf16   # side by side
     python -m model.inspect model=llama3_70b model.attention.n_kv_heads=64 dp_shard=64 format=json
+    python -m model.inspect model=llama3_70b dp_shard=8 tp=8 seq_len=8192 param_dtype=bf16
 
 Options: model=<preset>[,<preset>...], model.<key>=<value> (any ModelConfig field), seq_len=<T>
 (default: 8192, or the model's max_seq_len when shorter), dtype=bf16|fp32|fp8 (the KV cache),
-param_dtype=fp32|bf16 (training weights: fp32, or bf16 with an fp32 master copy), dp_shard=<N>
-(FSDP ranks the training state is sharded over), format=table|json. Models are built on the meta
-device, so the largest presets cost no memory. Sizes print in KiB, MiB, GiB, TiB (powers of 1024).
+param_dtype=fp32|bf16 (training weights: fp32, or bf16 with an fp32 master copy), format=table|json.
+Models are built on the meta device, so the largest presets cost no memory. Sizes print in KiB,
+MiB, GiB, TiB (powers of 1024).
+
+The layout planner (model/planner.py): what one rank holds and sends per step under
+dp_replicate=<R> dp_shard=<S> tp=<T> ep=<E> (world R x S x T), optimizer=adamw|muon,
+micro_batch_size=<B> (default 1) and seq_len, activation_checkpoint=none|full (which activations
+the total counts), reshard_after_forward=true|false.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from model.accounting import (
     training_memory,
 )
 from model.config import ConfigError, ModelConfig
+from model.planner import Layout, rank_plan
 from model.presets import load_preset, parse_value, preset_names
 from model.transformer import build_model
 
@@ -43,8 +50,12 @@ class InspectArgs:
     seq_len: int = 0  # 0 = DEFAULT_SEQ_LEN, or the model's max_seq_len when shorter
     dtype: str = "bf16"  # KV cache
     param_dtype: str = "fp32"  # training weights (bf16 adds an fp32 master copy)
-    dp_shard: int = 1
     format: str = "table"
+    layout: dict[str, Any] = field(default_factory=dict)  # planner options (model.planner.Layout)
+
+
+INT_OPTIONS = ("dp_replicate", "dp_shard", "tp", "ep", "micro_batch_size")
+TEXT_OPTIONS = ("optimizer", "activation_checkpoint")
 
 
 def parse_args(argv: list[str]) -> InspectArgs:
@@ -59,17 +70,27 @@ def parse_args(argv: list[str]) -> InspectArgs:
             args.presets = [name.strip() for name in text.split(",") if name.strip()]
         elif key.startswith("model."):
             args.model_overrides[key.removeprefix("model.")] = parse_value(text)
-        elif key in ("seq_len", "dp_shard"):
+        elif key in ("seq_len", *INT_OPTIONS):
             try:
-                setattr(args, key, int(text))
+                number = int(text)
             except ValueError:
                 raise ConfigError(f"{key}={text!r} must be an integer") from None
+            if key == "seq_len":
+                args.seq_len = number
+            else:
+                args.layout[key] = number
         elif key in ("dtype", "param_dtype", "format"):
             setattr(args, key, text)
+        elif key in TEXT_OPTIONS:
+            args.layout[key] = text
+        elif key == "reshard_after_forward":
+            if text not in ("true", "false"):
+                raise ConfigError(f"reshard_after_forward={text!r}; choose true or false")
+            args.layout[key] = text == "true"
         else:
             raise ConfigError(
                 f"unknown option {key!r}; options: model, model.<key>, seq_len, dtype, param_dtype, "
-                "dp_shard, format"
+                f"format, {', '.join(INT_OPTIONS + TEXT_OPTIONS)}, reshard_after_forward"
             )
     if args.dtype not in DTYPE_BYTES:
         raise ConfigError(f"dtype={args.dtype!r}; choose one of: {', '.join(DTYPE_BYTES)}")
@@ -77,9 +98,13 @@ def parse_args(argv: list[str]) -> InspectArgs:
         raise ConfigError(f"param_dtype={args.param_dtype!r}; choose fp32 or bf16")
     if args.format not in ("table", "json"):
         raise ConfigError(f"format={args.format!r}; choose table or json")
-    if args.dp_shard < 1 or args.seq_len < 0:
-        raise ConfigError(f"dp_shard={args.dp_shard} must be >= 1 and seq_len={args.seq_len} >= 0")
+    if args.seq_len < 0:
+        raise ConfigError(f"seq_len={args.seq_len} must be >= 0")
     return args
+
+
+def layout_of(args: InspectArgs, seq_len: int) -> Layout:
+    return Layout(param_dtype=args.param_dtype, seq_len=seq_len, **args.layout)
 
 
 def default_seq_len(cfg: ModelConfig, seq_len: int) -> int:
@@ -93,7 +118,9 @@ def describe(cfg: ModelConfig, seq_len: int, args: InspectArgs) -> dict[str, Any
     params = param_counts(model)
     flops = training_flops_per_token(model, seq_len)
     kv = kv_cache_size(model, args.dtype)
-    memory = training_memory(params.total, args.param_dtype, args.dp_shard)
+    layout = layout_of(args, seq_len)
+    plan = rank_plan(model, layout)  # checks the layout first (ConfigError)
+    memory = training_memory(params.total, args.param_dtype, layout.dp_shard)
     return {
         "layers": cfg.n_layers,
         "layout": cfg.layout_summary(),
@@ -129,8 +156,12 @@ def describe(cfg: ModelConfig, seq_len: int, args: InspectArgs) -> dict[str, Any
         "train_state_bytes_per_device": memory.per_device,
         "kv_dtype": args.dtype,
         "param_dtype": args.param_dtype,
-        "dp_shard": args.dp_shard,
+        **{key: getattr(layout, key) for key in LAYOUT_KEYS},
+        **plan.as_dict(),
     }
+
+
+LAYOUT_KEYS = ("dp_replicate", "dp_shard", "tp", "ep", "micro_batch_size", "optimizer")
 
 
 def _layers(first: int, last: int) -> str:
@@ -226,6 +257,19 @@ def format_bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
+RANK_MEMORY = (
+    "weights",
+    "grads",
+    "master",
+    "optimizer",
+    "activations",
+    "activations_checkpointed",
+    "transient",
+    "total",
+)
+RANK_COMM = ("comm_all_gather", "comm_reduce_scatter", "comm_hsdp_all_reduce", "comm_tp")
+RANK_COMM += ("comm_ep", "comm")
+
 ROWS: list[tuple[str, str, Any]] = [
     ("Shape", "layers", str),
     ("Shape", "layout", str),
@@ -260,6 +304,8 @@ ROWS: list[tuple[str, str, Any]] = [
     ("KV cache", "attention_twin_state_bytes_128k", format_bytes),
     ("AdamW training state", "train_state_bytes", format_bytes),
     ("AdamW training state", "train_state_bytes_per_device", format_bytes),
+    *(("Per rank: memory", f"rank_{key}", format_bytes) for key in RANK_MEMORY),
+    *(("Per rank: sent per step", f"rank_{key}", format_bytes) for key in RANK_COMM),
 ]
 
 LABELS = {
@@ -286,6 +332,20 @@ LABELS = {
     "attention_twin_state_bytes_128k": "  all-attention twin at 128k",
     "train_state_bytes": "weights + grads + master + Adam",
     "train_state_bytes_per_device": "per device (over dp_shard)",
+    "rank_weights": "weights",
+    "rank_grads": "gradients",
+    "rank_master": "fp32 master (param_dtype bf16)",
+    "rank_optimizer": "optimizer state",
+    "rank_activations": "activations (no checkpointing)",
+    "rank_activations_checkpointed": "activations (full checkpointing)",
+    "rank_transient": "gathered weights + loss chunk",
+    "rank_total": "total (activation_checkpoint)",
+    "rank_comm_all_gather": "FSDP2 all-gather (dp_shard)",
+    "rank_comm_reduce_scatter": "FSDP2 reduce-scatter (dp_shard)",
+    "rank_comm_hsdp_all_reduce": "HSDP all-reduce (dp_replicate)",
+    "rank_comm_tp": "TP all-reduce/gather (tp)",
+    "rank_comm_ep": "EP all-to-all (ep)",
+    "rank_comm": "total",
 }
 
 
@@ -294,9 +354,13 @@ def render_table(results: dict[str, dict[str, Any]], args: InspectArgs) -> None:
     from rich.table import Table
 
     seq_len = args.seq_len or f"min({DEFAULT_SEQ_LEN}, context)"
+    layout = layout_of(args, 1)
     table = Table(
         title=f"Model inspection (seq_len {seq_len}, KV cache {args.dtype}, "
-        f"weights {args.param_dtype}, dp_shard {args.dp_shard})"
+        f"weights {args.param_dtype}); per rank of dp_replicate {layout.dp_replicate} x "
+        f"dp_shard {layout.dp_shard} x tp {layout.tp} ({layout.world} ranks), ep {layout.ep}, "
+        f"micro-batch {layout.micro_batch_size}, {layout.optimizer}, "
+        f"activation_checkpoint {layout.activation_checkpoint}"
     )
     table.add_column("")
     table.add_column("")

@@ -129,6 +129,8 @@ ASSEMBLED = {
     "model.generate",
     "model.accounting",
     "model.inspect",
+    "model.planner",
+    "model.planner_activations",
     "model.presets",
     "model.hf",
     "model.mtp",

@@ -1,0 +1,317 @@
+"""What one rank of a training layout holds and sends: `python -m model.inspect tp=2 dp_shard=4 ...`.
+
+Read off a meta-device model. Which weights tensor parallelism splits comes from the modules'
+own plans (`tensor_parallel_plan(tp)`, as parallel/tensor_parallel.py applies them: colwise and
+rowwise children split over tp, head_shared ones whole; the embedding and an untied head split
+by vocabulary rows; modules without a plan replicated over tp). Then per parameter, on a rank:
+
+    elements = numel x tp_share / ep / shards
+    tp_share = 1/tp when a plan splits it (a rowwise projection's bias stays whole), else 1
+    ep, shards = ep, dp_shard / ep for routed experts (split over ep, then FSDP2-sharded over
+                 the rest of dp_shard); 1, dp_shard for the rest; 1, 1 for replicated memory
+                 tables (Engram's sharding=replicated). dp_replicate copies, never divides.
+
+Bytes per element (param_dtype fp32: FSDP2's sharded fp32 weights and gradients; bf16: bf16
+weights and gradients with an fp32 master copy): weights and gradients 4 or 2, master 0 or 4;
+optimizer state AdamW 8 (two fp32 moments), Muon 4 (one fp32 momentum) for the roles it
+orthogonalizes (matrices, expert stacks: optim/roles.py) and AdamW's 8 for the rest. Figures are
+means over the ranks: uneven shards (torch.chunk's, as FSDP2 and DTensor cut) differ by a row.
+
+Activations: model/planner_activations.py. Transient: FSDP2's gathered weights (the root, kept
+gathered, and two blocks: the one running and the one prefetched) in the compute dtype, and one
+chunk of the loss's fp32 logits and their gradient (chunk x V / tp x (4 + width)).
+
+Communication: bytes each rank sends per micro-batch step (ring collectives: an all-gather or
+reduce-scatter over P ranks sends (P - 1) / P of the whole, an all-reduce twice that):
+- FSDP2 over dp_shard: each unit (a block, the routed experts of a block under ep over dp_shard
+  / ep ranks, the root) all-gathered in the compute dtype in forward, again in backward when
+  reshard_after_forward (never the root's), gradients reduce-scattered in fp32;
+- HSDP: the sharded fp32 gradients all-reduced over dp_replicate;
+- TP (DTensor's styles, one collective per planned projection: q, k, v unfused): forward
+  all-reduces each rowwise output (B T x out), backward each colwise input's gradient
+  (B T x in), the gradients of weights kept whole but used by heads (head_shared, head_rows,
+  colwise_replicated: fp32); the vocab-parallel embedding's output in forward;
+  the vocab-parallel loss's all-gather of 3 fp32 statistics per token and all-reduce of grad_h
+  (B T x C fp32); (left out: copy_to_heads' gradient all-reduce, MLA's rope key, B T x Dr);
+- EP: each MoE layer's all-to-all of the k routed copies of each token (C wide), there and back,
+  forward and backward: 4 k B T C x (ep - 1) / ep.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from torch import nn
+
+from model.config import ConfigError, ModelConfig
+from model.planner_activations import block_saved, loss_fixed_elements, outside_blocks
+from model.registry import RESIDUALS
+from model.roles import EXPERT_STACK, MATRIX, MEMORY, param_roles, role_owners
+from model.transformer import Transformer
+
+WIDTH = {"fp32": 4, "bf16": 2}
+MUON_ROLES = {MATRIX, EXPERT_STACK}  # optim/roles.py: the roles with muon=True
+SPLIT_STYLES = {"colwise", "rowwise"}  # parallel/tensor_parallel.py STYLES: the others keep whole
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    ep: int = 1
+    param_dtype: str = "fp32"
+    optimizer: str = "adamw"  # adamw | muon (muonclip keeps Muon's state)
+    micro_batch_size: int = 1
+    seq_len: int = 2048
+    activation_checkpoint: str = "none"  # none | full: which activations the total counts
+    reshard_after_forward: bool = True
+
+    @property
+    def world(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp
+
+
+def check_layout(layout: Layout, cfg: ModelConfig) -> None:
+    """One ConfigError line per rule (the trainer's: parallel/mesh.py, expert_parallel.py)."""
+    for key in ("dp_replicate", "dp_shard", "tp", "ep", "micro_batch_size", "seq_len"):
+        if getattr(layout, key) < 1:
+            raise ConfigError(f"{key}={getattr(layout, key)} must be >= 1")
+    if layout.dp_shard % layout.ep:
+        raise ConfigError(
+            f"ep={layout.ep} must divide dp_shard={layout.dp_shard}: expert-parallel ranks are "
+            "taken from the sharded data-parallel ones"
+        )
+    experts = cfg.moe.n_routed_experts if cfg.moe.enabled else 0
+    if layout.ep > 1 and not experts:
+        raise ConfigError(f"ep={layout.ep} needs a model with routed experts; set ep=1")
+    if layout.ep > 1 and experts % layout.ep:
+        raise ConfigError(f"ep={layout.ep} must divide the model's {experts} routed experts")
+    if layout.tp > 1 and layout.ep > 1:  # parallel/mesh.py refuses it too
+        raise ConfigError(
+            f"ep={layout.ep} with tp={layout.tp} is not supported by the trainer yet; use one of them"
+        )
+    if layout.optimizer not in ("adamw", "muon", "muonclip"):
+        raise ConfigError(f"optimizer={layout.optimizer!r}; choose adamw or muon")
+    if layout.activation_checkpoint not in ("none", "full"):
+        raise ConfigError(
+            f"activation_checkpoint={layout.activation_checkpoint!r}; choose none or full"
+        )
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """Bytes on (memory) and sent by (communication) one rank."""
+
+    weights: float
+    grads: float
+    master: float
+    optimizer: float
+    activations: float  # saved for backward, no checkpointing
+    activations_checkpointed: float  # full checkpointing: block inputs + outside + recompute
+    recompute: float  # one block's recompute during backward (inside the figure above)
+    transient: float  # gathered FSDP2 units + one loss chunk's logits
+    comm_all_gather: float
+    comm_reduce_scatter: float
+    comm_hsdp_all_reduce: float
+    comm_tp: float
+    comm_ep: float
+    ac: str
+
+    @property
+    def state(self) -> float:
+        return self.weights + self.grads + self.master + self.optimizer
+
+    @property
+    def total(self) -> float:
+        act = self.activations_checkpointed if self.ac == "full" else self.activations
+        return self.state + act + self.transient
+
+    @property
+    def comm(self) -> float:
+        return (
+            self.comm_all_gather
+            + self.comm_reduce_scatter
+            + self.comm_hsdp_all_reduce
+            + self.comm_tp
+            + self.comm_ep
+        )
+
+    def as_dict(self) -> dict[str, float]:
+        fields = {k: v for k, v in asdict(self).items() if k != "ac"}
+        fields |= {"state": self.state, "total": self.total, "comm": self.comm}
+        return {f"rank_{k}": v for k, v in fields.items()}
+
+
+def tensor_parallel_shares(model: Transformer, tp: int) -> tuple[dict[str, float], list]:
+    """(parameter name -> fraction a tp rank holds, [(style, target, planned module)] of every
+    plan entry), as apply_tensor_parallel splits them; a plan that cannot split raises
+    ConfigError. A plan entry names a child module or a parameter, and a style or (style,
+    *arguments); only colwise and rowwise split weights, every other style keeps them whole."""
+    shares: dict[str, float] = {}
+    entries: list[tuple[str, nn.Module | nn.Parameter, nn.Module]] = []
+    if tp == 1:
+        return shares, entries
+    planned: list[str] = []
+    for name, module in model.named_modules():
+        plan_of = getattr(module, "tensor_parallel_plan", None)
+        if plan_of is None or any(name.startswith(f"{p}.") for p in planned):
+            continue
+        own = dict(module.named_parameters())
+        for target, entry in plan_of(tp).items():
+            style = entry if isinstance(entry, str) else entry[0]
+            if target in own:
+                entries.append((style, own[target], module))
+                params = {target: own[target]}
+            else:
+                child = module.get_submodule(target)
+                entries.append((style, child, module))
+                params = {f"{target}.{n}": p for n, p in child.named_parameters()}
+            for local in params:
+                split = style in SPLIT_STYLES and not (
+                    style == "rowwise" and local.endswith("bias")
+                )
+                shares[f"{name}.{local}".lstrip(".")] = 1 / tp if split else 1.0
+        planned.append(name)
+    shares["embed.weight"] = 1 / tp  # the vocabulary rows
+    if model.head is not None:
+        shares["head.weight"] = 1 / tp
+    return shares, entries
+
+
+def _units(model: Transformer, experts_apart: bool) -> list[tuple[str, list[nn.Parameter]]]:
+    """FSDP2's units (parallel/fsdp.py), innermost first: routed experts under ep, memory
+    tables, blocks, MTP modules, then the root with the rest."""
+    taken: set[int] = set()
+    units = []
+    parts: list[tuple[str, nn.Module]] = []
+    if experts_apart:
+        parts += [("experts", m) for m in role_owners(model, EXPERT_STACK)]
+    parts += [("table", m) for m in role_owners(model, MEMORY)]
+    parts += [("block", b) for b in model.blocks()]
+    parts += [("block", m) for m in (model.mtp.layers if model.mtp is not None else [])]
+    parts.append(("root", model))
+    for kind, module in parts:
+        params = [p for p in module.parameters() if id(p) not in taken]
+        taken.update(id(p) for p in params)
+        units.append((kind, params))
+    return units
+
+
+def rank_plan(model: Transformer, layout: Layout) -> RankPlan:
+    """The per-rank plan of `model` (meta-device) under `layout` (checked here too)."""
+    check_layout(layout, model.cfg)
+    tp, ep, S, R = layout.tp, layout.ep, layout.dp_shard, layout.dp_replicate
+    width = WIDTH[layout.param_dtype]
+    shares, children = tensor_parallel_shares(model, tp)
+    roles = param_roles(model)
+    replicated_tables = {
+        id(p)
+        for t in role_owners(model, MEMORY)
+        if t.sharding == "replicated"
+        for p in t.parameters()
+    }
+    names = {id(p): n for n, p in model.named_parameters()}
+    elements = optimizer = 0.0
+    gather = scatter = hsdp = 0.0
+    largest_block = root = 0.0
+    for kind, params in _units(model, experts_apart=ep > 1):
+        unit = 0.0  # this unit's elements on a tp rank before FSDP2 shards them
+        for p in params:
+            name = names[id(p)]
+            expert = roles[name] == EXPERT_STACK
+            per_tp = p.numel() * shares.get(name, 1.0) / (ep if expert else 1)
+            shards = 1 if id(p) in replicated_tables else S // ep if expert else S
+            local = per_tp / shards  # elements = numel x tp_share / ep / shards
+            elements += local
+            muon = layout.optimizer != "adamw" and roles[name] in MUON_ROLES
+            optimizer += local * (4 if muon else 8)  # Muon: 1 fp32 momentum; AdamW: 2 moments
+            if shards > 1:
+                unit += per_tp
+                hsdp += 2 * (R - 1) / R * local * 4  # all-reduce of the fp32 sharded gradient
+            elif R > 1:
+                hsdp += 2 * (R - 1) / R * per_tp * 4
+        shards = S // ep if kind == "experts" else S
+        if shards > 1:
+            # all-gather in the compute dtype (tables: fp32, forward only); gradients fp32
+            gathers = 1 if kind in ("root", "table") or not layout.reshard_after_forward else 2
+            gather += gathers * (shards - 1) / shards * unit * (4 if kind == "table" else width)
+            scatter += (shards - 1) / shards * unit * 4
+            if kind == "root":
+                root = unit * width
+            elif kind in ("block", "experts"):
+                largest_block = max(largest_block, unit * width)
+    master = elements * 4 if width < 4 else 0.0
+    activations = _activations(model, layout, children)
+    tokens = layout.micro_batch_size * layout.seq_len
+    chunk = min(model.cfg.loss_chunk_tokens or tokens, tokens)
+    logits = chunk * model.cfg.vocab_size / tp * (4 + width)
+    return RankPlan(
+        weights=elements * width,
+        grads=elements * width,
+        master=master,
+        optimizer=optimizer,
+        activations=activations[0],
+        activations_checkpointed=activations[1],
+        recompute=activations[2],
+        transient=root + 2 * largest_block + logits,
+        comm_all_gather=gather,
+        comm_reduce_scatter=scatter,
+        comm_hsdp_all_reduce=hsdp,
+        comm_tp=_tp_comm(model, layout, children),
+        comm_ep=_ep_comm(model, layout),
+        ac=layout.activation_checkpoint,
+    )
+
+
+def _activations(model: Transformer, layout: Layout, children: list) -> tuple[float, ...]:
+    """(no checkpointing, full checkpointing, one block's recompute) bytes on a rank."""
+    width = WIDTH[layout.param_dtype]
+    tokens = layout.micro_batch_size * layout.seq_len
+    planned = {id(parent) for _, _, parent in children}
+    shares = {m: 1 / layout.tp for m in planned}
+    blocks = [block_saved(b, shares, layout.seq_len).bytes(width) * tokens for b in model.blocks()]
+    outside = outside_blocks(model).bytes(width) * tokens
+    outside += loss_fixed_elements(model, layout.tp) * width
+    streams = RESIDUALS.get(model.cfg.residual).parallel_streams(model.cfg) or 1
+    inputs = len(blocks) * streams * model.cfg.d_model * width * tokens
+    recompute = max(blocks)
+    return sum(blocks) + outside, inputs + outside + recompute, recompute
+
+
+def _ring_all_reduce(nbytes: float, ranks: int) -> float:
+    return 2 * (ranks - 1) / ranks * nbytes
+
+
+def _tp_comm(model: Transformer, layout: Layout, children: list) -> float:
+    tp = layout.tp
+    if tp == 1:
+        return 0.0
+    width = WIDTH[layout.param_dtype]
+    tokens = layout.micro_batch_size * layout.seq_len
+    reduced = 0.0  # bytes all-reduced per step
+    for style, target, _ in children:
+        linear = isinstance(target, nn.Linear)
+        if style in ("colwise", "colwise_replicated") and linear:  # its input's gradient
+            reduced += tokens * target.in_features * width
+        elif style == "rowwise" and linear:  # its output
+            reduced += tokens * target.out_features * width
+        if style in ("head_shared", "head_rows", "colwise_replicated"):  # weights' gradients
+            params = [target] if isinstance(target, nn.Parameter) else target.parameters()
+            reduced += sum(p.numel() for p in params) * 4
+    C = model.cfg.d_model
+    losses = 1 + (len(model.mtp.layers) if model.mtp is not None else 0)
+    reduced += tokens * C * width  # the embedding's output
+    reduced += losses * tokens * C * 4  # the loss's grad_h, fp32
+    stats = losses * (tp - 1) * tokens * 3 * 4  # the loss's all-gather
+    return _ring_all_reduce(reduced, tp) + stats
+
+
+def _ep_comm(model: Transformer, layout: Layout) -> float:
+    ep = layout.ep
+    if ep == 1:
+        return 0.0
+    tokens = layout.micro_batch_size * layout.seq_len
+    layers = [b.ffn for b in model.blocks() if hasattr(b.ffn, "experts")]
+    copies = sum(4 * m.top_k * tokens for m in layers)  # there and back, forward and backward
+    return copies * model.cfg.d_model * WIDTH[layout.param_dtype] * (ep - 1) / ep

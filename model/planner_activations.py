@@ -1,0 +1,161 @@
+"""Activation memory of a training forward: what each block keeps for its backward, estimated
+from the layers' shapes (model/planner.py adds it to a rank's plan).
+
+Counts are elements per token, `act` in the compute dtype (param_dtype) and `fp32` in fp32 (norm
+statistics, softmax log-sum-exps, RoPE tables); a matmul's input and an op's output that the
+next op saves count once (autograd keeps one storage). `share` is the fraction of a layer's heads
+or hidden units a rank holds: 1 / tp where the layer's own `tensor_parallel_plan` splits it, else
+1; the block's input and the normed input of its projections are whole on every tp rank.
+
+Per block (pre-norm): each sublayer's norm keeps its input and 1 fp32 statistic (C + 1), then:
+- softmax attention (gqa: MHA/GQA/MQA): the normed input C; per rank q, k, v and the output
+  (2 H D + 2 K D: a FlashAttention-style kernel, no (T, T) probabilities; the matmul backend
+  and torch's math fallback keep H x T more); H fp32 log-sum-exps; 4 Dr fp32 for the RoPE
+  tables of Dr rotated dims; an output gate 2 H D more, QK-norm H D + K D and H + K statistics.
+- MLA: the normed input, the latent path (kv_a's output R + Dr and its normed R; with a low-rank
+  query 2 Rq), and per rank the concatenated q and k (H (Dn + Dr) each), kv_b's output
+  H (Dn + Dv), the attention output and its o_proj input (2 H Dv), H log-sum-exps.
+- Gated DeltaNet / KDA, torch's chunked path (model/mixers/delta_rule.py, also what `kernel=auto`
+  runs without fla-core): the normed input; the q|k|v projection, conv and activation outputs
+  (3 x (2 Hk Dk + H Dv)); per value head 6.5 L + 9.5 Dk + 1.5 Dv + 1.5 Dk Dv / L (L the chunk
+  length: the chunk's pair products, the triangular solves, the per-chunk state copies;
+  constants fitted to measurement, tests/model/test_planner.py; x (T rounded up to L) / T, the
+  last chunk's padding) and 6 Dv (the output, the gated norm's tensors, o_proj's input); KDA's
+  per-channel decay adds 3.9 Dk (c + L / c) per head (sub-chunks of c = min(16, L) tokens) and
+  its low-rank gates 2 H D. With `kernel=fla` the kernel keeps its inputs and one (L) row per head instead of
+  the chunk products: H (2 Dk + Dv + L + 2) + 6 H Dv.
+- dense FFN: the normed input, then 4 F per rank for a gated one (gate and up outputs, the
+  activation, the product: the down projection's input), 2 F for a plain one.
+- MoE: the normed input; the router's E fp32 logits and 3 k + 2 more (top-k indices, weights);
+  k routed copies of each token (2 C: the dispatched input and the expert output before the
+  weighted sum, and 4 Fe inside a gated expert); a shared expert's 4 Fs per rank.
+Outside the blocks: the token ids (8 bytes), the final norm (C + 1), and the fused head + loss's
+saved gradients (model/loss.py GradientsInForward): grad_h C per token, grad_w (V / tp) x C in
+the compute dtype once per step (whatever the token count); each MTP module adds its block, its
+norms and 2C -> C projection input (3 C + 2) and another grad_h and grad_w.
+
+Full activation checkpointing keeps each block's input (the residual stream's width: n C for n
+parallel streams), the parts outside the blocks, and during backward one block's recompute.
+
+Not modelled (their kinds fall back to the nearest one above): AttnRes' growing list of sources,
+mHC's stream maps, Engram's lookups, selective checkpointing, sequence parallelism.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from torch import nn
+
+from model.transformer import Transformer
+
+
+@dataclass(frozen=True)
+class Saved:
+    """Elements per token kept for backward: `act` in the compute dtype, `fp32` in fp32."""
+
+    act: float = 0.0
+    fp32: float = 0.0
+
+    def __add__(self, other: Saved) -> Saved:
+        return Saved(self.act + other.act, self.fp32 + other.fp32)
+
+    def bytes(self, width: int) -> float:
+        return self.act * width + self.fp32 * 4
+
+
+def _in_features(module: nn.Module) -> int:
+    return next(m for m in module.modules() if isinstance(m, nn.Linear)).in_features
+
+
+def _gqa(m: nn.Module, share: float, seq_len: int) -> Saved:
+    H, D = m.n_heads, m.head_dim
+    K = max(m.n_kv_heads * share, 1) / share  # a rank keeps at least one key/value head
+    heads = 2 * H * D + 2 * K * D  # q, k, v and the attention output
+    stats = H  # log-sum-exps
+    if m.gate_proj is not None:  # gate projection output, sigmoid x output (o_proj's input)
+        heads += 2 * H * D
+    if m.q_norm is not None:
+        heads += H * D + K * D
+        stats += H + K
+    return Saved(_in_features(m) + share * heads, share * stats + 4 * m.rotary_dim)
+
+
+def _mla(m: nn.Module, share: float, seq_len: int) -> Saved:
+    H, Dn, Dr, Dv, R = m.n_heads, m.nope_dim, m.rope_dim, m.v_dim, m.kv_rank
+    latent = (R + Dr) + R  # kv_a's output, the normed latent
+    stats = 1.0
+    if m.q_a_proj is not None:
+        latent += 2 * m.q_a_proj.out_features
+        stats += 1
+    heads = 2 * H * (Dn + Dr) + H * (Dn + Dv) + 2 * H * Dv
+    return Saved(_in_features(m) + latent + share * heads, stats + share * H + 4 * m.rotary_dim)
+
+
+def _delta_rule(m: nn.Module, share: float, seq_len: int) -> Saved:
+    """Gated DeltaNet and KDA (KDA: k_dim = v_dim = head_dim, as many key as value heads)."""
+    H, Dk, Dv, L = m.n_heads, m.k_dim, m.v_dim, m.chunk
+    Hk = getattr(m, "n_k_heads", H)
+    per_channel = hasattr(m, "f_b_proj")  # KDA: a decay per key channel
+    heads = 3 * (2 * Hk * Dk + H * Dv)  # q|k|v projections, conv outputs, activations
+    if per_channel:
+        heads += 2 * H * Dv  # the low-rank forget and output gates' up projections
+    if m.kernel == "fla":
+        return Saved(_in_features(m) + share * (heads + H * (2 * Dk + Dv + L + 2) + 6 * H * Dv))
+    core = H * (6.5 * L + 9.5 * Dk + 1.5 * Dv + 1.5 * Dk * Dv / L)
+    if per_channel:
+        c = min(16, L)
+        core += H * 3.9 * Dk * (c + L / c)
+    padded = math.ceil(seq_len / L) * L / seq_len  # the chunks cover T rounded up to L
+    output = 6 * H * Dv  # the delta rule's output, the gated norm's, o_proj's input
+    return Saved(_in_features(m) + share * (heads + core * padded + output), share * 6 * H)
+
+
+# the estimate of each mixer kind (TokenMixer.kind); a kind without one counts as attention
+MIXER_ESTIMATES = {"gqa": _gqa, "mla": _mla, "gdn": _delta_rule, "kda": _delta_rule}
+
+
+def _dense_ffn(m: nn.Module, share: float) -> Saved:
+    hidden = m.up_proj.out_features
+    per_unit = 4 if hasattr(m, "gate_proj") else 2
+    return Saved(m.up_proj.in_features + share * per_unit * hidden)
+
+
+def _moe(m: nn.Module, shared_share: float) -> Saved:
+    C, k = m.router.gate.in_features, m.top_k
+    hidden = m.experts.w_up.shape[-1]  # (E, C, Fe)
+    routed = k * (2 * C + 4 * hidden)
+    shared = _dense_ffn(m.shared, shared_share).act - C if m.shared is not None else 0.0
+    return Saved(C + routed + shared, m.n_experts + 3 * k + 2)
+
+
+def block_saved(block: nn.Module, shares: dict[int, float], seq_len: int) -> Saved:
+    """One block's saved elements per token; `shares[id(module)]`: 1 / tp for planned modules."""
+
+    def share(module: nn.Module) -> float:
+        return shares.get(id(module), 1.0)
+
+    C = _in_features(block.attn)
+    norms = Saved(2 * C, 2)  # each sublayer norm's input and statistic
+    estimate = MIXER_ESTIMATES.get(type(block.attn).kind, _gqa)
+    mixer = estimate(block.attn, share(block.attn), seq_len)
+    ffn = block.ffn
+    if hasattr(ffn, "experts"):
+        shared = share(ffn.shared) if ffn.shared is not None else 1.0
+        return norms + mixer + _moe(ffn, shared)
+    return norms + mixer + _dense_ffn(ffn, share(ffn))
+
+
+def outside_blocks(model: Transformer) -> Saved:
+    """Per token outside the blocks: ids (8 bytes = 2 fp32 slots), final norm, the loss's grad_h
+    (and per MTP module its norms, projection input and grad_h)."""
+    C = model.cfg.d_model
+    depth = len(model.mtp.layers) if model.mtp is not None else 0
+    return Saved(2 * C + depth * 4 * C, 3 + depth * 2)
+
+
+def loss_fixed_elements(model: Transformer, tp: int) -> float:
+    """grad_w of the head, once per loss (the main one and each MTP module's), per tp rank."""
+    losses = 1 + (len(model.mtp.layers) if model.mtp is not None else 0)
+    return losses * model.head_weight.numel() / tp

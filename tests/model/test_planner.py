@@ -1,0 +1,166 @@
+"""The layout planner (model/planner.py, `python -m model.inspect tp=... dp_shard=...`) against
+measurement:
+
+(a) weights, gradients and AdamW moments per rank, measured on gloo ranks of the library's
+    tensor parallelism (+ FSDP2): summed over the ranks they equal the planner's exactly (its
+    figures are means), and each rank is within one row per parameter of it (uneven shards);
+(b) what a forward keeps for backward (saved_tensors_hooks, each storage once, weights apart) on
+    one process, without and with full activation checkpointing, within ACTIVATION_MARGIN, and on
+    2 tensor-parallel ranks;
+(c) the command's new table, JSON fields, and one-line errors for layouts that cannot work.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from model.config import ConfigError
+from model.inspect import main
+from model.planner import MUON_ROLES, Layout, rank_plan
+from model.presets import load_preset
+from model.transformer import build_model
+from tests.commands import ROOT, run_module
+from tests.model.planner_workers import measured_process, measured_rank
+from tests.parallel.ranks import run_ranks
+
+DENSE = {"vocab_size": 128, "max_seq_len": 64, "d_model": 64, "n_layers": 2}
+DENSE |= {"attention.n_heads": 4, "attention.n_kv_heads": 2}
+# the activation estimate's constants are fitted on the torch paths (model/planner_activations.py)
+ACTIVATION_MARGIN = 0.10
+
+
+def plan_of(preset: str, overrides: dict, **layout) -> object:
+    model = build_model(load_preset(preset, overrides), device="meta")
+    return rank_plan(model, Layout(**layout))
+
+
+def one_row_per_parameter(preset: str, overrides: dict, width: int) -> float:
+    """The most a rank's shards can differ from the mean: one (fp32) row of every parameter."""
+    model = build_model(load_preset(preset, overrides), device="meta")
+    return sum(p.numel() / p.shape[0] * width for p in model.parameters())
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("world", "tp", "preset", "overrides"),
+    [
+        (2, 2, "tiny", DENSE | {"attention.qk_norm": True, "tie_embeddings": False}),
+        (4, 2, "tiny", DENSE),
+        (4, 2, "tiny_moe", DENSE),  # the routed experts replicated over tp, the shared split
+        (2, 2, "tiny_hybrid", DENSE | {"n_layers": 4}),  # Gated DeltaNet's plan
+    ],
+    ids=["tp2_qk_norm_untied", "dp_shard2_x_tp2", "dp_shard2_x_tp2_moe", "tp2_hybrid"],
+)
+def test_weights_gradients_and_adamw_state_per_rank_are_measured_ones(world, tp, preset, overrides):
+    got = run_ranks(world, measured_rank, preset, overrides, tp)
+    plan = plan_of(preset, overrides, dp_shard=world // tp, tp=tp, micro_batch_size=2, seq_len=64)
+    row = one_row_per_parameter(preset, overrides, 4)
+    for key, planned in (("weights", plan.weights), ("grads", plan.grads)):
+        assert sum(g[key] for g in got) == pytest.approx(planned * world, rel=1e-9), key
+        for rank in got:
+            assert abs(rank[key] - planned) <= row, (key, rank[key], planned)
+    # AdamW: two fp32 moments per element (its step counters, 4 bytes per tensor, left out)
+    assert sum(g["optimizer"] for g in got) == pytest.approx(plan.optimizer * world, rel=1e-9)
+    if world == tp:  # tensor parallelism alone: the activations each rank keeps
+        for rank in got:
+            assert rank["activations"] == pytest.approx(plan.activations, rel=ACTIVATION_MARGIN)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny_moe", "tiny_hybrid"])
+@pytest.mark.parametrize("ac", ["none", "full"])
+def test_activations_within_the_margin_of_what_a_forward_keeps(preset, ac):
+    # a small vocabulary: the head's weight gradient (V x C, saved once) would hide the blocks'
+    overrides, B, T = {"vocab_size": 512, "max_seq_len": 256}, 2, 128
+    measured = measured_process(preset, overrides, ac, B, T)
+    plan = plan_of(preset, overrides, micro_batch_size=B, seq_len=T)
+    # full checkpointing's forward keeps the block inputs; the recompute comes in backward
+    planned = plan.activations if ac == "none" else plan.activations_checkpointed - plan.recompute
+    assert planned == pytest.approx(measured, rel=ACTIVATION_MARGIN)
+    if ac == "full":
+        assert plan.activations_checkpointed < plan.activations / 2
+
+
+@pytest.mark.parametrize("name", ["adamw", "muon"])
+def test_optimizer_state_is_what_the_optimizer_keeps(name):
+    """Muon: one fp32 momentum for the roles it orthogonalizes, AdamW's two moments for the
+    rest (embedding, norms), as optim/ builds them; measured after one step on one process."""
+    import torch
+
+    from optim.builder import build_optimizer
+    from optim.config import OptimConfig
+    from optim.roles import ROLE_SETTINGS
+
+    assert {role for role, s in ROLE_SETTINGS.items() if s.muon} == MUON_ROLES
+    model = build_model(load_preset("tiny_moe", DENSE), seed=0)
+    optimizer = build_optimizer(OptimConfig(name=name), model)
+    tokens = torch.randint(0, 128, (2, 17))
+    model(tokens[:, :-1], tokens[:, 1:]).backward()
+    optimizer.step()
+    kept = sum(
+        t.numel() * t.element_size()
+        for state in optimizer.state.values()
+        for t in state.values()
+        if torch.is_tensor(t) and t.dim() > 0  # (not the step counters)
+    )
+    assert plan_of("tiny_moe", DENSE, optimizer=name).optimizer == kept
+
+
+def test_layouts_move_memory_and_traffic_as_they_should():
+    """Sharding divides the state; tp divides the split weights and adds all-reduces; ep adds
+    all-to-all and shrinks the gathered expert units; HSDP adds an all-reduce."""
+    base = plan_of("tiny_moe", {}, seq_len=256)
+    sharded = plan_of("tiny_moe", {}, dp_shard=4, seq_len=256)
+    assert sharded.weights == pytest.approx(base.weights / 4)
+    assert base.comm == 0 and sharded.comm_all_gather > 0 and sharded.comm_reduce_scatter > 0
+    experts = plan_of("tiny_moe", {}, dp_shard=4, ep=4, seq_len=256)
+    assert experts.weights == pytest.approx(sharded.weights) and experts.comm_ep > 0
+    assert (
+        experts.transient < sharded.transient and experts.comm_all_gather < sharded.comm_all_gather
+    )
+    split = plan_of("tiny", {}, tp=2, seq_len=256)
+    assert split.weights < plan_of("tiny", {}, seq_len=256).weights * 0.55  # norms stay whole
+    assert split.comm_tp > 0 and split.comm_all_gather == 0
+    hsdp = plan_of("tiny", {}, dp_replicate=2, dp_shard=2, seq_len=256)
+    assert hsdp.comm_hsdp_all_reduce > 0
+
+
+@pytest.mark.parametrize(
+    ("layout", "message"),
+    [
+        ({"dp_shard": 2, "ep": 4}, "ep=4 must divide dp_shard=2"),
+        ({"dp_shard": 3, "ep": 3}, "ep=3 must divide the model's 8 routed experts"),
+        ({"tp": 3}, "parallel.tp=3 must divide the attention's 4 query heads"),
+        ({"optimizer": "sgd"}, "optimizer='sgd'; choose adamw or muon"),
+        ({"dp_shard": 2, "tp": 2, "ep": 2}, "ep=2 with tp=2 is not supported by the trainer yet"),
+    ],
+)
+def test_a_layout_that_cannot_work_is_refused_in_one_line(layout, message):
+    with pytest.raises(ConfigError, match=message):
+        plan_of("tiny_moe", {}, **layout)
+
+
+def test_the_command_prints_the_plan_and_refuses_a_bad_layout_in_one_line(tmp_path):
+    table = run_module("model.inspect", "dp_shard=2", "tp=2", "micro_batch_size=4", cwd=tmp_path)
+    assert table.returncode == 0, table.stderr
+    out = table.stdout
+    assert "tp 2 (4 ranks)" in " ".join(out.split())  # the title, however rich wraps it
+    for row in ("Per rank: memory", "optimizer state", "activations (full checkpointing)"):
+        assert row in out
+    assert "TP all-reduce/gather (tp)" in out and "Per rank: sent per step" in out
+    bad = run_module("model.inspect", "model=tiny", "tp=3", cwd=ROOT)
+    assert bad.returncode == 2
+    lines = bad.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        "error: parallel.tp=3 must divide the attention's"
+    )
+
+
+def test_json_keeps_the_old_fields_and_adds_the_plan(capsys):
+    assert main(["model=tiny", "dp_shard=4", "tp=2", "ep=1", "format=json"]) == 0
+    row = json.loads(capsys.readouterr().out)["tiny"]
+    assert row["train_state_bytes_per_device"] == row["train_state_bytes"] / 4  # as before
+    assert (row["dp_shard"], row["tp"]) == (4, 2)
+    for key in ("rank_weights", "rank_optimizer", "rank_activations", "rank_comm_tp"):
+        assert row[key] > 0
