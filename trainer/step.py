@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -96,7 +97,7 @@ def train_step(
     kind, reason = _bad_loss_reason(loss_value, tracker)
     stats: dict[str, float] = {}
     for hook in hooks:  # after the loss's sync: reading the small summaries costs nothing
-        stats |= hook.after_backward(_reduce_over_ranks)
+        stats |= hook.after_backward(partial(_reduce_over_ranks, together=engine.ranks_per_forward))
 
     def edit(weights: UpdatedWeights) -> None:
         for hook in hooks:
@@ -132,7 +133,11 @@ def _mean_over_ranks(value: torch.Tensor) -> float:
     return value.item()
 
 
-def _reduce_over_ranks(value: torch.Tensor, op: str) -> None:
-    """The hooks' reduction: `value` summed ("sum") or maximized ("max") over the ranks."""
+def _reduce_over_ranks(value: torch.Tensor, op: str, together: int = 1) -> None:
+    """The hooks' reduction over the data-parallel ranks: `value` summed ("sum") or maximized
+    ("max"). `together` ranks run each forward (tensor parallelism) and hold the same
+    statistics, so a sum over every rank counts them `together` times."""
     if several_ranks():
         dist.all_reduce(value, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+        if op == "sum" and together > 1:
+            value /= together

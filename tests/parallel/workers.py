@@ -49,8 +49,11 @@ def global_batches(steps: int, vocab: int, seed: int = 1) -> list[torch.Tensor]:
     return [torch.randint(0, vocab, (GLOBAL_BATCH, SEQ + 1), generator=gen) for _ in range(steps)]
 
 
-def local_batch(tokens: torch.Tensor) -> Batch:
+def local_batch(tokens: torch.Tensor, tp: int = 1) -> Batch:
+    """This rank's rows of a global batch: its data-parallel share (the `tp` consecutive ranks
+    of a tensor-parallel group take the same rows)."""
     rank, size = world()
+    rank, size = rank // tp, size // tp
     local = tokens.shape[0] // size
     part = tokens[rank * local : (rank + 1) * local]
     return Batch(part[:, :-1].contiguous(), part[:, 1:].contiguous(), torch.zeros_like(part[:, 1:]))
@@ -97,7 +100,8 @@ def train(
     losses, norms = [], []
     settings = StepSettings(micro_batches=micro_batches, grad_clip=grad_clip)
     for tokens in global_batches(first + steps, model_cfg.vocab_size)[first:]:
-        result = train_step(engine, local_batch(tokens), settings, tracker, hooks)
+        batch = local_batch(tokens, engine.ranks_per_forward)
+        result = train_step(engine, batch, settings, tracker, hooks)
         stats.append(result.metrics)
         losses.append(result.loss)
         norms.append(result.grad_norm)
