@@ -89,3 +89,29 @@ def test_each_rank_reads_only_its_own_experts_of_a_streamed_import():
     for name, tensor in got.items():
         if name in expected:
             assert torch.equal(tensor, expected[name]), name
+
+
+@pytest.mark.parametrize(
+    ("preset", "layout", "ranks"),
+    [("tiny", {"tp": 2}, 2), ("tiny_mla", {"tp": 2}, 4), ("tiny_hybrid", {"tp": 2}, 2)],
+    ids=["tp2", "mla_dp_shard2_x_tp2", "gdn_tp2"],
+)
+def test_under_tensor_parallelism_each_rank_reads_only_its_slices(preset, layout, ranks):
+    """init_from under tensor parallelism (+ FSDP2): the loaded weights are the whole weights,
+    and each rank reads of every weight exactly the elements it holds (its tp slice of the
+    heads, hidden units or vocabulary, then its FSDP2 rows), never another rank's."""
+    from model.transformer import build_model
+    from tests.parallel.workers import started_from_counted_reads
+
+    cfg = small_model(preset, **({"n_layers": 4} if preset == "tiny_hybrid" else {}))
+    expected = build_model(cfg, device="cpu", seed=7).state_dict()
+    results = run_ranks(ranks, started_from_counted_reads, cfg, layout)
+    for name, tensor in results[0][0].items():
+        if name in expected:
+            assert torch.equal(tensor, expected[name]), name
+    for _, reads, held in results:
+        assert reads.keys() >= held.keys()
+        for name, count in held.items():
+            assert reads[name] == count, (name, reads[name], count, expected[name].numel())
+        split = [n for n, c in held.items() if c < expected[n].numel()]
+        assert "layers.0.attn.o_proj.weight" in split and "embed.weight" in split

@@ -289,6 +289,39 @@ def started_from_expert_stacks(rank: int, model_cfg: ModelConfig, layout: dict[s
     return full_state(_engine_from(model_cfg, layout, parts).model)
 
 
+class CountedReads:
+    """A whole tensor read on demand (parallel.init.Sliceable) that counts the elements read."""
+
+    def __init__(self, tensor: torch.Tensor, reads: dict[str, int], name: str) -> None:
+        self.tensor, self.reads, self.name, self.shape = tensor, reads, name, tensor.shape
+
+    def detach(self) -> CountedReads:
+        return self
+
+    def __getitem__(self, index: tuple) -> torch.Tensor:
+        piece = self.tensor[index]
+        self.reads[self.name] = self.reads.get(self.name, 0) + piece.numel()
+        return piece
+
+
+def started_from_counted_reads(
+    rank: int, model_cfg: ModelConfig, layout: dict[str, Any]
+) -> tuple[dict, dict[str, int], dict[str, int]]:
+    """The engine started from another seed's whole weights read on demand: the loaded weights
+    (whole), the elements this rank read of each tensor and the elements it holds of each."""
+    from model.transformer import build_model
+
+    weights = build_model(model_cfg, device="cpu", seed=7).state_dict()
+    reads: dict[str, int] = {}
+    parts = lambda: [{n: CountedReads(t, reads, n) for n, t in weights.items()}]  # noqa: E731
+    model = _engine_from(model_cfg, layout, parts).model
+    held = {
+        name: (p.to_local() if isinstance(p, DTensor) else p).numel()
+        for name, p in model.named_parameters()
+    }
+    return full_state(model), reads, held
+
+
 def scored_log_probs(
     rank: int, model_cfg: ModelConfig, layout: dict[str, Any], precision: str = "fp32"
 ) -> torch.Tensor:
