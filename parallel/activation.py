@@ -18,7 +18,9 @@ import warnings
 from collections.abc import Callable
 
 import torch
-from torch import nn
+from torch import Tensor, nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -132,16 +134,49 @@ def quiet_complex_rope_warning() -> None:
     )
 
 
-def compile_model(model: Transformer, device_type: str) -> None:
+def _tensor_parallel(model: nn.Module) -> bool:
+    """Whether parallel.tensor_parallel split `model` (DTensor weights on a mesh with a "tp"
+    dimension)."""
+    return any(
+        isinstance(p, DTensor) and "tp" in (p.device_mesh.mesh_dim_names or ())
+        for p in model.parameters()
+    )
+
+
+def _wait_for_embeddings(model: Transformer) -> None:
+    """Under tensor parallelism the embedding's output is an AsyncCollectiveTensor (DTensor's
+    RowwiseParallel all-reduces it with async_op=True and hands on the local tensor). Passed
+    into a compiled block as it is, AOTAutograd unwraps it without the autograd of DTensor's
+    to_local, so backward gives the embedding's Redistribute a plain gradient: "AttributeError:
+    'Tensor' object has no attribute '_local_tensor'" (torch 2.13, any backend; the trainer,
+    whose blocks FSDP2 wraps, did not show it). A clone outside the graphs waits for the
+    all-reduce and passes on a plain tensor: one (B, T, C) copy per forward."""
+    model.embed.register_forward_hook(_awaited)
+
+
+def _awaited(module: nn.Module, args: tuple, output: Tensor) -> Tensor:
+    return output.clone() if isinstance(output, AsyncCollectiveTensor) else output
+
+
+def compile_model(model: Transformer, device_type: str, backend: str = "inductor") -> None:
     """Compile each block on its own (FSDP2's gather/reduce hooks run between blocks; or its two
     sublayers, for residual streams that ask for it), and each chunk of the fused head +
     cross-entropy (model.loss.loss_chunk_fusable: inside the root's forward, so under FSDP2 too).
     On one CPU process this matched compiling the whole model as one graph (bench/
     train_throughput.py: *_compiled vs *_compiled_whole_model, with Inductor's default options).
     device_type: where the model
-    will run ("cpu" takes CPU_INDUCTOR_OPTIONS)."""
+    will run ("cpu" takes CPU_INDUCTOR_OPTIONS). backend: torch.compile's (tests take
+    "aot_eager", AOTAutograd's graphs run eagerly, to tell its problems from Inductor's)."""
     quiet_complex_rope_warning()
-    options = CPU_INDUCTOR_OPTIONS if device_type == "cpu" else None
+    options = CPU_INDUCTOR_OPTIONS if device_type == "cpu" and backend == "inductor" else None
+    if _tensor_parallel(model):
+        _wait_for_embeddings(model)
+        if options:
+            # a tensor-parallel block's graph takes the tp DeviceMesh as an input (torch >= 2.13
+            # passes it as an opaque object, the mesh its styles' hooks hold), and cpp_wrapper's
+            # Python caller turns every non-tensor input into a tensor: "TypeError: object of
+            # type 'DeviceMesh' has no len()" (torch 2.13). Inductor's own caller passes it on
+            options = {k: v for k, v in options.items() if k != "cpp_wrapper"}
     whole = model.stream.compile_whole_blocks
     if whole and any(is_checkpointed(block) for block in model.blocks()):
         _checkpoint_inside_the_graphs(model)
@@ -152,14 +187,14 @@ def compile_model(model: Transformer, device_type: str) -> None:
     for block in model.blocks():
         assert isinstance(block, nn.Module)
         if whole:
-            block.compile(options=options)
+            block.compile(backend=backend, options=options)
         else:  # the stream's connections stay eager (model/residual/stream.py: compile_whole_blocks)
-            block.attn.compile(options=options)
-            block.ffn.compile(options=options)
+            block.attn.compile(backend=backend, options=options)
+            block.ffn.compile(backend=backend, options=options)
     # the loss compiles per chunk (under no_grad, inside its autograd Function: no backward
     # graph), one graph for every chunk and batch size instead of one per number of chunks;
     # in the form Inductor fuses into one pass over the logits (model.loss.loss_chunk_fusable)
     if model.loss_fn is not chunked_cross_entropy:
         return  # another loss took its place (vocab-parallel under tensor parallelism): eager
-    compiled_chunk = torch.compile(loss_chunk_fusable, options=options)
+    compiled_chunk = torch.compile(loss_chunk_fusable, backend=backend, options=options)
     model.loss_fn = functools.partial(chunked_cross_entropy, chunk_fn=compiled_chunk)

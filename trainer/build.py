@@ -130,7 +130,7 @@ def build_training_engine(
     check_expert_parallel(model_cfg, dims, parallel.activation_checkpoint)
     choices = EngineChoices(
         precision=resolve_precision(trainer.precision, device),
-        compile=compiles(trainer, dims.tp),
+        compile=compiles(trainer),
         grad_clip=trainer.grad_clip,
         plan=plan_batches(trainer.batch_size, trainer.micro_batch_size, dims.dp_ranks),
     )
@@ -196,13 +196,6 @@ def check_start(cfg: RootConfig, world_size: int) -> tuple[ParallelDims, BatchPl
 
 def check_tensor_parallel(cfg: RootConfig, dims: ParallelDims) -> None:
     """What parallel.tp > 1 does not take yet, in one line each."""
-    if dims.tp > 1 and cfg.trainer.compile == "true":
-        # compiled blocks under tensor parallelism gave wrong gradients or failed in backward on
-        # CPU (torch 2.13: AOTAutograd around the DTensor linears); eager is exact
-        raise ConfigError(
-            f"trainer.compile=true does not work with parallel.tp={dims.tp} yet; set "
-            "trainer.compile=false (or auto, which stays eager under tensor parallelism)"
-        )
     if dims.tp > 1 and cfg.optim.qk_clip_tau > 0:
         # each tp rank records the max logits of its own heads only; QK-clip needs them all
         raise ConfigError(

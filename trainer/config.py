@@ -147,12 +147,11 @@ def cpp_compiler() -> str:
     return os.environ.get("CXX", default)
 
 
-def compiles(trainer: TrainerConfig, tp: int = 1) -> bool:
+def compiles(trainer: TrainerConfig) -> bool:
     """Whether the run compiles its blocks: trainer.compile, with auto resolved by the run's
-    length (COMPILE_MIN_STEPS), whether there is a C++ compiler to compile with and whether
-    tensor parallelism is off (`tp`: parallel.tp; trainer.build.check_tensor_parallel)."""
+    length (COMPILE_MIN_STEPS) and whether there is a C++ compiler to compile with."""
     if trainer.compile == "auto":
-        long_enough = trainer.max_steps >= COMPILE_MIN_STEPS and tp == 1
+        long_enough = trainer.max_steps >= COMPILE_MIN_STEPS
         return long_enough and shutil.which(cpp_compiler()) is not None
     return trainer.compile == "true"
 

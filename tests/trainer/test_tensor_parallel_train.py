@@ -2,7 +2,7 @@
 (dp_shard=2 x tp=2) train the loss curve of one process, and checkpoints move between tensor-
 parallel sizes (tp=2 -> one process, one process -> dp_shard=2 x tp=2 with activation
 checkpointing) and continue it exactly; what tensor parallelism does not take yet is refused in one
-line, and trainer.compile=auto stays eager under it."""
+line, and trainer.compile=true is taken."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from model.errors import ConfigError
 from tests.trainer.helpers import SMALL_OVERRIDES, run_trainer, small_config, train_losses
 from tests.trainer.test_torchrun import torchrun
 from trainer.build import check_start
-from trainer.config import TrainerConfig, compiles
 
 pytestmark = [pytest.mark.integration, pytest.mark.distributed]
 
@@ -70,7 +69,6 @@ def test_tensor_parallel_runs_equal_one_process_and_resume_across_tp_sizes(datas
     ("settings", "world", "message"),
     [
         ({"optim.qk_clip_tau": 50.0}, 2, "optim.qk_clip_tau=50 (QK-clip) does not work with"),
-        ({"trainer.compile": "true"}, 2, "trainer.compile=true does not work with parallel.tp=2"),
         ({"parallel.tp": 3}, 4, "parallel.dp_replicate=1 x parallel.tp=3 = 3 does not divide"),
     ],
 )
@@ -86,7 +84,8 @@ def test_what_tensor_parallelism_does_not_take_is_refused_at_start(
         check_start(cfg, world)
 
 
-def test_compile_auto_stays_eager_under_tensor_parallelism():
-    long_run = TrainerConfig(compile="auto", max_steps=100_000)
-    assert not compiles(long_run, tp=2)
-    assert compiles(long_run, tp=1) == compiles(long_run)
+def test_compile_is_taken_under_tensor_parallelism(tmp_path):
+    """(It was refused; tests/parallel/test_tensor_parallel_compile.py checks its gradients.)"""
+    cfg = small_config(tmp_path)
+    cfg.parallel.tp, cfg.trainer.compile = 2, "true"
+    check_start(cfg, 2)
