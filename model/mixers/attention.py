@@ -193,7 +193,7 @@ class Attention(KernelChoice, TokenMixer, QKClipHooks):
     def new_state(
         self, batch: int, capacity: int, dtype: torch.dtype, device: torch.device
     ) -> KVCache:
-        shape = (batch, self.n_kv_heads, capacity, self.head_dim)
+        shape = (batch, self.local_heads(self.n_kv_heads), capacity, self.head_dim)
         return KVCache(
             torch.zeros(shape, dtype=dtype, device=device),
             torch.zeros(shape, dtype=dtype, device=device),

@@ -161,8 +161,11 @@ class DeltaRuleMixer(TokenMixer):
     def new_state(
         self, batch: int, capacity: int, dtype: torch.dtype, device: torch.device
     ) -> RecurrentState:
-        conv_dim, K = self.conv.weight.shape[0], self.conv.weight.shape[-1]
-        shape = (batch, self.n_heads, self.k_dim, self.v_dim)
+        # this rank's heads and their conv channels (tensor parallelism splits every block of
+        # [q | k | v] and the value heads evenly; the conv weight stays whole on every rank)
+        tp = self.tensor_parallel_degree
+        conv_dim, K = self.conv.weight.shape[0] // tp, self.conv.weight.shape[-1]
+        shape = (batch, self.local_heads(self.n_heads), self.k_dim, self.v_dim)
         return RecurrentState(
             torch.zeros(batch, K - 1, conv_dim, dtype=dtype, device=device),
             torch.zeros(shape, dtype=state_dtype(dtype), device=device),

@@ -5,6 +5,7 @@ layer and the number of tokens seen. Per-token caches grow with the context; `Re
 (Gated DeltaNet, KDA) is fixed-size: the conv's last K-1 inputs and the fp32 delta-rule state.
 
 Shapes: B batch, Tmax cache capacity, K kv heads, D head dims, R MLA latent width, Dr rope dims.
+Under tensor parallelism each rank's state holds its own heads (`TokenMixer.local_heads`).
   KVCache      k (B, K, Tmax, D), v (B, K, Tmax, Dv)        GQA stores only its K kv heads
   LatentCache  c (B, Tmax, R), k_rope (B, Tmax, Dr)          MLA stores the normalized latent and
                                                              the shared rope key, nothing per head

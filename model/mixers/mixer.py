@@ -51,6 +51,15 @@ class StateSize:
     fixed_fp32: int = 0  # fixed elements kept in fp32 whatever the cache dtype (recurrent states)
 
 
+def local_part(weight: Tensor) -> Tensor:
+    """The part of `weight` this rank holds: tensor parallelism makes a split weight a
+    distributed tensor (parallel/tensor_parallel.py), whose `to_local()` is this rank's rows;
+    any other tensor is returned as it is. For code that reads a weight directly rather than
+    calling its module (MLA's absorbed decode); model/ does not import torch.distributed."""
+    to_local = getattr(weight, "to_local", None)
+    return to_local() if to_local is not None else weight
+
+
 def average_context(seq_len: int, window: int = 0) -> float:
     """Mean number of keys a query attends to under causal (and optionally sliding-window) masking."""
     if not window or window >= seq_len:
@@ -68,6 +77,10 @@ class TokenMixer(nn.Module):
 
     kind: ClassVar[str] = ""
     rotary_dim: int = 0
+    # how many ranks tensor parallelism split this layer's heads over (parallel/ sets it on every
+    # module whose plan it applied): generation states and decode paths use the heads this
+    # rank holds (`local_heads`), the forwards read them off the projections' widths
+    tensor_parallel_degree: int = 1
 
     @classmethod
     def check(cls, cfg: ModelConfig) -> None:
@@ -105,8 +118,15 @@ class TokenMixer(nn.Module):
     def new_state(
         self, batch: int, capacity: int, dtype: torch.dtype, device: torch.device
     ) -> LayerState:
-        """Empty generation state for `batch` sequences of up to `capacity` tokens."""
+        """Empty generation state for `batch` sequences of up to `capacity` tokens, sized for
+        the heads this rank holds (all of them without tensor parallelism)."""
         raise NotImplementedError
+
+    def local_heads(self, heads: int) -> int:
+        """How many of `heads` heads this rank computes: heads / tp when tp divides them, else
+        (tp a multiple of them: kv heads replicated over the ranks) the one its query heads use."""
+        tp = self.tensor_parallel_degree
+        return heads // tp if heads % tp == 0 else 1
 
     def describe(self) -> str:
         """One line for `model.inspect`, e.g. 'GQA 4q / 2kv x 64'."""

@@ -26,7 +26,14 @@ from model.init import InitStds, init_linear, trunc_normal_
 from model.mixers.attention_backend import KernelChoice, check_backend, kernel_fits
 from model.mixers.kv_cache import LatentCache
 from model.mixers.masks import AttentionContext
-from model.mixers.mixer import LayerDims, QKClipHooks, StateSize, TokenMixer, average_context
+from model.mixers.mixer import (
+    LayerDims,
+    QKClipHooks,
+    StateSize,
+    TokenMixer,
+    average_context,
+    local_part,
+)
 from model.mixers.rope import rope_applier, softmax_multiplier
 from model.norms import RMSNorm
 from model.registry import ATTENTIONS, MIXERS
@@ -165,7 +172,8 @@ class MultiHeadLatentAttention(KernelChoice, TokenMixer, QKClipHooks):
         self, q_nope: Tensor, q_rope: Tensor, c: Tensor, k_rope: Tensor, ctx: AttentionContext
     ) -> Tensor:
         """Attention straight over the latent (decoding): q_nope . k_nope == (q_nope W_uk) . c."""
-        w = self.kv_b_proj.weight.view(-1, self.nope_dim + self.v_dim, self.kv_rank)
+        # (this rank's heads' rows under tensor parallelism, which splits kv_b_proj by heads)
+        w = local_part(self.kv_b_proj.weight).view(-1, self.nope_dim + self.v_dim, self.kv_rank)
         w_uk, w_uv = w[:, : self.nope_dim], w[:, self.nope_dim :]  # (H, Dn, R), (H, Dv, R)
         q_latent = torch.einsum("bthn,hnr->bhtr", q_nope, w_uk)
         q = torch.cat([q_latent, q_rope.transpose(1, 2)], dim=-1)  # (B, H, T, R + Dr)
