@@ -54,6 +54,14 @@ class Block(nn.Module):
         state = self.attn_residual(state, lambda h: self.attn(h, ctx, cache), self.attn_norm)
         return self.ffn_residual(state, self.ffn, self.ffn_norm)
 
+    def whole_sequence_sublayers(self) -> list[str]:
+        """The children that need every position of the sequence (token mixers, Engram's
+        n-grams and conv) or the same tokens on every tensor-parallel rank (the FFN or MoE
+        layer): under sequence parallelism (parallel/sequence_parallel.py) their input is
+        gathered and their output cut back to the rank's positions. Each takes the stream's
+        (B, T, ...) tensor first; everything else in the block acts per position."""
+        return (["engram"] if self.engram is not None else []) + ["attn", "ffn"]
+
     def init_weights(self, cfg: ModelConfig) -> None:
         stds = block_init_stds(cfg.init, cfg.n_layers, self.layer_id, self.init_gain)
         self.attn.init_weights(stds)

@@ -55,6 +55,10 @@ def parallelize(
         from parallel.tensor_parallel import apply_tensor_parallel
 
         replicated = apply_tensor_parallel(model, meshes.tp)
+        if cfg.sequence_parallel:
+            from parallel.sequence_parallel import apply_sequence_parallel
+
+            apply_sequence_parallel(model, meshes.tp)
         if replicated:  # exact, but each tp rank holds and computes these whole
             log.info(
                 "tensor parallelism: %d module(s) without a plan run whole on every tp rank: %s",

@@ -69,6 +69,10 @@ class ParallelConfig:
     # tensor-parallel ranks (heads, hidden units and vocabulary split over them; consecutive
     # ranks, so keep it within a node)
     tp: int = 1
+    # with tp > 1: the residual stream between sublayers split along the sequence over the tp
+    # ranks (norms, residuals, AttnRes/mHC streams take 1 / tp of their activation memory), at
+    # one all-gather of the sublayer input more per sublayer (parallel/sequence_parallel.py)
+    sequence_parallel: bool = False
     activation_checkpoint: str = "none"  # none | full (recompute each block) | selective
     reshard_after_forward: bool = True  # FSDP2: free gathered weights after forward (ZeRO-3)
     param_dtype: str = "auto"  # FSDP2 gather/compute dtype: auto (bf16 unless precision=fp32)

@@ -64,6 +64,7 @@ from parallel.fsdp import replicated_tables
 from parallel.grad_norm import clip_grad_norm, tp_size
 from parallel.mesh import ParallelDims
 from parallel.precision import MasterWeights, autocast_factory
+from parallel.sequence_parallel import sum_partial_gradients
 from parallel.sparse_sync import average_sparse_gradients
 
 OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
@@ -268,6 +269,7 @@ class FSDP2Engine(TrainingEngine):
     def clip_gradients(self, max_norm: float) -> Tensor:
         if self.sharded and self._replicated:  # Engram tables held whole by every rank
             average_sparse_gradients([t.weight for t in self._replicated])
+        sum_partial_gradients(self.model)  # sequence parallelism's per-position weights
         if self.master is not None:  # bf16 gradients -> the fp32 master weights
             self.master.grads_to_master()
             params = [m for _, m in self.master.pairs if m.grad is not None]

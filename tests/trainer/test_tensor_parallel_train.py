@@ -1,8 +1,8 @@
 """`torchrun -m trainer parallel.tp=2` end to end on CPU (gloo, fp32): 2 ranks (tp=2) and 4 ranks
 (dp_shard=2 x tp=2) train the loss curve of one process, and checkpoints move between tensor-
 parallel sizes (tp=2 -> one process, one process -> dp_shard=2 x tp=2 with activation
-checkpointing) and continue it exactly; what tensor parallelism does not take yet is refused in one
-line, and trainer.compile=true is taken."""
+checkpointing and sequence parallelism) and continue it exactly; what tensor parallelism does
+not take yet is refused in one line, and trainer.compile=true is taken."""
 
 from __future__ import annotations
 
@@ -56,6 +56,7 @@ def test_tensor_parallel_runs_equal_one_process_and_resume_across_tp_sizes(datas
         *common,
         "parallel.tp=2",
         "parallel.activation_checkpoint=full",  # recomputed blocks: the same numbers
+        "parallel.sequence_parallel=true",  # the stream split along the sequence: the same
         f"resume={checkpoint}",
         f"hydra.run.dir={resumed}",
         cwd=tmp_path,
