@@ -18,6 +18,7 @@ import logging
 
 import torch
 
+from model.errors import ConfigError
 from model.transformer import Transformer
 from parallel.activation import apply_activation_checkpointing, compile_model
 from parallel.config import ParallelConfig
@@ -55,6 +56,8 @@ def parallelize(
         from parallel.tensor_parallel import apply_tensor_parallel
 
         replicated = apply_tensor_parallel(model, meshes.tp)
+        if cfg.async_tp:
+            enable_async_tp(compile, device_type)
         if cfg.sequence_parallel:
             from parallel.sequence_parallel import apply_sequence_parallel
 
@@ -76,6 +79,20 @@ def parallelize(
             cfg.reshard_after_forward,
             recompute=cfg.activation_checkpoint != "none",
         )
+
+
+def enable_async_tp(compile: bool, device_type: str) -> None:
+    """parallel.async_tp: Inductor's micro-pipelined tensor parallelism (compiled graphs on
+    CUDA overlap each tp matmul with its all-gather / reduce-scatter, chunk by chunk)."""
+    if device_type != "cuda" or not compile:
+        raise ConfigError(
+            "parallel.async_tp=true needs CUDA devices and trainer.compile=true (it is an "
+            f"Inductor pass over compiled graphs; here: device {device_type}, compile {compile}); "
+            "set parallel.async_tp=false"
+        )
+    import torch._inductor.config
+
+    torch._inductor.config._micro_pipeline_tp = True
 
 
 def _shorten(names: list[str], shown: int = 6) -> list[str]:

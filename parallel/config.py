@@ -73,6 +73,9 @@ class ParallelConfig:
     # ranks (norms, residuals, AttnRes/mHC streams take 1 / tp of their activation memory), at
     # one all-gather of the sublayer input more per sublayer (parallel/sequence_parallel.py)
     sequence_parallel: bool = False
+    # with tp > 1 on CUDA and trainer.compile: Inductor splits each tp matmul and its collective
+    # into chunks that overlap (torch._inductor.config._micro_pipeline_tp, "async TP")
+    async_tp: bool = False
     activation_checkpoint: str = "none"  # none | full (recompute each block) | selective
     reshard_after_forward: bool = True  # FSDP2: free gathered weights after forward (ZeRO-3)
     param_dtype: str = "auto"  # FSDP2 gather/compute dtype: auto (bf16 unless precision=fp32)
@@ -103,5 +106,10 @@ class ParallelConfig:
         )
         _require(
             self.backend in BACKENDS, f"parallel.backend={self.backend!r} is not one of {BACKENDS}"
+        )
+        _require(
+            not (self.sequence_parallel or self.async_tp) or self.tp > 1,
+            "parallel.sequence_parallel and parallel.async_tp split work over the tensor-parallel "
+            f"ranks: they need parallel.tp > 1 (got parallel.tp={self.tp})",
         )
         _require(self.timeout_s > 0, f"parallel.timeout_s={self.timeout_s} must be > 0")

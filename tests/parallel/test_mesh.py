@@ -53,6 +53,8 @@ def test_inconsistent_sizes_fail_with_the_keys(cfg: dict, world: int, message: s
         (dict(dp_shard=0), "parallel.dp_shard=0 must be >= 1, or -1"),
         (dict(ep=0), "parallel.ep=0 must be >= 1"),
         (dict(tp=0), "parallel.tp=0 must be >= 1"),
+        (dict(sequence_parallel=True), r"they need parallel.tp > 1 \(got parallel.tp=1\)"),
+        (dict(async_tp=True), r"they need parallel.tp > 1 \(got parallel.tp=1\)"),
         (dict(activation_checkpoint="some"), "parallel.activation_checkpoint='some' is not one of"),
         (dict(param_dtype="fp16"), "parallel.param_dtype='fp16' is not one of"),
     ],
@@ -79,3 +81,11 @@ def test_expert_parallelism_needs_a_fitting_moe_model(preset: str, ep: int, mess
     model = load_preset("tiny_moe" if preset == "selective" else preset)
     with pytest.raises(ConfigError, match=message):
         check_expert_parallel(model, dims, checkpointing)
+
+
+@pytest.mark.parametrize(("compile", "device"), [(True, "cpu"), (False, "cuda")])
+def test_async_tensor_parallelism_needs_cuda_and_compile(compile: bool, device: str) -> None:
+    from parallel.compose import enable_async_tp
+
+    with pytest.raises(ConfigError, match="parallel.async_tp=true needs CUDA devices and trainer"):
+        enable_async_tp(compile, device)
