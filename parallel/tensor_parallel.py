@@ -7,7 +7,9 @@ and mla.py; Gated DeltaNet and KDA: their heads, gdn.py and kda.py; dense FFNs a
 experts: their hidden units, model/ffn.py; model/ never imports torch.distributed, so the plans
 name the styles this file maps to DTensor's). This file applies the plans, with no branch on
 kinds, telling each planned module the degree it was split by (`tensor_parallel_degree`: the
-mixers size their generation states by the heads a rank holds), and splits the model's own parts:
+mixers size their generation states by the heads a rank holds) and its rank in the split
+(`tensor_parallel_rank`: where its heads' max logits go for QK-clip), and splits the model's own
+parts:
 
 - the embedding over the vocabulary (RowwiseParallel: each rank looks up the ids it holds, an
   all-reduce sums them), and an untied head's weight the same way;
@@ -227,6 +229,7 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> list[str]:
             continue
         _apply_plan(module, plan_of(tp), tp_mesh)
         module.tensor_parallel_degree = tp  # what generation states size themselves by
+        module.tensor_parallel_rank = tp_mesh.get_local_rank()  # which heads (QK-clip's logits)
         planned.add(name)
     top = {"embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())}
     if model.head is not None:

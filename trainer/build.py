@@ -185,23 +185,12 @@ def check_start(cfg: RootConfig, world_size: int) -> tuple[ParallelDims, BatchPl
     dims = ParallelDims.resolve(cfg.parallel, world_size)
     ENGINES.get(cfg.parallel.engine)  # an unknown parallel.engine names the known ones
     check_expert_layout(dims, cfg.parallel.activation_checkpoint)
-    check_tensor_parallel(cfg, dims)
     plan = plan_batches(cfg.trainer.batch_size, cfg.trainer.micro_batch_size, dims.dp_ranks)
     if not is_hf(cfg.init_from):
         check_model_shape(cfg.model, cfg.data, dims)
     if cfg.eval.downstream.tasks:  # names known to the library (and the library installed)
         check_task_names(cfg.eval.downstream.tasks)
     return dims, plan
-
-
-def check_tensor_parallel(cfg: RootConfig, dims: ParallelDims) -> None:
-    """What parallel.tp > 1 does not take yet, in one line each."""
-    if dims.tp > 1 and cfg.optim.qk_clip_tau > 0:
-        # each tp rank records the max logits of its own heads only; QK-clip needs them all
-        raise ConfigError(
-            f"optim.qk_clip_tau={cfg.optim.qk_clip_tau:g} (QK-clip) does not work with "
-            f"parallel.tp={dims.tp} yet; set optim.qk_clip_tau=0 or parallel.tp=1"
-        )
 
 
 def check_model_shape(model_cfg: ModelConfig, data: LoaderConfig, dims: ParallelDims) -> None:

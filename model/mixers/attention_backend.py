@@ -163,8 +163,7 @@ class KernelChoice:
             backend = "matmul"  # same mask form: the context was built for either
         out, new_max = ATTENTION_BACKENDS.get(backend)(q, k, v, ctx, scale, want_max)
         if new_max is not None:
-            running = self.max_logits
-            self.max_logits = new_max if running is None else torch.maximum(running, new_max)
+            self.fold_max_logits(new_max)  # (QKClipHooks: this rank's heads under tp)
         return out
 
 

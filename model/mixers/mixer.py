@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from model.config import ModelConfig, RopeConfig
@@ -81,6 +82,7 @@ class TokenMixer(nn.Module):
     # module whose plan it applied): generation states and decode paths use the heads this
     # rank holds (`local_heads`), the forwards read them off the projections' widths
     tensor_parallel_degree: int = 1
+    tensor_parallel_rank: int = 0  # this rank's place in the split (its heads' first index)
 
     @classmethod
     def check(cls, cfg: ModelConfig) -> None:
@@ -143,7 +145,9 @@ class QKClipHooks:
     """Optional mixer protocol for QK-clip (optim/qk_clip.py): softmax attention only.
 
     - `record_max_logits`: when True, training forwards keep `max_logits`, the (H,) running max
-      of q.k x scale since the optimizer last read it, `reset_max_logits()` restarting it;
+      of q.k x scale since the optimizer last read it, `reset_max_logits()` restarting it; under
+      tensor parallelism a rank's entries outside its own heads stay -inf, so a MAX over the
+      ranks gives every head's (`fold_max_logits`);
     - `qk_clip_row_scales(gamma)`: (parameter, per-row factor) pairs that scale head h's logits by
       gamma[h];
     - `qk_clip_blocker()`: why QK-clip cannot work on this layer (None: it can)."""
@@ -159,6 +163,17 @@ class QKClipHooks:
         self.max_logits = torch.full(
             (self.n_heads,), float("-inf"), dtype=torch.float32, device=device
         )
+
+    def fold_max_logits(self, new_max: Tensor) -> None:
+        """Fold a forward's per-head max logits into `max_logits`. Under tensor parallelism
+        `new_max` holds this rank's query heads only, [r h, (r + 1) h) for h = H / tp as the
+        column-wise q projection splits them: it is placed there, -inf elsewhere."""
+        local = new_max.shape[0]
+        if local != self.n_heads:
+            first = self.tensor_parallel_rank * local
+            new_max = F.pad(new_max, (first, self.n_heads - first - local), value=float("-inf"))
+        running = self.max_logits
+        self.max_logits = new_max if running is None else torch.maximum(running, new_max)
 
     def qk_clip_row_scales(self, gamma: Tensor) -> list[tuple[Tensor, Tensor]]:
         raise NotImplementedError

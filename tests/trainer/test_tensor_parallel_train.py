@@ -69,7 +69,6 @@ def test_tensor_parallel_runs_equal_one_process_and_resume_across_tp_sizes(datas
 @pytest.mark.parametrize(
     ("settings", "world", "message"),
     [
-        ({"optim.qk_clip_tau": 50.0}, 2, "optim.qk_clip_tau=50 (QK-clip) does not work with"),
         ({"parallel.tp": 3}, 4, "parallel.dp_replicate=1 x parallel.tp=3 = 3 does not divide"),
     ],
 )
@@ -89,4 +88,11 @@ def test_compile_is_taken_under_tensor_parallelism(tmp_path):
     """(It was refused; tests/parallel/test_tensor_parallel_compile.py checks its gradients.)"""
     cfg = small_config(tmp_path)
     cfg.parallel.tp, cfg.trainer.compile = 2, "true"
+    check_start(cfg, 2)
+
+
+def test_qk_clip_is_taken_under_tensor_parallelism(tmp_path):
+    """(It was refused; tests/parallel/test_tensor_parallel_qk_clip.py checks its numbers.)"""
+    cfg = small_config(tmp_path)
+    cfg.parallel.tp, cfg.optim.name, cfg.optim.qk_clip_tau = 2, "muonclip", 50.0
     check_start(cfg, 2)
