@@ -87,10 +87,6 @@ def check_layout(layout: Layout, cfg: ModelConfig) -> None:
         raise ConfigError(f"ep={layout.ep} needs a model with routed experts; set ep=1")
     if layout.ep > 1 and experts % layout.ep:
         raise ConfigError(f"ep={layout.ep} must divide the model's {experts} routed experts")
-    if layout.tp > 1 and layout.ep > 1:  # parallel/mesh.py refuses it too
-        raise ConfigError(
-            f"ep={layout.ep} with tp={layout.tp} is not supported by the trainer yet; use one of them"
-        )
     if layout.optimizer not in ("adamw", "muon", "muonclip"):
         raise ConfigError(f"optimizer={layout.optimizer!r}; choose adamw or muon")
     if layout.activation_checkpoint not in ("none", "full"):

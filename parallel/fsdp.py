@@ -3,7 +3,7 @@
 Each block is one FSDP unit (its weights gathered just before it runs), the root holds the
 embedding, final norm and head. Under expert parallelism the experts of a MoE block are their
 own unit on the expert mesh; their gradients arrive summed over the `ep` ranks that sent tokens
-(the all-to-all's backward), so the reduce-scatter divides by the whole data-parallel world,
+(the all-to-all's backward), so the reduce-scatter divides by every data-parallel rank,
 not by the expert mesh alone: otherwise expert gradients would grow with the EP degree.
 Engram's tables are units of their own too (`_shard_tables`). The MTP modules' blocks are
 wrapped like the stack's, then each module (its norms and 2C -> C projection); the embedding and
@@ -106,7 +106,7 @@ def apply_fsdp(
                 reshard_after_forward=reshard_after_forward,
                 shard_placement_fn=_expert_placement(meshes.dims.expert_shard),
             )
-            experts.set_gradient_divide_factor(float(meshes.dims.world_size))
+            experts.set_gradient_divide_factor(float(meshes.dims.dp_ranks))
             if meshes.dims.expert_shard > 1:
                 # reduce with SUM, then divide: a pre-scaled sum (PREMUL_SUM) has no gloo version.
                 # (Not when the reduce-scatter has 1 rank, also under HSDP: there FSDP divides

@@ -61,12 +61,6 @@ class ParallelDims:
                 f"parallel.ep={cfg.ep} must divide parallel.dp_shard={shard}: expert-parallel "
                 "ranks are taken from the sharded data-parallel ones"
             )
-        if tp > 1 and cfg.ep > 1:
-            raise ConfigError(
-                f"parallel.ep={cfg.ep} with parallel.tp={tp} is not supported yet: use one of "
-                "them (MoE layers under tensor parallelism split their shared experts and keep "
-                "the routed ones whole on every rank)"
-            )
         return cls(
             dp_replicate=cfg.dp_replicate,
             dp_shard=shard,
@@ -119,7 +113,13 @@ def build_meshes(dims: ParallelDims, device_type: str) -> Meshes:
             mesh_dim_names=("dp_replicate", "dp_shard", "tp"),
         )
         dense = root["dp_replicate", "dp_shard"] if hsdp else root["dp_shard"]
-        return Meshes(dims=dims, dense=dense, experts=None, ep=None, tp=root["tp"])
+        if dims.ep == 1:
+            return Meshes(dims=dims, dense=dense, experts=None, ep=None, tp=root["tp"])
+        # experts: dp_shard = dp_shard_mod_ep x ep of the same root (FSDP2 composes them with
+        # the dense weights' 2D layout); each tp rank's group of ep ranks exchanges its tokens
+        split = root._unflatten("dp_shard", (dims.expert_shard, dims.ep), ("dp_shard_mod_ep", "ep"))
+        experts = split["dp_replicate", "dp_shard_mod_ep"] if hsdp else split["dp_shard_mod_ep"]
+        return Meshes(dims=dims, dense=dense, experts=experts, ep=split["ep"], tp=root["tp"])
     if hsdp:
         dense = init_device_mesh(
             device_type,

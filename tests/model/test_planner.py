@@ -133,7 +133,6 @@ def test_layouts_move_memory_and_traffic_as_they_should():
         ({"dp_shard": 3, "ep": 3}, "ep=3 must divide the model's 8 routed experts"),
         ({"tp": 3}, "parallel.tp=3 must divide the attention's 4 query heads"),
         ({"optimizer": "sgd"}, "optimizer='sgd'; choose adamw or muon"),
-        ({"dp_shard": 2, "tp": 2, "ep": 2}, "ep=2 with tp=2 is not supported by the trainer yet"),
     ],
 )
 def test_a_layout_that_cannot_work_is_refused_in_one_line(layout, message):

@@ -39,7 +39,7 @@ def test_dp_shard_takes_all_remaining_ranks() -> None:
             4,
             r"parallel.dp_replicate=1 x parallel.dp_shard=4 x parallel.tp=2 = 8 ranks, but the",
         ),
-        (dict(tp=2, ep=2), 8, "parallel.ep=2 with parallel.tp=2 is not supported yet"),
+        (dict(tp=2, ep=4), 4, "parallel.ep=4 must divide parallel.dp_shard=2"),
     ],
 )
 def test_inconsistent_sizes_fail_with_the_keys(cfg: dict, world: int, message: str) -> None:

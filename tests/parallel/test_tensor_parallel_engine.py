@@ -190,3 +190,18 @@ def test_engram_gradients_under_tensor_parallelism_equal_one_process():
             for name, grad in ref["grads"].items():
                 error = (got["grads"][name] - grad).norm()
                 assert error <= 1e-4 * grad.norm() + 1e-7, f"{where} {name}: {error:.3g}"
+
+
+def test_expert_parallelism_composes_with_tensor_parallelism():
+    """parallel.ep=2 borrows its ranks from dp_shard; with tp=2 each tp rank's ep group
+    exchanges the same tokens (routed experts whole on the tp ranks, shared experts split).
+    Against ep=2 without tp (the same 2 data-parallel ranks: expert parallelism alone differs
+    from one process by its own routing tolerance, tests/parallel/test_expert_parallel.py):
+    the same losses, norms and weights, with sequence parallelism on."""
+    ep_only = run_ranks(2, train_cases, ["moe"], {"ep": 2})[0]["moe"]
+    layout = {"ep": 2, "tp": 2, "sequence_parallel": True}
+    results = run_ranks(4, train_cases, ["moe"], layout)
+    assert_same_run(results[0]["moe"], ep_only, "moe")
+    placements = results[0]["moe"]["placements"]
+    # 4 of the 8 experts on each ep rank (FSDP2 over dp_shard / ep = 1 rank keeps them whole)
+    assert placements["layers.1.ffn.experts.w_gate"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
