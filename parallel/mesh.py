@@ -14,7 +14,9 @@ mesh is built on its own (a mesh whose dim is a flattened pair of another is bei
 Tensor parallelism adds the innermost dimension: the root is ("dp_replicate", "dp_shard", "tp"),
 consecutive ranks form a tp group (they share a node and its fast links), FSDP2 shards over the
 data-parallel sub-mesh of that root (the 2D/3D composition needs one root), and a rank's
-data-parallel index is rank // tp (its tp group reads the same batch rows).
+data-parallel index is rank // tp (its tp group reads the same batch rows). With expert
+parallelism too, that root's dp_shard is unflattened into (dp_shard_mod_ep, ep): the experts
+live on the same root as the dense weights, and each tp rank has its own group of ep ranks.
 """
 
 from __future__ import annotations
