@@ -12,6 +12,10 @@ for module in (
     "tests.parallel.workers",
     "tests.parallel.deepspeed_workers",
     "tests.parallel.checkpoint_workers",
+    "tests.parallel.tp_workers",
+    "tests.parallel.tp_generation_workers",
+    "parallel.tensor_parallel",
+    "parallel.sequence_parallel",
 ):
     try:
         importlib.import_module(module)
