@@ -15,7 +15,9 @@ MiB, GiB, TiB (powers of 1024).
 The layout planner (model/planner.py): what one rank holds and sends per step under
 dp_replicate=<R> dp_shard=<S> tp=<T> ep=<E> (world R x S x T), optimizer=adamw|muon,
 micro_batch_size=<B> (default 1) and seq_len, activation_checkpoint=none|full (which activations
-the total counts), reshard_after_forward=true|false.
+the total counts; full also counts the recompute's collectives), reshard_after_forward=true|false,
+sequence_parallel=true|false (with tp > 1: the residual stream split along the sequence over the
+tp ranks, as parallel.sequence_parallel).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ class InspectArgs:
 
 INT_OPTIONS = ("dp_replicate", "dp_shard", "tp", "ep", "micro_batch_size")
 TEXT_OPTIONS = ("optimizer", "activation_checkpoint")
+BOOL_OPTIONS = ("reshard_after_forward", "sequence_parallel")
 
 
 def parse_args(argv: list[str]) -> InspectArgs:
@@ -83,14 +86,14 @@ def parse_args(argv: list[str]) -> InspectArgs:
             setattr(args, key, text)
         elif key in TEXT_OPTIONS:
             args.layout[key] = text
-        elif key == "reshard_after_forward":
+        elif key in BOOL_OPTIONS:
             if text not in ("true", "false"):
-                raise ConfigError(f"reshard_after_forward={text!r}; choose true or false")
+                raise ConfigError(f"{key}={text!r}; choose true or false")
             args.layout[key] = text == "true"
         else:
             raise ConfigError(
                 f"unknown option {key!r}; options: model, model.<key>, seq_len, dtype, param_dtype, "
-                f"format, {', '.join(INT_OPTIONS + TEXT_OPTIONS)}, reshard_after_forward"
+                f"format, {', '.join(INT_OPTIONS + TEXT_OPTIONS + BOOL_OPTIONS)}"
             )
     if args.dtype not in DTYPE_BYTES:
         raise ConfigError(f"dtype={args.dtype!r}; choose one of: {', '.join(DTYPE_BYTES)}")
@@ -162,6 +165,7 @@ def describe(cfg: ModelConfig, seq_len: int, args: InspectArgs) -> dict[str, Any
 
 
 LAYOUT_KEYS = ("dp_replicate", "dp_shard", "tp", "ep", "micro_batch_size", "optimizer")
+LAYOUT_KEYS += ("sequence_parallel",)
 
 
 def _layers(first: int, last: int) -> str:
@@ -358,7 +362,8 @@ def render_table(results: dict[str, dict[str, Any]], args: InspectArgs) -> None:
     table = Table(
         title=f"Model inspection (seq_len {seq_len}, KV cache {args.dtype}, "
         f"weights {args.param_dtype}); per rank of dp_replicate {layout.dp_replicate} x "
-        f"dp_shard {layout.dp_shard} x tp {layout.tp} ({layout.world} ranks), ep {layout.ep}, "
+        f"dp_shard {layout.dp_shard} x tp {layout.tp} ({layout.world} ranks"
+        f"{', sequence parallel' if layout.sequence_parallel else ''}), ep {layout.ep}, "
         f"micro-batch {layout.micro_batch_size}, {layout.optimizer}, "
         f"activation_checkpoint {layout.activation_checkpoint}"
     )

@@ -17,9 +17,11 @@ optimizer state AdamW 8 (two fp32 moments), Muon 4 (one fp32 momentum) for the r
 orthogonalizes (matrices, expert stacks: optim/roles.py) and AdamW's 8 for the rest. Figures are
 means over the ranks: uneven shards (torch.chunk's, as FSDP2 and DTensor cut) differ by a row.
 
-Activations: model/planner_activations.py. Transient: FSDP2's gathered weights (the root, kept
-gathered, and two blocks: the one running and the one prefetched) in the compute dtype, and one
-chunk of the loss's fp32 logits and their gradient (chunk x V / tp x (4 + width)).
+Activations: model/planner_activations.py (sequence parallelism divides what the stream between
+the sublayers keeps, and the checkpointed block inputs, by tp). Transient: FSDP2's gathered
+weights (the root, kept gathered, and two blocks: the one running and the one prefetched) in the
+compute dtype, and one chunk of the loss's fp32 logits and their gradient (chunk x V / tp x
+(4 + width)).
 
 Communication: bytes each rank sends per micro-batch step (ring collectives: an all-gather or
 reduce-scatter over P ranks sends (P - 1) / P of the whole, an all-reduce twice that):
@@ -29,12 +31,22 @@ reduce-scatter over P ranks sends (P - 1) / P of the whole, an all-reduce twice 
 - HSDP: the sharded fp32 gradients all-reduced over dp_replicate;
 - TP (DTensor's styles, one collective per planned projection: q, k, v unfused): forward
   all-reduces each rowwise output (B T x out), backward each colwise input's gradient
-  (B T x in), the gradients of weights kept whole but used by heads (head_shared, head_rows,
-  colwise_replicated: fp32); the vocab-parallel embedding's output in forward;
-  the vocab-parallel loss's all-gather of 3 fp32 statistics per token and all-reduce of grad_h
-  (B T x C fp32); (left out: copy_to_heads' gradient all-reduce, MLA's rope key, B T x Dr);
+  (B T x in), MLA's rope key's (copy_to_heads: B T x Dr), the gradients of weights kept whole
+  but used by heads (head_shared, head_rows, colwise_replicated); the vocab-parallel
+  embedding's output in forward; the vocab-parallel loss's all-gather of 3 fp32 statistics per
+  token and all-reduce of grad_h (B T x C fp32);
+- sequence parallelism (parallel/sequence_parallel.py): per whole-sequence sublayer
+  (Block.whole_sequence_sublayers) an all-gather of its input in forward and of its output's
+  gradient in backward (B T x C; Engram's the stream's n C), the stream's final gather in
+  forward and first cut's in backward, and once a step the all-reduce of the split region's
+  weight gradients (norms, residual connections, the stream's own: their FSDP2 shards);
+- full activation checkpointing: the recompute repeats each block's forward collectives (TP,
+  sequence parallelism's gathers, EP's all-to-alls) up to the block's last saved tensor: torch's
+  checkpoint stops early, so a pre-norm or AttnRes block's closing FFN all-reduce, whose output
+  is only added, is not repeated;
 - EP: each MoE layer's all-to-all of the k routed copies of each token (C wide), there and back,
-  forward and backward: 4 k B T C x (ep - 1) / ep.
+  forward and backward: 4 k B T C x (ep - 1) / ep (6 with full checkpointing). Each tp rank's
+  ep group sends the same tokens (routed experts whole on the tp ranks).
 """
 
 from __future__ import annotations
@@ -66,6 +78,7 @@ class Layout:
     seq_len: int = 2048
     activation_checkpoint: str = "none"  # none | full: which activations the total counts
     reshard_after_forward: bool = True
+    sequence_parallel: bool = False  # tp > 1: the stream between sublayers split over tp
 
     @property
     def world(self) -> int:
@@ -87,6 +100,11 @@ def check_layout(layout: Layout, cfg: ModelConfig) -> None:
         raise ConfigError(f"ep={layout.ep} needs a model with routed experts; set ep=1")
     if layout.ep > 1 and experts % layout.ep:
         raise ConfigError(f"ep={layout.ep} must divide the model's {experts} routed experts")
+    if layout.sequence_parallel and layout.tp == 1:
+        raise ConfigError(
+            "sequence_parallel=true splits the residual stream over the tensor-parallel ranks: "
+            "set tp > 1 or sequence_parallel=false"
+        )
     if layout.optimizer not in ("adamw", "muon", "muonclip"):
         raise ConfigError(f"optimizer={layout.optimizer!r}; choose adamw or muon")
     if layout.activation_checkpoint not in ("none", "full"):
@@ -266,11 +284,14 @@ def _activations(model: Transformer, layout: Layout, children: list) -> tuple[fl
     tokens = layout.micro_batch_size * layout.seq_len
     planned = {id(parent) for _, _, parent in children}
     shares = {m: 1 / layout.tp for m in planned}
-    blocks = [block_saved(b, shares, layout.seq_len).bytes(width) * tokens for b in model.blocks()]
+    stream = 1 / layout.tp if layout.sequence_parallel else 1.0  # the positions a rank keeps
+    main = [block_saved(b, shares, layout.seq_len, stream) for b in model.layers.values()]
+    mtp = [block_saved(b, shares, layout.seq_len) for b in model.blocks()[len(main) :]]
+    blocks = [saved.bytes(width) * tokens for saved in main + mtp]
     outside = outside_blocks(model).bytes(width) * tokens
     outside += loss_fixed_elements(model, layout.tp) * width
     streams = RESIDUALS.get(model.cfg.residual).parallel_streams(model.cfg) or 1
-    inputs = len(blocks) * streams * model.cfg.d_model * width * tokens
+    inputs = (len(main) * stream + len(mtp)) * streams * model.cfg.d_model * width * tokens
     recompute = max(blocks)
     return sum(blocks) + outside, inputs + outside + recompute, recompute
 
@@ -279,28 +300,91 @@ def _ring_all_reduce(nbytes: float, ranks: int) -> float:
     return 2 * (ranks - 1) / ranks * nbytes
 
 
+# the streams whose connection adds the FFN's output without keeping it (model/residual/): a
+# checkpointed block's recompute stops before that output's all-reduce (mHC's post map and a
+# post-norm keep it, so theirs is repeated)
+ADDS_OUTPUT = {"pre", "attnres"}
+
+
 def _tp_comm(model: Transformer, layout: Layout, children: list) -> float:
+    """Bytes a rank sends over tp per step (module docstring): all-reduces and all-gathers."""
     tp = layout.tp
     if tp == 1:
         return 0.0
     width = WIDTH[layout.param_dtype]
     tokens = layout.micro_batch_size * layout.seq_len
-    reduced = 0.0  # bytes all-reduced per step
-    for style, target, _ in children:
+    forward = backward = 0.0  # bytes all-reduced in the blocks
+    for style, target, parent in children:
         linear = isinstance(target, nn.Linear)
         if style in ("colwise", "colwise_replicated") and linear:  # its input's gradient
-            reduced += tokens * target.in_features * width
+            backward += tokens * target.in_features * width
         elif style == "rowwise" and linear:  # its output
-            reduced += tokens * target.out_features * width
+            forward += tokens * target.out_features * width
+        elif style == "copy_to_heads":  # MLA's rope key (B, T, Dr), shared by the heads
+            backward += tokens * parent.rope_dim * width
         if style in ("head_shared", "head_rows", "colwise_replicated"):  # weights' gradients
             params = [target] if isinstance(target, nn.Parameter) else target.parameters()
-            reduced += sum(p.numel() for p in params) * 4
+            backward += sum(p.numel() for p in params) * width
     C = model.cfg.d_model
     losses = 1 + (len(model.mtp.layers) if model.mtp is not None else 0)
-    reduced += tokens * C * width  # the embedding's output
-    reduced += losses * tokens * C * 4  # the loss's grad_h, fp32
+    outside = tokens * C * width  # the embedding's output
+    outside += losses * tokens * C * 4  # the loss's grad_h, fp32
     stats = losses * (tp - 1) * tokens * 3 * 4  # the loss's all-gather
-    return _ring_all_reduce(reduced, tp) + stats
+    gathered = recomputed = 0.0  # sequence parallelism: bytes of the whole tensors gathered
+    if layout.sequence_parallel:
+        gathered, recomputed = _sequence_parallel_gathers(model, tokens * width)
+    if layout.activation_checkpoint == "full":  # the blocks' forward collectives again
+        forward *= 2
+        if model.cfg.residual in ADDS_OUTPUT:
+            planned = {id(parent) for _, _, parent in children}
+            closing = sum(_closing_all_reduce(b.ffn, planned) for b in model.blocks())
+            forward -= closing * tokens * width
+        gathered += recomputed
+    sent = _ring_all_reduce(forward + backward + outside, tp) + stats
+    sent += (tp - 1) / tp * gathered
+    if layout.sequence_parallel:  # once a step: the split region's gradients (their shards)
+        sent += _ring_all_reduce(_split_region_elements(model) / layout.dp_shard * width, tp)
+    return sent
+
+
+def _closing_all_reduce(ffn: nn.Module, planned: set[int]) -> int:
+    """Elements per token of the all-reduce that ends an FFN sublayer after its last saved
+    tensor (its row-wise down projection's output, or an MoE's ungated shared expert's); 0 when
+    something after it keeps a tensor (a shared expert's gate, the balance losses an MoE
+    computes last) or the FFN has none (an MoE without shared experts ends with the all-to-all
+    back, whose output the weighted sum keeps)."""
+    if hasattr(ffn, "experts"):
+        moe = ffn.cfg
+        losses = moe.aux_loss_coef or moe.seq_aux_loss_coef or moe.z_loss_coef
+        if ffn.shared is None or ffn.shared_gate is not None or losses:
+            return 0
+        ffn = ffn.shared
+    return ffn.down_proj.out_features if id(ffn) in planned else 0
+
+
+def _sequence_parallel_gathers(model: Transformer, token_bytes: float) -> tuple[float, float]:
+    """(bytes of the whole tensors sequence parallelism all-gathers in a step, the part a full
+    checkpointing recompute gathers again): each whole-sequence sublayer's input in forward and
+    its output's gradient in backward (C wide, Engram's the stream state's n C), the stream's
+    final gather in forward and its first cut's gradient in backward."""
+    C = model.cfg.d_model
+    streams = RESIDUALS.get(model.cfg.residual).parallel_streams(model.cfg) or 1
+    inputs = 0.0  # per token
+    for block in model.layers.values():
+        for name in block.whole_sequence_sublayers():
+            inputs += streams * C if name == "engram" else C  # Engram reads the stream state
+    return (2 * inputs + 2 * C) * token_bytes, inputs * token_bytes
+
+
+def _split_region_elements(model: Transformer) -> int:
+    """Elements of the weights sequence parallelism applies to the rank's positions only (as
+    parallel/sequence_parallel.py lists them): the stream's own and, in each block, every child
+    but its whole-sequence sublayers (norms, residual connections)."""
+    params = list(model.stream.parameters())
+    for block in model.layers.values():
+        whole = block.whole_sequence_sublayers()
+        params += [p for n, m in block.named_children() if n not in whole for p in m.parameters()]
+    return sum(p.numel() for p in params)
 
 
 def _ep_comm(model: Transformer, layout: Layout) -> float:
@@ -309,5 +393,7 @@ def _ep_comm(model: Transformer, layout: Layout) -> float:
         return 0.0
     tokens = layout.micro_batch_size * layout.seq_len
     layers = [b.ffn for b in model.blocks() if hasattr(b.ffn, "experts")]
-    copies = sum(4 * m.top_k * tokens for m in layers)  # there and back, forward and backward
+    # there and back, in forward and backward (and a full checkpointing recompute's forward)
+    passes = 6 if layout.activation_checkpoint == "full" else 4
+    copies = sum(passes * m.top_k * tokens for m in layers)
     return copies * model.cfg.d_model * WIDTH[layout.param_dtype] * (ep - 1) / ep

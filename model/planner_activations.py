@@ -37,8 +37,14 @@ norms and 2C -> C projection input (3 C + 2) and another grad_h and grad_w.
 Full activation checkpointing keeps each block's input (the residual stream's width: n C for n
 parallel streams), the parts outside the blocks, and during backward one block's recompute.
 
+Sequence parallelism (parallel/sequence_parallel.py) keeps T / tp positions of the stream between
+the sublayers: the norms' inputs and statistics and the checkpointed block inputs are divided by
+tp; each sublayer's gathered input (the normed input above) stays whole, and the gather and cut
+keep nothing (measured: tests/model/test_planner.py). MTP's blocks run after the final gather:
+whole.
+
 Not modelled (their kinds fall back to the nearest one above): AttnRes' growing list of sources,
-mHC's stream maps, Engram's lookups, selective checkpointing, sequence parallelism.
+mHC's stream maps, Engram's lookups, selective checkpointing.
 """
 
 from __future__ import annotations
@@ -130,14 +136,18 @@ def _moe(m: nn.Module, shared_share: float) -> Saved:
     return Saved(C + routed + shared, m.n_experts + 3 * k + 2)
 
 
-def block_saved(block: nn.Module, shares: dict[int, float], seq_len: int) -> Saved:
-    """One block's saved elements per token; `shares[id(module)]`: 1 / tp for planned modules."""
+def block_saved(
+    block: nn.Module, shares: dict[int, float], seq_len: int, stream: float = 1.0
+) -> Saved:
+    """One block's saved elements per token; `shares[id(module)]`: 1 / tp for planned modules;
+    `stream`: the fraction of the positions a rank keeps of the stream between the sublayers
+    (1 / tp under sequence parallelism, whose gathered sublayer inputs stay whole)."""
 
     def share(module: nn.Module) -> float:
         return shares.get(id(module), 1.0)
 
     C = _in_features(block.attn)
-    norms = Saved(2 * C, 2)  # each sublayer norm's input and statistic
+    norms = Saved(2 * C * stream, 2 * stream)  # each sublayer norm's input and statistic
     estimate = MIXER_ESTIMATES.get(type(block.attn).kind, _gqa)
     mixer = estimate(block.attn, share(block.attn), seq_len)
     ffn = block.ffn

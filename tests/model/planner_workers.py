@@ -1,6 +1,6 @@
 """Rank functions of the planner tests (tests/model/test_planner.py), imported by the forked gloo
-ranks: what a rank of a tensor-parallel (+ FSDP2) model really holds, and what one process's
-forward keeps for backward."""
+ranks: what a rank of a tensor-parallel (+ sequence-parallel, expert-parallel, FSDP2) model
+really holds and sends, and what one process's forward keeps for backward."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from model.presets import load_preset
 from model.transformer import Transformer
@@ -45,46 +46,53 @@ def saved_bytes(model: torch.nn.Module, run: Any) -> int:
     return sum(storages.values())
 
 
-def _split_model(cfg: Any, tp: int, fsdp: bool) -> Transformer:
-    """The seeded fp32 model over every rank: tensor parallelism over tp consecutive ranks,
-    then (fsdp) FSDP2 over the world / tp data ranks (as tests/parallel/tp_workers.py's
-    tp_fsdp_train, and the trainer, build it)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
+def _split_model(
+    cfg: Any, tp: int, fsdp: bool, sequence_parallel: bool = False, ep: int = 1, ac: str = "none"
+) -> Transformer:
+    """The seeded fp32 model over every rank: (ep) expert parallelism, tensor parallelism over tp
+    consecutive ranks, (sequence_parallel) the stream split along the sequence, (ac) activation
+    checkpointing, then (fsdp) FSDP2 over the world / tp data ranks: the trainer's order
+    (parallel/compose.py), on the meshes it builds."""
+    from parallel.activation import apply_activation_checkpointing
     from parallel.fsdp import FP32, apply_fsdp
     from parallel.init import init_like_single_process
-    from parallel.mesh import Meshes, ParallelDims
+    from parallel.mesh import ParallelDims, build_meshes
+    from parallel.sequence_parallel import apply_sequence_parallel
     from parallel.tensor_parallel import apply_tensor_parallel
 
     world = dist.get_world_size()
-    dp = world // tp
+    dims = ParallelDims(dp_replicate=1, dp_shard=world // tp, ep=ep, world_size=world, tp=tp)
+    meshes = build_meshes(dims, "cpu")
     with torch.device("meta"):
         model = Transformer(cfg)
-    root = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp_shard", "tp"))
-    apply_tensor_parallel(model, root["tp"])
+    if ep > 1:
+        from parallel.expert_parallel import apply_expert_parallel
+
+        apply_expert_parallel(model, meshes.ep)
+    apply_tensor_parallel(model, meshes.tp)
+    if sequence_parallel:
+        apply_sequence_parallel(model, meshes.tp)
+    apply_activation_checkpointing(model, ac)
     if fsdp:
-        dims = ParallelDims(dp_replicate=1, dp_shard=dp, ep=1, world_size=world)
-        apply_fsdp(
-            model, Meshes(dims=dims, dense=root["dp_shard"], experts=None, ep=None), FP32, True
-        )
+        apply_fsdp(model, meshes, FP32, True, recompute=ac != "none")
     model.to_empty(device="cpu")
     init_like_single_process(model, torch.device("cpu"), seed=0)
     return model
 
 
-def measured_rank(rank: int, preset: str, overrides: dict[str, Any], tp: int) -> dict[str, int]:
+def measured_rank(
+    rank: int, preset: str, overrides: dict[str, Any], tp: int, ep: int = 1
+) -> dict[str, int]:
     """One fp32 AdamW step on a micro-batch of 2 x 64 tokens: the bytes of this rank's weight,
     gradient and AdamW moment shards; with tp alone (world = tp) also the bytes its forward
     keeps for backward (measured without FSDP2, whose gathered weights would count)."""
     cfg = load_preset(preset, overrides)
-    g = torch.Generator().manual_seed(rank // tp)  # the tp ranks of a data rank share a batch
-    tokens = torch.randint(0, cfg.vocab_size, (2, 65), generator=g)
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    inputs, targets = _batch(cfg, rank // tp)  # the tp ranks of a data rank share a batch
     out: dict[str, int] = {}
     if dist.get_world_size() == tp:
         plain = _split_model(cfg, tp, fsdp=False)
         out["activations"] = saved_bytes(plain, lambda: plain(inputs, targets))
-    model = _split_model(cfg, tp, fsdp=True)
+    model = _split_model(cfg, tp, fsdp=True, ep=ep)
     params = list(model.parameters())
     out["weights"] = local_bytes(params)
     model(inputs, targets).backward()
@@ -94,6 +102,105 @@ def measured_rank(rank: int, preset: str, overrides: dict[str, Any], tp: int) ->
     moments = [s[k] for s in optimizer.state.values() for k in ("exp_avg", "exp_avg_sq")]
     out["optimizer"] = local_bytes(moments)
     return out
+
+
+def _batch(cfg: Any, seed: int) -> tuple[Tensor, Tensor]:
+    """A micro-batch of 2 x 64 tokens and its targets."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 65), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def measured_split(
+    rank: int, preset: str, overrides: dict[str, Any], sequence_parallel: bool
+) -> dict[str, dict[str, Any]]:
+    """On world = tp ranks (no FSDP2), without and with full activation checkpointing: the
+    bytes a forward keeps for backward, and the bytes this rank sends in each phase of a step
+    (forward, backward, the per-step sum of sequence parallelism's partial gradients), every
+    collective being over the tp group."""
+    from parallel.sequence_parallel import sum_partial_gradients
+
+    cfg = load_preset(preset, overrides)
+    tp = dist.get_world_size()
+    inputs, targets = _batch(cfg, 0)
+    out: dict[str, dict[str, Any]] = {}
+    for ac in ("none", "full"):
+        model = _split_model(cfg, tp, fsdp=False, sequence_parallel=sequence_parallel, ac=ac)
+        kept = saved_bytes(model, lambda m=model: m(inputs, targets))
+        with SentBytes() as sent:
+            loss = model(inputs, targets)
+            sent.phase = "backward"
+            loss.backward()
+            sent.phase = "step"
+            sum_partial_gradients(model)
+        out[ac] = {"activations": kept, "sent": dict(sent.sent), "ops": sent.ops}
+    return out
+
+
+def _group_size(arg: Any) -> int | None:
+    """The size of a collective's group from one of its arguments (a ProcessGroup script
+    object for c10d's ops, a group name for the functional ones), None for other arguments."""
+    if isinstance(arg, torch.ScriptObject):
+        return dist.ProcessGroup.unbox(arg).size()
+    if isinstance(arg, str) and arg:
+        try:
+            return dist.distributed_c10d._resolve_process_group(arg).size()
+        except (KeyError, RuntimeError, ValueError):
+            return None
+    return None
+
+
+def _nbytes(tensors: Any) -> int:
+    if isinstance(tensors, Tensor):
+        return tensors.numel() * tensors.element_size()
+    return sum(_nbytes(t) for t in tensors)
+
+
+# collective -> (which argument holds the tensors it sizes by, the fraction of their bytes a rank
+# sends in a ring over P ranks): an all-reduce sends 2 (P - 1) / P of the tensor, an all-gather
+# (P - 1) / P of its output, a reduce-scatter and an all-to-all (P - 1) / P of their input
+RING = {
+    "_c10d_functional.all_reduce": (0, lambda p: 2 * (p - 1) / p),
+    "_c10d_functional.all_reduce_coalesced": (0, lambda p: 2 * (p - 1) / p),
+    "_c10d_functional.all_gather_into_tensor": (0, lambda p: p - 1),  # (its input)
+    "_c10d_functional.reduce_scatter_tensor": (0, lambda p: (p - 1) / p),
+    "_c10d_functional.all_to_all_single": (0, lambda p: (p - 1) / p),
+    "_c10d_functional_autograd.all_to_all_single": (0, lambda p: (p - 1) / p),
+    "c10d.allreduce_": (0, lambda p: 2 * (p - 1) / p),
+    "c10d.allreduce_coalesced_": (0, lambda p: 2 * (p - 1) / p),
+    "c10d._allgather_base_": (0, lambda p: (p - 1) / p),
+    "c10d.allgather_": (1, lambda p: p - 1),  # (its inputs)
+    "c10d.allgather_into_tensor_coalesced_": (0, lambda p: (p - 1) / p),
+    "c10d._reduce_scatter_base_": (1, lambda p: (p - 1) / p),
+    "c10d.reduce_scatter_tensor_coalesced_": (1, lambda p: (p - 1) / p),
+    "c10d.alltoall_base_": (1, lambda p: (p - 1) / p),
+}
+
+
+class SentBytes(TorchDispatchMode):
+    """Counts the bytes this rank sends in the collectives run under it, by `phase` (the
+    caller sets it), in the ring model the planner uses; `ops`: (phase, op, bytes) in order.
+    DTensor's operations pass through it first untouched and come back as the plain-tensor
+    collectives they turn into (as torch's CommDebugMode does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.phase = "forward"
+        self.sent: dict[str, float] = {}
+        self.ops: list[tuple[str, str, float]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
+        out = func(*args, **(kwargs or {}))
+        name = f"{func.namespace}.{func.__name__.split('.')[0]}"
+        if name in RING:
+            index, share = RING[name]
+            ranks = next(p for a in args if (p := _group_size(a)) is not None)
+            nbytes = _nbytes(args[index]) * share(ranks)
+            self.sent[self.phase] = self.sent.get(self.phase, 0.0) + nbytes
+            self.ops.append((self.phase, name, nbytes))
+        return out
 
 
 def measured_process(preset: str, overrides: dict[str, Any], ac: str, B: int, T: int) -> int:

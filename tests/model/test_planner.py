@@ -6,8 +6,10 @@ measurement:
     figures are means), and each rank is within one row per parameter of it (uneven shards);
 (b) what a forward keeps for backward (saved_tensors_hooks, each storage once, weights apart) on
     one process, without and with full activation checkpointing, within ACTIVATION_MARGIN, and on
-    2 tensor-parallel ranks;
-(c) the command's new table, JSON fields, and one-line errors for layouts that cannot work.
+    2 tensor-parallel ranks, with and without sequence parallelism;
+(c) the bytes a tp rank sends (every collective counted as it runs, in the planner's ring model)
+    equal the planner's, with and without sequence parallelism and checkpointing;
+(d) the command's new table, JSON fields, and one-line errors for layouts that cannot work.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from model.planner import MUON_ROLES, Layout, rank_plan
 from model.presets import load_preset
 from model.transformer import build_model
 from tests.commands import ROOT, run_module
-from tests.model.planner_workers import measured_process, measured_rank
+from tests.model.planner_workers import measured_process, measured_rank, measured_split
 from tests.parallel.ranks import run_ranks
 
 DENSE = {"vocab_size": 128, "max_seq_len": 64, "d_model": 64, "n_layers": 2}
@@ -44,18 +46,29 @@ def one_row_per_parameter(preset: str, overrides: dict, width: int) -> float:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    ("world", "tp", "preset", "overrides"),
+    ("world", "tp", "ep", "preset", "overrides"),
     [
-        (2, 2, "tiny", DENSE | {"attention.qk_norm": True, "tie_embeddings": False}),
-        (4, 2, "tiny", DENSE),
-        (4, 2, "tiny_moe", DENSE),  # the routed experts replicated over tp, the shared split
-        (2, 2, "tiny_hybrid", DENSE | {"n_layers": 4}),  # Gated DeltaNet's plan
+        (2, 2, 1, "tiny", DENSE | {"attention.qk_norm": True, "tie_embeddings": False}),
+        (4, 2, 1, "tiny", DENSE),
+        (4, 2, 1, "tiny_moe", DENSE),  # the routed experts replicated over tp, the shared split
+        # routed experts whole on the tp ranks, split over ep, sharded over dp_shard / ep (= 1)
+        (4, 2, 2, "tiny_moe", DENSE),
+        (2, 2, 1, "tiny_hybrid", DENSE | {"n_layers": 4}),  # Gated DeltaNet's plan
     ],
-    ids=["tp2_qk_norm_untied", "dp_shard2_x_tp2", "dp_shard2_x_tp2_moe", "tp2_hybrid"],
+    ids=[
+        "tp2_qk_norm_untied",
+        "dp_shard2_x_tp2",
+        "dp_shard2_x_tp2_moe",
+        "dp_shard2_x_tp2_x_ep2_moe",
+        "tp2_hybrid",
+    ],
 )
-def test_weights_gradients_and_adamw_state_per_rank_are_measured_ones(world, tp, preset, overrides):
-    got = run_ranks(world, measured_rank, preset, overrides, tp)
-    plan = plan_of(preset, overrides, dp_shard=world // tp, tp=tp, micro_batch_size=2, seq_len=64)
+def test_weights_gradients_and_adamw_state_per_rank_are_measured_ones(
+    world, tp, ep, preset, overrides
+):
+    got = run_ranks(world, measured_rank, preset, overrides, tp, ep)
+    layout = {"dp_shard": world // tp, "tp": tp, "ep": ep, "micro_batch_size": 2, "seq_len": 64}
+    plan = plan_of(preset, overrides, **layout)
     row = one_row_per_parameter(preset, overrides, 4)
     for key, planned in (("weights", plan.weights), ("grads", plan.grads)):
         assert sum(g[key] for g in got) == pytest.approx(planned * world, rel=1e-9), key
@@ -66,6 +79,74 @@ def test_weights_gradients_and_adamw_state_per_rank_are_measured_ones(world, tp,
     if world == tp:  # tensor parallelism alone: the activations each rank keeps
         for rank in got:
             assert rank["activations"] == pytest.approx(plan.activations, rel=ACTIVATION_MARGIN)
+
+
+# (preset, overrides, sequence_parallel, whether the planner models its activations): each
+# layer kind's tp collectives (QK-norm's and the gated norms' gains, the conv/decay head rows,
+# MLA's rope key, the shared expert), sequence parallelism's gathers, and mHC's n-stream state
+SPLIT_CASES = {
+    "tiny_qk_norm": ("tiny", DENSE | {"attention.qk_norm": True}, False, True),
+    "tiny_qk_norm_sp": ("tiny", DENSE | {"attention.qk_norm": True}, True, True),
+    "tiny_mla_sp": ("tiny_mla", DENSE, True, True),
+    "tiny_hybrid_sp": ("tiny_hybrid", DENSE | {"n_layers": 4}, True, True),
+    "tiny_moe_sp": ("tiny_moe", DENSE, True, True),
+    "tiny_mhc_sp": ("tiny_mhc", DENSE, True, False),  # (mHC's own activations: not modelled)
+}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", list(SPLIT_CASES))
+def test_a_tp_rank_keeps_and_sends_what_the_plan_says(case):
+    """2 tensor-parallel gloo ranks, without and with full checkpointing: the bytes each sends
+    in a step equal the plan (every collective counted: the rowwise outputs, the colwise
+    inputs' gradients, the head-shared gains' and rows' gradients, MLA's rope key, the
+    embedding and the loss, and with sequence parallelism each sublayer's gathers, the
+    recompute's and the split region's gradient sum); the activations within the margin."""
+    preset, overrides, sequence_parallel, modelled = SPLIT_CASES[case]
+    ranks = run_ranks(2, measured_split, preset, overrides, sequence_parallel)
+    for ac in ("none", "full"):
+        plan = plan_of(
+            preset,
+            overrides,
+            tp=2,
+            micro_batch_size=2,
+            seq_len=64,
+            sequence_parallel=sequence_parallel,
+            activation_checkpoint=ac,
+        )
+        for rank in (r[ac] for r in ranks):
+            assert sum(rank["sent"].values()) == pytest.approx(plan.comm_tp, rel=1e-9), (
+                ac,
+                rank["sent"],
+            )
+            if modelled:
+                # full checkpointing's forward keeps the block inputs; the recompute comes later
+                planned = plan.activations_checkpointed - plan.recompute
+                planned = plan.activations if ac == "none" else planned
+                assert rank["activations"] == pytest.approx(planned, rel=ACTIVATION_MARGIN), ac
+
+
+def test_sequence_parallelism_trades_gathers_for_the_stream_memory():
+    """The stream between the sublayers (norm inputs, checkpointed block inputs) on T / tp
+    positions; two all-gathers of (B, T, C) per whole-sequence sublayer (its input in forward,
+    its output's gradient in backward) plus the stream's first and last, and the recompute's."""
+    T, C, layers = 64, 64, 2
+    tokens = {"micro_batch_size": 2, "seq_len": T}
+    base = plan_of("tiny", DENSE, tp=2, **tokens)
+    split = plan_of("tiny", DENSE, tp=2, sequence_parallel=True, **tokens)
+    norms = layers * 2 * (C + 1) * 2 * T * 4  # per sublayer: the norm's input and statistic
+    assert base.activations - split.activations == pytest.approx(norms / 2)
+    inputs = layers * C * 2 * T * 4  # the checkpointed block inputs (the recompute apart)
+    kept = [p.activations_checkpointed - p.recompute for p in (base, split)]
+    assert kept[0] - kept[1] == pytest.approx(inputs / 2)
+    gains = layers * 2 * C * 4  # the norms' weight gradients, summed once a step
+    gathers = (2 * 2 * layers + 2) * 2 * T * C * 4 / 2
+    assert split.comm_tp - base.comm_tp == pytest.approx(gathers + gains)
+    ac = {"activation_checkpoint": "full"}
+    recompute = 2 * layers * 2 * T * C * 4 / 2
+    assert plan_of(
+        "tiny", DENSE, tp=2, sequence_parallel=True, **tokens, **ac
+    ).comm_tp - split.comm_tp == pytest.approx(recompute + layers * 2 * T * C * 4)
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny_moe", "tiny_hybrid"])
@@ -133,6 +214,7 @@ def test_layouts_move_memory_and_traffic_as_they_should():
         ({"dp_shard": 3, "ep": 3}, "ep=3 must divide the model's 8 routed experts"),
         ({"tp": 3}, "parallel.tp=3 must divide the attention's 4 query heads"),
         ({"optimizer": "sgd"}, "optimizer='sgd'; choose adamw or muon"),
+        ({"sequence_parallel": True}, "sequence_parallel=true splits .* set tp > 1"),
     ],
 )
 def test_a_layout_that_cannot_work_is_refused_in_one_line(layout, message):
