@@ -57,7 +57,7 @@ def parallelize(
 
         replicated = apply_tensor_parallel(model, meshes.tp)
         if cfg.async_tp:
-            enable_async_tp(compile, device_type)
+            enable_async_tp(compile, device_type, meshes.tp)
         if cfg.sequence_parallel:
             from parallel.sequence_parallel import apply_sequence_parallel
 
@@ -81,9 +81,11 @@ def parallelize(
         )
 
 
-def enable_async_tp(compile: bool, device_type: str) -> None:
-    """parallel.async_tp: Inductor's micro-pipelined tensor parallelism (compiled graphs on
-    CUDA overlap each tp matmul with its all-gather / reduce-scatter, chunk by chunk)."""
+def enable_async_tp(compile: bool, device_type: str, tp_mesh: object = None) -> None:
+    """parallel.async_tp: Inductor's micro-pipelined tensor parallelism. In compiled graphs on
+    CUDA it splits an all-gather feeding a matmul into chunks that overlap (sequence
+    parallelism's gathers; the row-wise projections end in all-reduces, which it does not
+    fuse). Its pass acts only on groups with symmetric memory, so the tp group gets it."""
     if device_type != "cuda" or not compile:
         raise ConfigError(
             "parallel.async_tp=true needs CUDA devices and trainer.compile=true (it is an "
@@ -91,8 +93,11 @@ def enable_async_tp(compile: bool, device_type: str) -> None:
             "set parallel.async_tp=false"
         )
     import torch._inductor.config
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
 
     torch._inductor.config._micro_pipeline_tp = True
+    enable_symm_mem_for_group(tp_mesh.get_group().group_name)
+    log.info("async tensor parallelism: Inductor's micro-pipeline pass on the tp group")
 
 
 def _shorten(names: list[str], shown: int = 6) -> list[str]:

@@ -73,8 +73,9 @@ class ParallelConfig:
     # ranks (norms, residuals, AttnRes/mHC streams take 1 / tp of their activation memory), at
     # one all-gather of the sublayer input more per sublayer (parallel/sequence_parallel.py)
     sequence_parallel: bool = False
-    # with tp > 1 on CUDA and trainer.compile: Inductor splits each tp matmul and its collective
-    # into chunks that overlap (torch._inductor.config._micro_pipeline_tp, "async TP")
+    # with tp > 1 on CUDA and trainer.compile: Inductor overlaps an all-gather with the matmul
+    # it feeds, chunk by chunk (torch._inductor.config._micro_pipeline_tp, "async TP"; the
+    # all-gathers are sequence parallelism's)
     async_tp: bool = False
     activation_checkpoint: str = "none"  # none | full (recompute each block) | selective
     reshard_after_forward: bool = True  # FSDP2: free gathered weights after forward (ZeRO-3)

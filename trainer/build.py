@@ -185,6 +185,7 @@ def check_start(cfg: RootConfig, world_size: int) -> tuple[ParallelDims, BatchPl
     dims = ParallelDims.resolve(cfg.parallel, world_size)
     ENGINES.get(cfg.parallel.engine)  # an unknown parallel.engine names the known ones
     check_expert_layout(dims, cfg.parallel.activation_checkpoint)
+    check_sequence_split(cfg.parallel.sequence_parallel, cfg.data.seq_len, dims)
     plan = plan_batches(cfg.trainer.batch_size, cfg.trainer.micro_batch_size, dims.dp_ranks)
     if not is_hf(cfg.init_from):
         check_model_shape(cfg.model, cfg.data, dims)
@@ -194,10 +195,36 @@ def check_start(cfg: RootConfig, world_size: int) -> tuple[ParallelDims, BatchPl
 
 
 def check_model_shape(model_cfg: ModelConfig, data: LoaderConfig, dims: ParallelDims) -> None:
-    """The rules that need the model's final shape: its experts over parallel.ep, and
-    data.seq_len within its context."""
+    """The rules that need the model's final shape: its experts over parallel.ep, its layers'
+    heads over parallel.tp, and data.seq_len within its context."""
     check_expert_count(model_cfg, dims)
+    check_tensor_parallel_plans(model_cfg, dims.tp)
     check_context(model_cfg, data)
+
+
+def check_tensor_parallel_plans(model_cfg: ModelConfig, tp: int) -> None:
+    """Every layer's own tensor-parallel plan for `tp` ranks (a layer whose heads tp cannot
+    split refuses in one line), on a model built on the meta device: at start-up, not after
+    the process group and the data are set up."""
+    if tp == 1:
+        return
+    from model.transformer import build_model
+
+    vocab = model_cfg.vocab_size or 8192  # 0: the tokenizer's; any size splits by rows
+    model = build_model(dataclasses.replace(model_cfg, vocab_size=vocab), device="meta")
+    for module in model.modules():
+        plan = getattr(module, "tensor_parallel_plan", None)
+        if plan is not None:
+            plan(tp)
+
+
+def check_sequence_split(sequence_parallel: bool, seq_len: int, dims: ParallelDims) -> None:
+    """parallel.sequence_parallel splits each training window into tp equal parts."""
+    if sequence_parallel and seq_len % dims.tp:
+        raise ConfigError(
+            f"parallel.sequence_parallel=true splits each window of data.seq_len={seq_len} over "
+            f"parallel.tp={dims.tp} ranks; make data.seq_len a multiple of {dims.tp}"
+        )
 
 
 def check_expert_layout(dims: ParallelDims, checkpointing: str) -> None:

@@ -70,13 +70,20 @@ def test_tensor_parallel_runs_equal_one_process_and_resume_across_tp_sizes(datas
     ("settings", "world", "message"),
     [
         ({"parallel.tp": 3}, 4, "parallel.dp_replicate=1 x parallel.tp=3 = 3 does not divide"),
+        # 4 query heads over 8 ranks: refused at start, before any process group or data
+        ({"parallel.tp": 8}, 8, "parallel.tp=8 must divide the attention's 4 query heads"),
+        (
+            {"parallel.sequence_parallel": True, "data.seq_len": 30},
+            8,
+            "splits each window of data.seq_len=30 over parallel.tp=4 ranks; make data.seq_len",
+        ),
     ],
 )
 def test_what_tensor_parallelism_does_not_take_is_refused_at_start(
     tmp_path, settings, world, message
 ):
     cfg = small_config(tmp_path)
-    cfg.parallel.tp = 2
+    cfg.parallel.tp = world // 2 if world > 2 else 2
     for key, value in settings.items():
         group, name = key.split(".")
         setattr(getattr(cfg, group), name, value)
