@@ -16,21 +16,12 @@ from model.presets import load_preset
 from model.transformer import build_model
 from parallel.tensor_parallel import head_rows
 from tests.parallel.ranks import run_ranks
-from tests.parallel.tp_workers import tp_forward_backward, tp_fsdp_train
+from tests.parallel.tp_workers import assert_equal_one_process, tp_forward_backward, tp_fsdp_train
 
 pytestmark = pytest.mark.distributed
 
 SMALL = {"d_model": 64}
 DENSE = SMALL | {"n_layers": 2, "attention.n_heads": 4, "attention.n_kv_heads": 2}
-
-
-def assert_equal_one_process(got: dict, whole: dict) -> None:
-    torch.testing.assert_close(got["loss"], whole["loss"], rtol=1e-6, atol=1e-6)
-    assert set(got["grads"]) == set(whole["grads"])
-    for name, grad in whole["grads"].items():
-        torch.testing.assert_close(got["grads"][name], grad, rtol=1e-5, atol=1e-6, msg=name)
-    torch.testing.assert_close(got["log_probs"], whole["log_probs"], rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(got["logits"], whole["logits"], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(

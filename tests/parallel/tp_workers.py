@@ -54,6 +54,17 @@ def tp_forward_backward(rank: int, preset: str, overrides: dict[str, Any]) -> di
     }
 
 
+def assert_equal_one_process(got: dict, whole: dict) -> None:
+    """tp_forward_backward's results on a rank against one process's (fp32: the tp ranks sum
+    partial products in another order)."""
+    torch.testing.assert_close(got["loss"], whole["loss"], rtol=1e-6, atol=1e-6)
+    assert set(got["grads"]) == set(whole["grads"])
+    for name, grad in whole["grads"].items():
+        torch.testing.assert_close(got["grads"][name], grad, rtol=1e-5, atol=1e-6, msg=name)
+    torch.testing.assert_close(got["log_probs"], whole["log_probs"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got["logits"], whole["logits"], rtol=1e-5, atol=1e-5)
+
+
 GLOBAL_BATCH, STEPS = 4, 3
 
 
