@@ -63,7 +63,7 @@ from model.transformer import Transformer
 
 WIDTH = {"fp32": 4, "bf16": 2}
 MUON_ROLES = {MATRIX, EXPERT_STACK}  # optim/roles.py: the roles with muon=True
-SPLIT_STYLES = {"colwise", "rowwise"}  # parallel/tensor_parallel.py STYLES: the others keep whole
+SPLIT_STYLES = {"colwise", "rowwise"}  # parallel/tensor_parallel_styles.py STYLES: the rest whole
 
 
 @dataclass(frozen=True)

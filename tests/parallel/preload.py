@@ -15,6 +15,7 @@ for module in (
     "tests.parallel.tp_workers",
     "tests.parallel.tp_generation_workers",
     "parallel.tensor_parallel",
+    "parallel.tensor_parallel_styles",
     "parallel.sequence_parallel",
 ):
     try:

@@ -14,7 +14,7 @@ import torch
 from model.errors import ConfigError
 from model.presets import load_preset
 from model.transformer import build_model
-from parallel.tensor_parallel import head_rows
+from parallel.tensor_parallel_styles import head_rows
 from tests.parallel.ranks import run_ranks
 from tests.parallel.tp_workers import assert_equal_one_process, tp_forward_backward, tp_fsdp_train
 
