@@ -379,11 +379,15 @@ def _sequence_parallel_gathers(model: Transformer, token_bytes: float) -> tuple[
 def _split_region_elements(model: Transformer) -> int:
     """Elements of the weights sequence parallelism applies to the rank's positions only (as
     parallel/sequence_parallel.py lists them): the stream's own and, in each block, every child
-    but its whole-sequence sublayers (norms, residual connections)."""
+    but its whole-sequence sublayers (norms, residual connections), and the weights a MoE layer
+    uses on the kept positions only (router, routed experts: `position_local_parameters`)."""
     params = list(model.stream.parameters())
     for block in model.layers.values():
         whole = block.whole_sequence_sublayers()
         params += [p for n, m in block.named_children() if n not in whole for p in m.parameters()]
+        for sublayer in (getattr(block, n) for n in whole):
+            if hasattr(sublayer, "local_positions"):
+                params += [sublayer.get_parameter(n) for n in sublayer.position_local_parameters()]
     return sum(p.numel() for p in params)
 
 

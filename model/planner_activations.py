@@ -40,7 +40,8 @@ parallel streams), the parts outside the blocks, and during backward one block's
 Sequence parallelism (parallel/sequence_parallel.py) keeps T / tp positions of the stream between
 the sublayers: the norms' inputs and statistics and the checkpointed block inputs are divided by
 tp; each sublayer's gathered input (the normed input above) stays whole, and the gather and cut
-keep nothing (measured: tests/model/test_planner.py). MTP's blocks run after the final gather:
+keep nothing (measured: tests/model/test_planner.py); a MoE layer's routed experts run for the
+kept positions only (1 / tp of the routed copies). MTP's blocks run after the final gather:
 whole.
 
 Not modelled (their kinds fall back to the nearest one above): AttnRes' growing list of sources,
@@ -128,10 +129,12 @@ def _dense_ffn(m: nn.Module, share: float) -> Saved:
     return Saved(m.up_proj.in_features + share * per_unit * hidden)
 
 
-def _moe(m: nn.Module, shared_share: float) -> Saved:
+def _moe(m: nn.Module, shared_share: float, routed_share: float = 1.0) -> Saved:
+    """`routed_share`: the fraction of the tokens whose routed experts run on a rank (1 / tp
+    under sequence parallelism, parallel/sequence_parallel.py: each keeps its positions')."""
     C, k = m.router.gate.in_features, m.top_k
     hidden = m.experts.w_up.shape[-1]  # (E, C, Fe)
-    routed = k * (2 * C + 4 * hidden)
+    routed = routed_share * k * (2 * C + 4 * hidden)
     shared = _dense_ffn(m.shared, shared_share).act - C if m.shared is not None else 0.0
     return Saved(C + routed + shared, m.n_experts + 3 * k + 2)
 
@@ -153,7 +156,7 @@ def block_saved(
     ffn = block.ffn
     if hasattr(ffn, "experts"):
         shared = share(ffn.shared) if ffn.shared is not None else 1.0
-        return norms + mixer + _moe(ffn, shared)
+        return norms + mixer + _moe(ffn, shared, stream)
     return norms + mixer + _dense_ffn(ffn, share(ffn))
 
 

@@ -22,6 +22,12 @@ forward sends, per sublayer, one all-gather of (B, T, C) beside the row-wise pro
 all-reduce (Megatron's reduce-scatter in its place is the next step), in exchange for the
 activation memory above.
 
+A sublayer with `local_positions` (the MoE layer) is told, per forward, which positions this rank
+keeps: its router still sees every token (statistics and balance losses of the whole sequence),
+but its routed experts run for the kept tokens only, so the tp ranks share the expert work
+instead of repeating it. Its router and experts then get their gradient from the kept tokens
+(`position_local_parameters`): summed over the tp ranks like the norms'.
+
 A forward whose length tp does not divide (decoding one token, odd scoring lengths) keeps the
 stream whole on every rank, as without sequence parallelism: the same numbers either way.
 """
@@ -94,14 +100,19 @@ def apply_sequence_parallel(model: Transformer, tp_mesh: DeviceMesh) -> None:
 
     stream.expand, stream.collapse = split_expand, gather_collapse
     split_region = [("stream", stream)]  # what acts on the rank's positions only
+    names: list[str] = []  # weights whose gradient comes from the rank's positions only
     for index, block in model.layers.items():  # (MTP's blocks run after the gather: whole)
         whole = block.whole_sequence_sublayers()
         for name in whole:
-            _whole_sequence(getattr(block, name), layout)
+            sublayer = getattr(block, name)
+            _whole_sequence(sublayer, layout)
+            if hasattr(sublayer, "local_positions"):  # computes only the kept positions
+                local = sublayer.position_local_parameters()
+                names += [f"layers.{index}.{name}.{p}" for p in local]
         split_region += [
             (f"layers.{index}.{n}", m) for n, m in block.named_children() if n not in whole
         ]
-    names = [f"{prefix}.{n}" for prefix, m in split_region for n, _ in m.named_parameters()]
+    names += [f"{prefix}.{n}" for prefix, m in split_region for n, _ in m.named_parameters()]
     mark_partial_gradients(model, names, layout.group)
 
 
@@ -135,7 +146,15 @@ def _whole_sequence(module: nn.Module, layout: _Layout) -> None:
     def gathered_forward(x: Tensor, *args: object, **kwargs: object) -> Tensor:
         if not layout.split_here(x):
             return forward(x, *args, **kwargs)
-        out = forward(_Gather.apply(x, layout), *args, **kwargs)
+        keeps_positions = hasattr(module, "local_positions")
+        if keeps_positions:  # (a MoE layer runs its routed experts for the kept tokens only)
+            share = layout.full // layout.tp
+            module.local_positions = (layout.rank * share, (layout.rank + 1) * share)
+        try:
+            out = forward(_Gather.apply(x, layout), *args, **kwargs)
+        finally:
+            if keeps_positions:
+                module.local_positions = None
         return _Cut.apply(out, layout)
 
     module.forward = gathered_forward  # (an instance attribute: nn.Module calls it)

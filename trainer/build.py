@@ -186,6 +186,13 @@ def check_start(cfg: RootConfig, world_size: int) -> tuple[ParallelDims, BatchPl
     ENGINES.get(cfg.parallel.engine)  # an unknown parallel.engine names the known ones
     check_expert_layout(dims, cfg.parallel.activation_checkpoint)
     check_sequence_split(cfg.parallel.sequence_parallel, cfg.data.seq_len, dims)
+    if cfg.parallel.sequence_parallel and dims.tp > 1 and cfg.model.moe.capacity_factor > 0:
+        # each rank routes its own positions through the experts: capacity would be per rank
+        raise ConfigError(
+            f"model.moe.capacity_factor={cfg.model.moe.capacity_factor:g} with "
+            "parallel.sequence_parallel=true: the experts see each rank's positions apart, so "
+            "what is dropped would depend on the split; set model.moe.capacity_factor=0"
+        )
     plan = plan_batches(cfg.trainer.batch_size, cfg.trainer.micro_batch_size, dims.dp_ranks)
     if not is_hf(cfg.init_from):
         check_model_shape(cfg.model, cfg.data, dims)

@@ -91,6 +91,11 @@ class MoE(Fp32Buffers):
         # again in backward, where it must not count its statistics twice (reset where the
         # checkpoint itself is compiled: the recompute then runs inside the compiled graph)
         self.checkpointed = False
+        # set per forward by sequence parallelism (parallel/sequence_parallel.py): the positions
+        # (start, stop) of the sequence whose output this rank keeps; the routed experts then
+        # run only for those tokens (the router still sees every token: its statistics and
+        # balance losses are the whole sequence's). None: every token
+        self.local_positions: tuple[int, int] | None = None
         self._aux_losses: list[Tensor] = []  # weighted balance losses since the last pop
         self.last_losses: dict[str, Tensor] = {}  # detached, from the last training forward
 
@@ -101,24 +106,54 @@ class MoE(Fp32Buffers):
             torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
         )
         flat = x.reshape(B * T, C)
-        routing = self.router(flat)
-        N, k = routing.topk_idx.shape
-        slot_expert = routing.topk_idx.flatten()  # (N k,)
+        mine = self._own_tokens(B, T, x.device)
+        routing = self.router(flat, mine)
+        if mine is None:
+            out, counts, dropped = self._route(flat, routing.topk_idx, routing.topk_weight)
+            return self._finish(out, flat, routing, counts, dropped, B, out_dtype)
+        rows = mine.nonzero()[:, 0]  # (N / tp,) this rank's tokens: only they meet the experts
+        part, _, _ = self._route(flat[rows], routing.topk_idx[rows], routing.topk_weight[rows])
+        out = part.new_zeros(B * T, C).index_copy(0, rows, part)  # the others: cut away after
+        counts = expert_counts(routing.topk_idx.flatten(), self.n_experts)  # every token's
+        return self._finish(out, flat, routing, counts, counts.new_zeros(()), B, out_dtype)
+
+    def _own_tokens(self, B: int, T: int, device: torch.device) -> Tensor | None:
+        """(B T,) bool of the tokens whose routed experts run here when `local_positions` is set
+        (sequence parallelism keeps only this rank's positions of the output); None: all."""
+        if self.local_positions is None:
+            return None
+        start, stop = self.local_positions
+        mine = torch.zeros(B, T, dtype=torch.bool, device=device)
+        mine[:, start:stop] = True
+        return mine.flatten()
+
+    def _route(
+        self, flat: Tensor, topk_idx: Tensor, topk_weight: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """The routed experts' weighted output (N, C) of tokens `flat` (N, C) and their slot
+        counts per expert and dropped slots (after capacity dropping)."""
+        N, k = topk_idx.shape
+        slot_expert = topk_idx.flatten()  # (N k,)
         order = torch.argsort(slot_expert, stable=True)  # (M,) slots by expert, then by token
         counts = expert_counts(slot_expert, self.n_experts)  # (E,)
         dropped = counts.new_zeros(())
         if self._drops():
             order, counts, dropped = self._drop_over_capacity(slot_expert, order, counts, N)
         if self._routes_padded(flat, order, counts):
-            out = padded_route(flat, order, counts, routing.topk_weight, self.experts)
-            return self._finish(out, flat, routing, counts, dropped, B, out_dtype)
+            return padded_route(flat, order, counts, topk_weight, self.experts), counts, dropped
         inverse = slot_rows(order, N * k)  # (N k,) sorted row of each slot; M for dropped slots
         x_sorted = SortTokens.apply(flat, order, inverse, k)  # (M, C)
         y_sorted = self.dispatch(x_sorted, counts, self.experts)  # (M, C)
         kept = (inverse < order.numel()).view(N, k) if order.numel() < N * k else None
         slot_row = inverse.view(N, k) if kept is None else torch.where(kept, inverse.view(N, k), 0)
-        out = combine_slots(y_sorted, slot_row, routing.topk_weight, kept, order)  # (N, C)
-        return self._finish(out, flat, routing, counts, dropped, B, out_dtype)
+        out = combine_slots(y_sorted, slot_row, topk_weight, kept, order)  # (N, C)
+        return out, counts, dropped
+
+    def position_local_parameters(self) -> list[str]:
+        """With `local_positions` set, the weights whose gradient comes from this rank's tokens
+        only (the router's gate, the routed experts): a partial sum over the ranks sharing the
+        sequence, completed by parallel/sequence_parallel.py."""
+        return ["router.gate.weight", "experts.w_gate", "experts.w_up", "experts.w_down"]
 
     def _drops(self) -> bool:
         """Whether this forward drops slots over capacity: training forwards with a capacity

@@ -47,10 +47,15 @@ class Router(Fp32Buffers):
     def param_roles(self) -> dict[str, str]:
         return {"gate.weight": roles.ROUTER}  # a matrix that Muon must not orthogonalize
 
-    def forward(self, x: Tensor) -> Routing:
-        """x (N, C) -> Routing."""
+    def forward(self, x: Tensor, weight_grad_rows: Tensor | None = None) -> Routing:
+        """x (N, C) -> Routing. `weight_grad_rows` (N,) bool: the tokens whose logits give the
+        gate's weight a gradient (the others' reach x only); None: all of them."""
         with torch.autocast(x.device.type, enabled=False):
-            logits = nn.functional.linear(x.float(), self.gate.weight.float())  # (N, E)
+            weight = self.gate.weight.float()
+            logits = nn.functional.linear(x.float(), weight)  # (N, E)
+            if weight_grad_rows is not None:
+                held = nn.functional.linear(x.float(), weight.detach())
+                logits = torch.where(weight_grad_rows[:, None], logits, held)
         if self.cfg.score_func == "sigmoid":
             scores = logits.sigmoid()
         else:

@@ -205,3 +205,36 @@ def test_expert_parallelism_composes_with_tensor_parallelism():
     placements = results[0]["moe"]["placements"]
     # 4 of the 8 experts on each ep rank (FSDP2 over dp_shard / ep = 1 rank keeps them whole)
     assert placements["layers.1.ffn.experts.w_gate"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
+
+
+def routed_tokens(rank: int, layout: dict) -> list[int]:
+    """The tokens each MoE layer sends through its routed experts in one forward of 2 x 16
+    tokens through the trainer's engine."""
+    from tests.parallel.workers import engine_for
+
+    model = engine_for(small_model("tiny_moe"), layout).model
+    counts: list[int] = []
+    for block in model.layers.values():
+        moe = block.ffn
+        if hasattr(moe, "local_positions"):
+            route = moe._route
+            moe._route = lambda flat, *rest, route=route: (
+                counts.append(len(flat)),
+                route(flat, *rest),
+            )[1]
+    model(torch.zeros(2, 16, dtype=torch.long), torch.zeros(2, 16, dtype=torch.long))
+    return counts
+
+
+def test_under_sequence_parallelism_the_tp_ranks_share_the_expert_work():
+    """tp=2 with sequence parallelism: each rank's routed experts take its 16 of the 32 tokens
+    (without it, both ranks route all 32), and training equals one process (the router sees
+    every token: its balance losses and bias updates are the whole sequence's). (With
+    dp_shard=2 too: test_expert_parallelism_composes_with_tensor_parallelism.)"""
+    single = train(0, CASES["moe"][0], {}, STEPS)
+    layout = {"tp": 2, "sequence_parallel": True}
+    assert_same_run(run_ranks(2, train_cases, ["moe"], layout)[0]["moe"], single, "moe")
+    for counts in run_ranks(2, routed_tokens, {"tp": 2, "sequence_parallel": True}):
+        assert counts == [16]
+    for counts in run_ranks(2, routed_tokens, {"tp": 2}):
+        assert counts == [32]

@@ -9,7 +9,14 @@ from __future__ import annotations
 import pytest
 
 from model.errors import ConfigError
-from tests.trainer.helpers import SMALL_OVERRIDES, run_trainer, small_config, train_losses
+from model.presets import load_preset
+from tests.trainer.helpers import (
+    SMALL_MODEL,
+    SMALL_OVERRIDES,
+    run_trainer,
+    small_config,
+    train_losses,
+)
 from tests.trainer.test_torchrun import torchrun
 from trainer.build import check_start
 
@@ -102,4 +109,16 @@ def test_qk_clip_is_taken_under_tensor_parallelism(tmp_path):
     """(It was refused; tests/parallel/test_tensor_parallel_qk_clip.py checks its numbers.)"""
     cfg = small_config(tmp_path)
     cfg.parallel.tp, cfg.optim.name, cfg.optim.qk_clip_tau = 2, "muonclip", 50.0
+    check_start(cfg, 2)
+
+
+def test_capacity_dropping_is_refused_with_sequence_parallelism(tmp_path):
+    """Under sequence parallelism each tp rank routes its own positions through the experts:
+    drops over a capacity would depend on the split."""
+    cfg = small_config(tmp_path)
+    cfg.model = load_preset("tiny_moe", SMALL_MODEL | {"moe.capacity_factor": 1.25})
+    cfg.parallel.tp, cfg.parallel.sequence_parallel = 2, True
+    with pytest.raises(ConfigError, match="model.moe.capacity_factor=1.25 with parallel.sequence"):
+        check_start(cfg, 2)
+    cfg.parallel.sequence_parallel = False  # every tp rank routes all tokens: the same drops
     check_start(cfg, 2)
