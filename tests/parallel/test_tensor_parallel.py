@@ -15,6 +15,7 @@ from model.transformer import build_model
 from tests.parallel.ranks import run_ranks
 from tests.parallel.tp_workers import (
     assert_equal_one_process,
+    assert_same_training,
     tp_forward_backward,
     tp_fsdp_train,
 )
@@ -86,13 +87,4 @@ def test_training_steps_with_fsdp2_over_the_data_ranks_equal_one_process(ranks, 
     global norm (the optimizer's own part is the trainer's business)."""
     whole = tp_fsdp_train(0, "tiny", overrides, 1)
     for got in run_ranks(ranks, tp_fsdp_train, "tiny", overrides, tp):
-        torch.testing.assert_close(got["losses"], whole["losses"], rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(got["norms"], whole["norms"], rtol=1e-5, atol=1e-6)
-        for name, weight in whole["weights"].items():
-            torch.testing.assert_close(
-                got["weights"][name],
-                weight,
-                rtol=1e-5,
-                atol=1e-6,
-                msg=lambda m, n=name: f"{n}: {m}",
-            )
+        assert_same_training(got, whole)

@@ -9,14 +9,18 @@ line."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from model.errors import ConfigError
 from model.presets import load_preset
 from model.transformer import build_model
 from parallel.tensor_parallel_styles import head_rows
 from tests.parallel.ranks import run_ranks
-from tests.parallel.tp_workers import assert_equal_one_process, tp_forward_backward, tp_fsdp_train
+from tests.parallel.tp_workers import (
+    assert_equal_one_process,
+    assert_same_training,
+    tp_forward_backward,
+    tp_fsdp_train,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -106,16 +110,7 @@ def test_training_steps_with_fsdp2_over_the_data_ranks_equal_one_process(preset,
     mesh): 3 SGD steps clipped with the tp-aware global norm, as in test_tensor_parallel.py."""
     whole = tp_fsdp_train(0, preset, overrides, 1)
     for got in run_ranks(4, tp_fsdp_train, preset, overrides, 2):
-        torch.testing.assert_close(got["losses"], whole["losses"], rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(got["norms"], whole["norms"], rtol=1e-5, atol=1e-6)
-        for name, weight in whole["weights"].items():
-            torch.testing.assert_close(
-                got["weights"][name],
-                weight,
-                rtol=1e-5,
-                atol=1e-6,
-                msg=lambda m, n=name: f"{n}: {m}",
-            )
+        assert_same_training(got, whole)
 
 
 @pytest.mark.parametrize(

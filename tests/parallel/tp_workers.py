@@ -65,6 +65,17 @@ def assert_equal_one_process(got: dict, whole: dict) -> None:
     torch.testing.assert_close(got["logits"], whole["logits"], rtol=1e-5, atol=1e-5)
 
 
+def assert_same_training(got: dict, whole: dict) -> None:
+    """tp_fsdp_train's losses, norms and final weights against one process's (SGD: the update
+    is linear in the gradient, so the weights compare as tightly as the gradients)."""
+    torch.testing.assert_close(got["losses"], whole["losses"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got["norms"], whole["norms"], rtol=1e-5, atol=1e-6)
+    for name, weight in whole["weights"].items():
+        torch.testing.assert_close(
+            got["weights"][name], weight, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}"
+        )
+
+
 GLOBAL_BATCH, STEPS = 4, 3
 
 
