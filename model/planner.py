@@ -3,13 +3,14 @@
 Read off a meta-device model. Which weights tensor parallelism splits comes from the modules'
 own plans (`tensor_parallel_plan(tp)`, as parallel/tensor_parallel.py applies them: colwise and
 rowwise children split over tp, head_shared ones whole; the embedding and an untied head split
-by vocabulary rows; modules without a plan replicated over tp). Then per parameter, on a rank:
+by vocabulary rows, Engram's tables by rows (table_rows); modules without a plan replicated over
+tp). Then per parameter, on a rank:
 
     elements = numel x tp_share / ep / shards
     tp_share = 1/tp when a plan splits it (a rowwise projection's bias stays whole), else 1
     ep, shards = ep, dp_shard / ep for routed experts (split over ep, then FSDP2-sharded over
                  the rest of dp_shard); 1, dp_shard for the rest; 1, 1 for replicated memory
-                 tables (Engram's sharding=replicated). dp_replicate copies, never divides.
+                 tables (Engram's sharding=replicated: whole on every rank, tp ones too). dp_replicate copies, never divides.
 
 Bytes per element (param_dtype fp32: FSDP2's sharded fp32 weights and gradients; bf16: bf16
 weights and gradients with an fp32 master copy): weights and gradients 4 or 2, master 0 or 4;
@@ -32,8 +33,9 @@ reduce-scatter over P ranks sends (P - 1) / P of the whole, an all-reduce twice 
 - TP (DTensor's styles, one collective per planned projection: q, k, v unfused): forward
   all-reduces each rowwise output (B T x out), backward each colwise input's gradient
   (B T x in), MLA's rope key's (copy_to_heads: B T x Dr), the gradients of weights kept whole
-  but used by heads (head_shared, head_rows, colwise_replicated); the vocab-parallel
-  embedding's output in forward; the vocab-parallel loss's all-gather of 3 fp32 statistics per
+  but used by heads (head_shared, head_rows, colwise_replicated); Engram's lookups (B T x O K
+  Dh fp32: its tables split by rows, table_rows) and the vocab-parallel embedding's output in
+  forward; the vocab-parallel loss's all-gather of 3 fp32 statistics per
   token and all-reduce of grad_h (B T x C fp32);
 - sequence parallelism (parallel/sequence_parallel.py): per whole-sequence sublayer
   (Block.whole_sequence_sublayers) an all-gather of its input in forward and of its output's
@@ -63,7 +65,8 @@ from model.transformer import Transformer
 
 WIDTH = {"fp32": 4, "bf16": 2}
 MUON_ROLES = {MATRIX, EXPERT_STACK}  # optim/roles.py: the roles with muon=True
-SPLIT_STYLES = {"colwise", "rowwise"}  # parallel/tensor_parallel_styles.py STYLES: the rest whole
+# the styles that split weights (parallel/tensor_parallel_styles.py STYLES): the rest keep them whole
+SPLIT_STYLES = {"colwise", "rowwise", "table_rows"}
 
 
 @dataclass(frozen=True)
@@ -322,6 +325,8 @@ def _tp_comm(model: Transformer, layout: Layout, children: list) -> float:
             forward += tokens * target.out_features * width
         elif style == "copy_to_heads":  # MLA's rope key (B, T, Dr), shared by the heads
             backward += tokens * parent.rope_dim * width
+        elif style == "table_rows":  # the lookups' sum (B, T, O K, Dh), from fp32 tables
+            forward += tokens * len(target.sizes) * target.head_dim * 4
         if style in ("head_shared", "head_rows", "colwise_replicated"):  # weights' gradients
             params = [target] if isinstance(target, nn.Parameter) else target.parameters()
             backward += sum(p.numel() for p in params) * width

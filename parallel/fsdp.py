@@ -70,7 +70,8 @@ def _shard_tables(
         if part.offload:
             raise ConfigError(
                 "model.engram.offload=true keeps the tables in one process's host memory; it "
-                "does not work with several data-parallel ranks yet: set model.engram.offload=false"
+                "does not work with several ranks (data- or tensor-parallel) yet: set "
+                "model.engram.offload=false"
             )
         if part.sharding == "replicated":
             continue

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from torch.nn.utils.stateless import _reparametrize_module
 
@@ -128,6 +129,30 @@ class ColwiseReplicated(HeadShared):
         return module
 
 
+class TableRows(ParallelStyle):
+    """A lookup table's rows split over the tp ranks (Engram's hashed n-gram tables), as
+    RowwiseParallel splits an embedding: the weight (rows, D) becomes a Shard(0) DTensor (uneven
+    rows as torch.chunk cuts them; FSDP2 then shards each rank's rows over the data ranks), and
+    the module's `lookup(index, sparse)` reads the rows this rank holds, zeros for the others,
+    with an all-reduce summing the ranks' parts (DTensor's masked partial embedding). The
+    output's gradient is whole on every rank, so each rank's rows get theirs without a
+    collective. Gradients are dense (FSDP2 reduce-scatters dense tensors)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        w = module.weight
+        rows = distribute_tensor(w.data, device_mesh, [Shard(0)])
+        module.register_parameter("weight", nn.Parameter(rows, requires_grad=w.requires_grad))
+        module.sparse_grad = False
+
+        def lookup(index: Tensor, sparse: bool) -> Tensor:
+            whole = DTensor.from_local(index, device_mesh, [Replicate()], run_check=False)
+            part = F.embedding(whole, module.weight)  # masked partial over the tp ranks
+            return part.redistribute(device_mesh, [Replicate()]).to_local()
+
+        module.lookup = lookup  # (an instance attribute: the module's forward calls it)
+        return module
+
+
 def head_rows(parts: tuple[tuple[int, int], ...], rank: int, tp: int) -> list[tuple[int, int]]:
     """Rank `rank`'s (start, end) rows of a tensor whose dim 0 is blocks of (heads, rows per
     head): of each block, heads [r h / tp, (r + 1) h / tp) when tp divides h (as ColwiseParallel
@@ -176,6 +201,7 @@ STYLES: dict[str, type[ParallelStyle]] = {
     "head_shared": HeadShared,
     "head_rows": HeadRows,
     "colwise_replicated": ColwiseReplicated,
+    "table_rows": TableRows,
 }
 # the styles a plan may give a parameter (a dotted name under the planned module) rather than a
 # child module: they wrap the planned module's forward, which reads that parameter

@@ -108,13 +108,19 @@ class EngramTable(Fp32Parameters):
         if self.offload:
             index = index.to(self.weight.device)
         sparse = self.sparse_grad and self.weight.requires_grad and torch.is_grad_enabled()
-        out = F.embedding(index, self.weight, sparse=sparse)
+        out = self.lookup(index, sparse)
         if out.device != device:  # offloaded: the rows read, through pinned memory (the caching
             # host allocator reuses the page-locked block once the copy is done)
             if device.type == "cuda":
                 out = out.pin_memory()
             out = out.to(device, non_blocking=True)
         return out
+
+    def lookup(self, index: Tensor, sparse: bool) -> Tensor:
+        """index (B, T, O K) rows of the whole weight -> (B, T, O K, Dh). Tensor parallelism
+        swaps it for a lookup on the rows each rank holds (parallel/tensor_parallel_styles.py
+        TableRows)."""
+        return F.embedding(index, self.weight, sparse=sparse)
 
     def init_weights(self, std: float) -> None:
         trunc_normal_(self.weight, std)
@@ -268,6 +274,13 @@ class Engram(nn.Module):
         self.conv = nn.Conv1d(streams * C, streams * C, e.kernel, groups=streams * C, bias=False)
         # the hash multipliers: part of the state (a checkpoint keeps its addressing)
         self.register_buffer("multipliers", torch.zeros(e.max_ngram, dtype=torch.long))
+
+    def tensor_parallel_plan(self, tp: int) -> dict[str, str]:
+        """The tables' rows split over the tp ranks (each reads the rows it holds; an all-reduce
+        sums the lookups, as the vocabulary-parallel embedding) unless they are replicated
+        (model.engram.sharding=replicated: whole on every rank, sparse gradients). The gates,
+        projections, norms and conv stay whole: E x (n + 1) C weights, small beside the tables."""
+        return {} if self.table.sharding == "replicated" else {"table": "table_rows"}
 
     def set_vocabulary(self, vocab: int) -> None:
         """The multipliers for V' = `vocab` ids the hashes see (they bound the products)."""

@@ -29,6 +29,8 @@ from tests.parallel.ranks import run_ranks
 
 DENSE = {"vocab_size": 128, "max_seq_len": 64, "d_model": 64, "n_layers": 2}
 DENSE |= {"attention.n_heads": 4, "attention.n_kv_heads": 2}
+# Engram in blocks 1 and 3, tables of 2 orders x 4 heads (~8k rows each): split by rows over tp
+ENGRAM = DENSE | {"n_layers": 4, "engram.table_sizes": [1000, 1000], "engram.dim": 64}
 # the activation estimate's constants are fitted on the torch paths (model/planner_activations.py)
 ACTIVATION_MARGIN = 0.10
 
@@ -54,6 +56,7 @@ def one_row_per_parameter(preset: str, overrides: dict, width: int) -> float:
         # routed experts whole on the tp ranks, split over ep, sharded over dp_shard / ep (= 1)
         (4, 2, 2, "tiny_moe", DENSE),
         (2, 2, 1, "tiny_hybrid", DENSE | {"n_layers": 4}),  # Gated DeltaNet's plan
+        (4, 2, 1, "tiny_engram", ENGRAM),  # Engram's tables by rows over tp, then dp_shard
     ],
     ids=[
         "tp2_qk_norm_untied",
@@ -61,6 +64,7 @@ def one_row_per_parameter(preset: str, overrides: dict, width: int) -> float:
         "dp_shard2_x_tp2_moe",
         "dp_shard2_x_tp2_x_ep2_moe",
         "tp2_hybrid",
+        "dp_shard2_x_tp2_engram",
     ],
 )
 def test_weights_gradients_and_adamw_state_per_rank_are_measured_ones(
@@ -91,6 +95,7 @@ SPLIT_CASES = {
     "tiny_hybrid_sp": ("tiny_hybrid", DENSE | {"n_layers": 4}, True, True),
     "tiny_moe_sp": ("tiny_moe", DENSE, True, True),
     "tiny_mhc_sp": ("tiny_mhc", DENSE, True, False),  # (mHC's own activations: not modelled)
+    "tiny_engram": ("tiny_engram", ENGRAM, False, False),  # the tables' lookups (not modelled)
 }
 
 

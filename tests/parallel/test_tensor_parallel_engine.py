@@ -117,6 +117,9 @@ def test_every_family_trains_under_tensor_parallelism_as_one_process(ranks, layo
     # the vocabulary rows split over tp (innermost), then FSDP2 rows of those over the data ranks
     expected = "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
     assert placements["embed.weight"] == expected, placements
+    if "engram" in names:  # Engram's tables split by rows the same way
+        tables = results[0]["engram"]["placements"]
+        assert tables["layers.1.engram.table.weight"] == expected, tables
 
 
 def stream_shapes(rank: int, layout: dict, length: int) -> dict[str, tuple[int, ...]]:

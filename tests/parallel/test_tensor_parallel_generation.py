@@ -3,8 +3,9 @@ process, fp32: greedy prefill + decode with each layer's generation state (model
 gives the same tokens and the same logits at every step (to 1e-5; measured differences are
 ~3e-7) for softmax attention (GQA with tp dividing the kv heads, MQA and GQA with tp a
 multiple of them), MLA (its absorbed decode reads this rank's rows of kv_b_proj), Gated
-DeltaNet and KDA; each rank's state holds only its own heads (an MLA latent is whole on every
-rank). The trainer's sampling through the FSDP2 engine's `full_weights` draws the same text."""
+DeltaNet, KDA and Engram (its tables split by rows); each rank's state holds only its own
+heads (an MLA latent is whole on every rank). The trainer's sampling through the FSDP2
+engine's `full_weights` draws the same text."""
 
 from __future__ import annotations
 
@@ -46,8 +47,14 @@ CAPACITY = 13  # the prompt's 5 tokens and 8 new ones
             {"layers.2.conv": (2, 3, 96), "layers.2.state": (2, 2, 16, 16)}
             | {"layers.3.c": (2, CAPACITY, 64)},
         ),
+        (
+            2,
+            "tiny_engram",  # Engram in blocks 1 and 3: its tables split by rows over tp
+            DENSE | {"n_layers": 4, "engram.table_sizes": [1000, 1000]},
+            {"layers.1.memory.tokens": (2, 2), "layers.1.mixer.k": (2, 1, CAPACITY, 16)},
+        ),
     ],
-    ids=["gqa_tp2_kv2", "mqa_tp2", "gqa_tp4_kv2", "mla", "gdn", "kda"],
+    ids=["gqa_tp2_kv2", "mqa_tp2", "gqa_tp4_kv2", "mla", "gdn", "kda", "engram"],
 )
 def test_greedy_generation_over_tp_ranks_equals_one_process(ranks, preset, overrides, state):
     whole = tp_greedy(0, preset, overrides)
