@@ -39,7 +39,8 @@ reduce-scatter over P ranks sends (P - 1) / P of the whole, an all-reduce twice 
   token and all-reduce of grad_h (B T x C fp32);
 - sequence parallelism (parallel/sequence_parallel.py): per whole-sequence sublayer
   (Block.whole_sequence_sublayers) an all-gather of its input in forward and of its output's
-  gradient in backward (B T x C; Engram's the stream's n C), the stream's final gather in
+  gradient in backward (B T x C; Engram's the stream's n C), a reduce-scatter of its output
+  (B T x C) in place of its row-wise projections' all-reduces when it has any, the stream's final gather in
   forward and first cut's in backward, and once a step the all-reduce of the split region's
   weight gradients (norms, residual connections, the stream's own: their FSDP2 shards);
 - full activation checkpointing: the recompute repeats each block's forward collectives (TP,
@@ -335,18 +336,25 @@ def _tp_comm(model: Transformer, layout: Layout, children: list) -> float:
     outside = tokens * C * width  # the embedding's output
     outside += losses * tokens * C * 4  # the loss's grad_h, fp32
     stats = losses * (tp - 1) * tokens * 3 * 4  # the loss's all-gather
-    gathered = recomputed = 0.0  # sequence parallelism: bytes of the whole tensors gathered
+    gathered = recomputed = scattered = 0.0  # sequence parallelism: bytes of whole tensors
+    ends_scattered: set[int] = set()
     if layout.sequence_parallel:
         gathered, recomputed = _sequence_parallel_gathers(model, tokens * width)
+        summed, ends_scattered = _reduce_scattered(model, children)
+        forward -= summed * tokens * width  # summed by the sublayers' reduce-scatters instead
+        scattered = len(ends_scattered) * tokens * C * width
     if layout.activation_checkpoint == "full":  # the blocks' forward collectives again
-        forward *= 2
+        forward, scattered = 2 * forward, 2 * scattered
         if model.cfg.residual in ADDS_OUTPUT:
             planned = {id(parent) for _, _, parent in children}
-            closing = sum(_closing_all_reduce(b.ffn, planned) for b in model.blocks())
-            forward -= closing * tokens * width
+            for block in model.blocks():
+                if id(block.ffn) in ends_scattered:  # its last op, after all it keeps
+                    scattered -= tokens * C * width
+                else:
+                    forward -= _closing_all_reduce(block.ffn, planned) * tokens * width
         gathered += recomputed
     sent = _ring_all_reduce(forward + backward + outside, tp) + stats
-    sent += (tp - 1) / tp * gathered
+    sent += (tp - 1) / tp * (gathered + scattered)
     if layout.sequence_parallel:  # once a step: the split region's gradients (their shards)
         sent += _ring_all_reduce(_split_region_elements(model) / layout.dp_shard * width, tp)
     return sent
@@ -365,6 +373,25 @@ def _closing_all_reduce(ffn: nn.Module, planned: set[int]) -> int:
             return 0
         ffn = ffn.shared
     return ffn.down_proj.out_features if id(ffn) in planned else 0
+
+
+def _reduce_scattered(model: Transformer, children: list) -> tuple[int, set[int]]:
+    """Under sequence parallelism: (elements per token of the row-wise projections' outputs that
+    the sublayers' closing reduce-scatters sum instead of an all-reduce each, the ids of the
+    sublayers that end in one: those holding row-wise projections)."""
+    rowwise = {
+        id(target): target.out_features
+        for style, target, _ in children
+        if style == "rowwise" and isinstance(target, nn.Linear)
+    }
+    summed, ends_scattered = 0, set()
+    for block in model.layers.values():  # (MTP's blocks run whole: all-reduces)
+        for sublayer in (getattr(block, n) for n in block.whole_sequence_sublayers()):
+            inside = [rowwise[id(m)] for m in sublayer.modules() if id(m) in rowwise]
+            if inside:
+                summed += sum(inside)
+                ends_scattered.add(id(sublayer))
+    return summed, ends_scattered
 
 
 def _sequence_parallel_gathers(model: Transformer, token_bytes: float) -> tuple[float, float]:

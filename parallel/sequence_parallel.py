@@ -9,18 +9,24 @@ token mixers, the tensor-parallel FFNs and MoE layers, Engram: each block names 
 of their output:
 
     stream.expand(h)        h (B, T, C) whole -> this rank's (B, T / tp, C)
-    sublayer(x)             x gathered to (B, T, C); its output (B, T, C) cut to (B, T / tp, C)
+    sublayer(x)             x gathered to (B, T, C); its output (B, T, C) reduce-scattered to
+                            (B, T / tp, C) (or cut, when it is whole on every rank: Engram)
     stream.collapse(state)  -> gathered to (B, T, C) for the final norm, the head and MTP
+
+A sublayer with tensor-parallel row-wise projections (every mixer's output projection, a dense
+FFN's down projection, a MoE's shared experts') ends with them, so its output is the sum over
+the tp ranks of their outputs: those projections leave their output as this rank's partial sum
+(`partial_output`, parallel/tensor_parallel_styles.py RowwiseSummable) and one reduce-scatter
+along the sequence both sums and splits it (Megatron's sequence parallelism): per sublayer an
+all-gather and a reduce-scatter, the bytes of tensor parallelism's one all-reduce.
 
 Gradients: every consumer of a gathered tensor returns the whole gradient of its input on every
 tp rank (tensor-parallel projections all-reduce it; modules that run whole compute the same one),
-so a gather's backward keeps the rank's positions and a cut's backward gathers them. The weights
+so a gather's backward keeps the rank's positions and a cut's (or reduce-scatter's) backward
+gathers them. The weights
 used on the split stream (norm gains, the residual connections' and the stream's own) get a
 gradient from the rank's positions only: the engine sums them over the tp ranks once per step
-(`sum_partial_gradients`, as Megatron all-reduces its sequence-parallel norms' gradients). The
-forward sends, per sublayer, one all-gather of (B, T, C) beside the row-wise projection's
-all-reduce (Megatron's reduce-scatter in its place is the next step), in exchange for the
-activation memory above.
+(`sum_partial_gradients`, as Megatron all-reduces its sequence-parallel norms' gradients).
 
 A sublayer with `local_positions` (the MoE layer) is told, per forward, which positions this rank
 keeps: its router still sees every token (statistics and balance losses of the whole sequence),
@@ -68,6 +74,23 @@ class _Gather(torch.autograd.Function):
     def backward(ctx: object, grad: Tensor) -> tuple[Tensor, None]:
         layout = ctx.layout
         return grad.chunk(layout.tp, dim=1)[layout.rank].contiguous(), None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    """(B, T, ...) partial sums on each rank -> this rank's positions of their sum,
+    (B, T / tp, ...); backward gathers the positions (the partial sums' gradient is whole)."""
+
+    @staticmethod
+    def forward(ctx: object, x: Tensor, layout: _Layout) -> Tensor:
+        ctx.layout = layout
+        stacked = torch.cat(x.chunk(layout.tp, dim=1))  # (tp B, T / tp, ...): rank r's at r B
+        out = stacked.new_empty(stacked.shape[0] // layout.tp, *stacked.shape[1:])
+        dist.reduce_scatter_tensor(out, stacked, group=layout.group)
+        return out
+
+    @staticmethod
+    def backward(ctx: object, grad: Tensor) -> tuple[Tensor, None]:
+        return _Gather.apply(grad, ctx.layout), None
 
 
 class _Cut(torch.autograd.Function):
@@ -150,11 +173,21 @@ def _whole_sequence(module: nn.Module, layout: _Layout) -> None:
         if keeps_positions:  # (a MoE layer runs its routed experts for the kept tokens only)
             share = layout.full // layout.tp
             module.local_positions = (layout.rank * share, (layout.rank + 1) * share)
+        _set_partial(closing, True)
         try:
             out = forward(_Gather.apply(x, layout), *args, **kwargs)
         finally:
+            _set_partial(closing, False)
             if keeps_positions:
                 module.local_positions = None
-        return _Cut.apply(out, layout)
+        return _ReduceScatter.apply(out, layout) if closing else _Cut.apply(out, layout)
 
+    # its row-wise projections (whose outputs, with a MoE layer's routed output for the kept
+    # positions, sum to the sublayer's output): left as partial sums, reduce-scattered at once
+    closing = [m for m in module.modules() if hasattr(m, "partial_output")]
     module.forward = gathered_forward  # (an instance attribute: nn.Module calls it)
+
+
+def _set_partial(projections: list[nn.Module], partial: bool) -> None:
+    for projection in projections:
+        projection.partial_output = partial

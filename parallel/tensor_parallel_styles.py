@@ -129,6 +129,26 @@ class ColwiseReplicated(HeadShared):
         return module
 
 
+class RowwiseSummable(RowwiseParallel):
+    """DTensor's row-wise projection (input split on its last dim, output summed over the tp
+    ranks), whose closing sum the caller may take over: while the module's `partial_output` is
+    true, its output is this rank's partial sum (a plain tensor whose gradient is whole), so
+    sequence parallelism reduce-scatters a sublayer's output along the sequence in one
+    collective (Megatron's) instead of all-reducing it and cutting the rank's positions out."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.partial_output = False
+        return super()._apply(module, device_mesh)
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        if mod.partial_output:
+            return outputs.to_local(grad_placements=[Replicate()])
+        return RowwiseParallel._prepare_output_fn(
+            output_layouts, use_local_output, mod, outputs, device_mesh
+        )
+
+
 class TableRows(ParallelStyle):
     """A lookup table's rows split over the tp ranks (Engram's hashed n-gram tables), as
     RowwiseParallel splits an embedding: the weight (rows, D) becomes a Shard(0) DTensor (uneven
@@ -195,7 +215,7 @@ class _SumGrad(torch.autograd.Function):
 # what a plan may name: a style's name, or (name, *plain arguments)
 STYLES: dict[str, type[ParallelStyle]] = {
     "colwise": ColwiseParallel,
-    "rowwise": RowwiseParallel,
+    "rowwise": RowwiseSummable,
     "replicated": Replicated,
     "copy_to_heads": CopyToHeads,
     "head_shared": HeadShared,
