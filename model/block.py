@@ -58,7 +58,7 @@ class Block(nn.Module):
         """The children that need every position of the sequence (token mixers, Engram's
         n-grams and conv) or the same tokens on every tensor-parallel rank (the FFN or MoE
         layer): under sequence parallelism (parallel/sequence_parallel.py) their input is
-        gathered and their output cut back to the rank's positions. Each takes the stream's
+        gathered and their output reduce-scattered (or cut) back to the rank's positions. Each takes the stream's
         (B, T, ...) tensor first; everything else in the block acts per position."""
         return (["engram"] if self.engram is not None else []) + ["attn", "ffn"]
 

@@ -47,9 +47,14 @@ reduce-scatter over P ranks sends (P - 1) / P of the whole, an all-reduce twice 
   sequence parallelism's gathers, EP's all-to-alls) up to the block's last saved tensor: torch's
   checkpoint stops early, so a pre-norm or AttnRes block's closing FFN all-reduce, whose output
   is only added, is not repeated;
+- MoE under tp (parallel/routed_work.py; the stack's layers under sequence parallelism are
+  split by it instead): the output's all-reduce (B T x C; with shared experts in place of
+  theirs), its input's gradient's (B T x C) and once a step the router's and routed experts'
+  gradients (their shards); a pre-norm or AttnRes block's recompute stops before the output's;
 - EP: each MoE layer's all-to-all of the k routed copies of each token (C wide), there and back,
-  forward and backward: 4 k B T C x (ep - 1) / ep (6 with full checkpointing). Each tp rank's
-  ep group sends the same tokens (routed experts whole on the tp ranks).
+  forward and backward: 4 k B T C x (ep - 1) / ep (6 with full checkpointing), of 1 / tp of
+  the tokens under tensor parallelism (each tp rank routes its own positions' tokens; all of
+  them with a capacity factor).
 """
 
 from __future__ import annotations
@@ -289,8 +294,11 @@ def _activations(model: Transformer, layout: Layout, children: list) -> tuple[fl
     planned = {id(parent) for _, _, parent in children}
     shares = {m: 1 / layout.tp for m in planned}
     stream = 1 / layout.tp if layout.sequence_parallel else 1.0  # the positions a rank keeps
-    main = [block_saved(b, shares, layout.seq_len, stream) for b in model.layers.values()]
-    mtp = [block_saved(b, shares, layout.seq_len) for b in model.blocks()[len(main) :]]
+    routed = 1 / layout.tp if model.cfg.moe.capacity_factor == 0 else 1.0  # MoE: its positions'
+    main = [block_saved(b, shares, layout.seq_len, stream, routed) for b in model.layers.values()]
+    mtp = [
+        block_saved(b, shares, layout.seq_len, routed=routed) for b in model.blocks()[len(main) :]
+    ]
     blocks = [saved.bytes(width) * tokens for saved in main + mtp]
     outside = outside_blocks(model).bytes(width) * tokens
     outside += loss_fixed_elements(model, layout.tp) * width
@@ -317,6 +325,7 @@ def _tp_comm(model: Transformer, layout: Layout, children: list) -> float:
         return 0.0
     width = WIDTH[layout.param_dtype]
     tokens = layout.micro_batch_size * layout.seq_len
+    C = model.cfg.d_model
     forward = backward = 0.0  # bytes all-reduced in the blocks
     for style, target, parent in children:
         linear = isinstance(target, nn.Linear)
@@ -331,11 +340,13 @@ def _tp_comm(model: Transformer, layout: Layout, children: list) -> float:
         if style in ("head_shared", "head_rows", "colwise_replicated"):  # weights' gradients
             params = [target] if isinstance(target, nn.Parameter) else target.parameters()
             backward += sum(p.numel() for p in params) * width
-    C = model.cfg.d_model
     losses = 1 + (len(model.mtp.layers) if model.mtp is not None else 0)
     outside = tokens * C * width  # the embedding's output
     outside += losses * tokens * C * 4  # the loss's grad_h, fp32
     stats = losses * (tp - 1) * tokens * 3 * 4  # the loss's all-gather
+    sharing = _sharing_moe(model, layout)  # MoE layers summing their output (routed_work)
+    forward += sum(tokens * C * width for m in sharing if m.shared is None)  # (else: its AR)
+    backward += len(sharing) * tokens * C * width  # each input's gradient
     gathered = recomputed = scattered = 0.0  # sequence parallelism: bytes of whole tensors
     ends_scattered: set[int] = set()
     if layout.sequence_parallel:
@@ -347,17 +358,36 @@ def _tp_comm(model: Transformer, layout: Layout, children: list) -> float:
         forward, scattered = 2 * forward, 2 * scattered
         if model.cfg.residual in ADDS_OUTPUT:
             planned = {id(parent) for _, _, parent in children}
-            for block in model.blocks():
-                if id(block.ffn) in ends_scattered:  # its last op, after all it keeps
+            for block in model.blocks():  # a closing collective after all the FFN keeps
+                if id(block.ffn) in ends_scattered:
                     scattered -= tokens * C * width
+                elif any(block.ffn is m for m in sharing):
+                    forward -= tokens * C * width
                 else:
                     forward -= _closing_all_reduce(block.ffn, planned) * tokens * width
         gathered += recomputed
     sent = _ring_all_reduce(forward + backward + outside, tp) + stats
     sent += (tp - 1) / tp * (gathered + scattered)
-    if layout.sequence_parallel:  # once a step: the split region's gradients (their shards)
-        sent += _ring_all_reduce(_split_region_elements(model) / layout.dp_shard * width, tp)
+    partial = sum(_position_local_elements(m) for m in sharing)  # once a step, their shards
+    if layout.sequence_parallel:  # the split region's gradients
+        partial += _split_region_elements(model)
+    if partial:
+        sent += _ring_all_reduce(partial / layout.dp_shard * width, tp)
     return sent
+
+
+def _sharing_moe(model: Transformer, layout: Layout) -> list[nn.Module]:
+    """The MoE layers whose tp ranks route their own positions on the whole sequence and sum
+    the output (parallel/routed_work.py): all but those sequence parallelism splits (the
+    stack's) and those that drop over capacity."""
+    if layout.tp == 1 or model.cfg.moe.capacity_factor > 0:
+        return []
+    main = len(model.layers) if layout.sequence_parallel else 0
+    return [b.ffn for b in model.blocks()[main:] if hasattr(b.ffn, "local_positions")]
+
+
+def _position_local_elements(moe: nn.Module) -> int:
+    return sum(moe.get_parameter(n).numel() for n in moe.position_local_parameters())
 
 
 def _closing_all_reduce(ffn: nn.Module, planned: set[int]) -> int:
@@ -431,5 +461,7 @@ def _ep_comm(model: Transformer, layout: Layout) -> float:
     layers = [b.ffn for b in model.blocks() if hasattr(b.ffn, "experts")]
     # there and back, in forward and backward (and a full checkpointing recompute's forward)
     passes = 6 if layout.activation_checkpoint == "full" else 4
-    copies = sum(passes * m.top_k * tokens for m in layers)
+    # each tp rank routes its own positions' tokens (parallel/routed_work.py), without drops
+    routed = 1 / layout.tp if model.cfg.moe.capacity_factor == 0 else 1.0
+    copies = sum(passes * m.top_k * tokens * routed for m in layers)
     return copies * model.cfg.d_model * WIDTH[layout.param_dtype] * (ep - 1) / ep

@@ -28,7 +28,9 @@ Per block (pre-norm): each sublayer's norm keeps its input and 1 fp32 statistic 
   activation, the product: the down projection's input), 2 F for a plain one.
 - MoE: the normed input; the router's E fp32 logits and 3 k + 2 more (top-k indices, weights);
   k routed copies of each token (2 C: the dispatched input and the expert output before the
-  weighted sum, and 4 Fe inside a gated expert); a shared expert's 4 Fs per rank.
+  weighted sum, and 4 Fe inside a gated expert), of 1 / tp of the tokens under tensor
+  parallelism (each rank routes its own positions': parallel/routed_work.py); a shared expert's
+  4 Fs per rank.
 Outside the blocks: the token ids (8 bytes), the final norm (C + 1), and the fused head + loss's
 saved gradients (model/loss.py GradientsInForward): grad_h C per token, grad_w (V / tp) x C in
 the compute dtype once per step (whatever the token count); each MTP module adds its block, its
@@ -40,8 +42,7 @@ parallel streams), the parts outside the blocks, and during backward one block's
 Sequence parallelism (parallel/sequence_parallel.py) keeps T / tp positions of the stream between
 the sublayers: the norms' inputs and statistics and the checkpointed block inputs are divided by
 tp; each sublayer's gathered input (the normed input above) stays whole, and the gather and cut
-keep nothing (measured: tests/model/test_planner.py); a MoE layer's routed experts run for the
-kept positions only (1 / tp of the routed copies). MTP's blocks run after the final gather:
+keep nothing (measured: tests/model/test_planner.py). MTP's blocks run after the final gather:
 whole.
 
 Not modelled (their kinds fall back to the nearest one above): AttnRes' growing list of sources,
@@ -131,7 +132,7 @@ def _dense_ffn(m: nn.Module, share: float) -> Saved:
 
 def _moe(m: nn.Module, shared_share: float, routed_share: float = 1.0) -> Saved:
     """`routed_share`: the fraction of the tokens whose routed experts run on a rank (1 / tp
-    under sequence parallelism, parallel/sequence_parallel.py: each keeps its positions')."""
+    under tensor parallelism: each runs its positions', parallel/routed_work.py)."""
     C, k = m.router.gate.in_features, m.top_k
     hidden = m.experts.w_up.shape[-1]  # (E, C, Fe)
     routed = routed_share * k * (2 * C + 4 * hidden)
@@ -140,11 +141,16 @@ def _moe(m: nn.Module, shared_share: float, routed_share: float = 1.0) -> Saved:
 
 
 def block_saved(
-    block: nn.Module, shares: dict[int, float], seq_len: int, stream: float = 1.0
+    block: nn.Module,
+    shares: dict[int, float],
+    seq_len: int,
+    stream: float = 1.0,
+    routed: float = 1.0,
 ) -> Saved:
     """One block's saved elements per token; `shares[id(module)]`: 1 / tp for planned modules;
     `stream`: the fraction of the positions a rank keeps of the stream between the sublayers
-    (1 / tp under sequence parallelism, whose gathered sublayer inputs stay whole)."""
+    (1 / tp under sequence parallelism, whose gathered sublayer inputs stay whole); `routed`:
+    the fraction of the tokens a MoE layer's routed experts take on a rank."""
 
     def share(module: nn.Module) -> float:
         return shares.get(id(module), 1.0)
@@ -156,7 +162,7 @@ def block_saved(
     ffn = block.ffn
     if hasattr(ffn, "experts"):
         shared = share(ffn.shared) if ffn.shared is not None else 1.0
-        return norms + mixer + _moe(ffn, shared, stream)
+        return norms + mixer + _moe(ffn, shared, routed)
     return norms + mixer + _dense_ffn(ffn, share(ffn))
 
 

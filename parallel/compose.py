@@ -53,15 +53,11 @@ def parallelize(
 
         apply_expert_parallel(model, meshes.ep)
     if meshes is not None and meshes.tp is not None:
-        from parallel.tensor_parallel import apply_tensor_parallel
+        from parallel.tensor_parallel import split_over_tp
 
-        replicated = apply_tensor_parallel(model, meshes.tp)
+        replicated = split_over_tp(model, meshes.tp, cfg.sequence_parallel)
         if cfg.async_tp:
             enable_async_tp(compile, device_type, meshes.tp)
-        if cfg.sequence_parallel:
-            from parallel.sequence_parallel import apply_sequence_parallel
-
-            apply_sequence_parallel(model, meshes.tp)
         if replicated:  # exact, but each tp rank holds and computes these whole
             log.info(
                 "tensor parallelism: %d module(s) without a plan run whole on every tp rank: %s",

@@ -48,6 +48,21 @@ from parallel.vocab_parallel import (
 )
 
 
+def split_over_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool) -> list[str]:
+    """Everything tensor parallelism does to `model` (on the meta device, before checkpointing,
+    compile and FSDP2): the layers' plans, (sequence_parallel) the stream split along the
+    sequence, the MoE layers' routed work shared by positions; returns the weight-holding modules
+    left whole (`apply_tensor_parallel`)."""
+    from parallel.routed_work import share_routed_work
+    from parallel.sequence_parallel import apply_sequence_parallel
+
+    replicated = apply_tensor_parallel(model, tp_mesh)
+    if sequence_parallel:
+        apply_sequence_parallel(model, tp_mesh)
+    share_routed_work(model, tp_mesh, sequence_parallel)
+    return replicated
+
+
 def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> list[str]:
     """Split `model` over `tp_mesh` in place (before FSDP2, which then shards over the data
     ranks); returns the names of the weight-holding modules left replicated (no plan yet)."""

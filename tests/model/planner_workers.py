@@ -57,8 +57,7 @@ def _split_model(
     from parallel.fsdp import FP32, apply_fsdp
     from parallel.init import init_like_single_process
     from parallel.mesh import ParallelDims, build_meshes
-    from parallel.sequence_parallel import apply_sequence_parallel
-    from parallel.tensor_parallel import apply_tensor_parallel
+    from parallel.tensor_parallel import split_over_tp
 
     world = dist.get_world_size()
     dims = ParallelDims(dp_replicate=1, dp_shard=world // tp, ep=ep, world_size=world, tp=tp)
@@ -69,9 +68,7 @@ def _split_model(
         from parallel.expert_parallel import apply_expert_parallel
 
         apply_expert_parallel(model, meshes.ep)
-    apply_tensor_parallel(model, meshes.tp)
-    if sequence_parallel:
-        apply_sequence_parallel(model, meshes.tp)
+    split_over_tp(model, meshes.tp, sequence_parallel)
     apply_activation_checkpointing(model, ac)
     if fsdp:
         apply_fsdp(model, meshes, FP32, True, recompute=ac != "none")

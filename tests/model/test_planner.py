@@ -93,6 +93,7 @@ SPLIT_CASES = {
     "tiny_qk_norm_sp": ("tiny", DENSE | {"attention.qk_norm": True}, True, True),
     "tiny_mla_sp": ("tiny_mla", DENSE, True, True),
     "tiny_hybrid_sp": ("tiny_hybrid", DENSE | {"n_layers": 4}, True, True),
+    "tiny_moe": ("tiny_moe", DENSE, False, True),  # each rank's positions, summed
     "tiny_moe_sp": ("tiny_moe", DENSE, True, True),
     "tiny_mhc_sp": ("tiny_mhc", DENSE, True, False),  # (mHC's own activations: not modelled)
     "tiny_engram": ("tiny_engram", ENGRAM, False, False),  # the tables' lookups (not modelled)

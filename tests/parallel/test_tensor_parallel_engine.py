@@ -195,14 +195,16 @@ def test_engram_gradients_under_tensor_parallelism_equal_one_process():
                 assert error <= 1e-4 * grad.norm() + 1e-7, f"{where} {name}: {error:.3g}"
 
 
-def test_expert_parallelism_composes_with_tensor_parallelism():
+@pytest.mark.parametrize("sequence_parallel", [True, False])
+def test_expert_parallelism_composes_with_tensor_parallelism(sequence_parallel):
     """parallel.ep=2 borrows its ranks from dp_shard; with tp=2 each tp rank's ep group
-    exchanges the same tokens (routed experts whole on the tp ranks, shared experts split).
-    Against ep=2 without tp (the same 2 data-parallel ranks: expert parallelism alone differs
-    from one process by its own routing tolerance, tests/parallel/test_expert_parallel.py):
-    the same losses, norms and weights, with sequence parallelism on."""
+    exchanges the tokens of that rank's positions (routed experts whole on the tp ranks,
+    shared experts split). Against ep=2 without tp (the same 2 data-parallel ranks: expert
+    parallelism alone differs from one process by its own routing tolerance,
+    tests/parallel/test_expert_parallel.py): the same losses, norms and weights, with and
+    without sequence parallelism."""
     ep_only = run_ranks(2, train_cases, ["moe"], {"ep": 2})[0]["moe"]
-    layout = {"ep": 2, "tp": 2, "sequence_parallel": True}
+    layout = {"ep": 2, "tp": 2, "sequence_parallel": sequence_parallel}
     results = run_ranks(4, train_cases, ["moe"], layout)
     assert_same_run(results[0]["moe"], ep_only, "moe")
     placements = results[0]["moe"]["placements"]
@@ -210,12 +212,12 @@ def test_expert_parallelism_composes_with_tensor_parallelism():
     assert placements["layers.1.ffn.experts.w_gate"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
 
 
-def routed_tokens(rank: int, layout: dict) -> list[int]:
+def routed_tokens(rank: int, layout: dict, overrides: dict | None = None) -> list[int]:
     """The tokens each MoE layer sends through its routed experts in one forward of 2 x 16
     tokens through the trainer's engine."""
     from tests.parallel.workers import engine_for
 
-    model = engine_for(small_model("tiny_moe"), layout).model
+    model = engine_for(small_model("tiny_moe", **(overrides or {})), layout).model
     counts: list[int] = []
     for block in model.layers.values():
         moe = block.ffn
@@ -229,15 +231,19 @@ def routed_tokens(rank: int, layout: dict) -> list[int]:
     return counts
 
 
-def test_under_sequence_parallelism_the_tp_ranks_share_the_expert_work():
-    """tp=2 with sequence parallelism: each rank's routed experts take its 16 of the 32 tokens
-    (without it, both ranks route all 32), and training equals one process (the router sees
-    every token: its balance losses and bias updates are the whole sequence's). (With
-    dp_shard=2 too: test_expert_parallelism_composes_with_tensor_parallelism.)"""
+def test_the_tp_ranks_share_the_expert_work():
+    """tp=2, with and without sequence parallelism: each rank's routed experts take its 16 of
+    the 32 tokens, and training equals one process (the router sees every token: its balance
+    losses and bias updates are the whole sequence's; tp=2 without sequence parallelism:
+    test_every_family_trains_under_tensor_parallelism_as_one_process). A capacity factor keeps
+    every token on every rank (its drops would depend on the split). (With dp_shard=2 too:
+    test_expert_parallelism_composes_with_tensor_parallelism.)"""
     single = train(0, CASES["moe"][0], {}, STEPS)
     layout = {"tp": 2, "sequence_parallel": True}
     assert_same_run(run_ranks(2, train_cases, ["moe"], layout)[0]["moe"], single, "moe")
     for counts in run_ranks(2, routed_tokens, {"tp": 2, "sequence_parallel": True}):
         assert counts == [16]
     for counts in run_ranks(2, routed_tokens, {"tp": 2}):
+        assert counts == [16]
+    for counts in run_ranks(2, routed_tokens, {"tp": 2}, {"moe.capacity_factor": 1.25}):
         assert counts == [32]

@@ -25,13 +25,13 @@ def tp_greedy(rank: int, preset: str, overrides: dict[str, Any]) -> dict[str, An
     state) of a seeded fp32 model split over every rank as one tp group (or whole, without a
     process group): the tokens, the logits of the prefill and of every decode step, and the
     shapes of the generation state's buffers."""
-    from parallel.tensor_parallel import apply_tensor_parallel, tp_mesh_of
+    from parallel.tensor_parallel import split_over_tp, tp_mesh_of
 
     cfg = load_preset(preset, {"vocab_size": VOCAB, "max_seq_len": 64} | overrides)
     model = build_model(cfg, seed=0)
     if dist.is_initialized():
         world = dist.get_world_size()
-        apply_tensor_parallel(model, tp_mesh_of(world, world, "cpu"))
+        split_over_tp(model, tp_mesh_of(world, world, "cpu"), False)
     steps: list[torch.Tensor] = []
     last_logits = model.last_logits
 

@@ -29,17 +29,19 @@ def whole(t: torch.Tensor | None) -> torch.Tensor | None:
 def tp_forward_backward(rank: int, preset: str, overrides: dict[str, Any]) -> dict[str, Any]:
     """One fp32 forward + backward of a seeded model, split over every rank as one tp group (or
     whole, without a process group): loss, whole gradients, scoring log-probs, logits."""
-    from parallel.tensor_parallel import apply_tensor_parallel, tp_mesh_of
+    from parallel.sequence_parallel import sum_partial_gradients
+    from parallel.tensor_parallel import split_over_tp, tp_mesh_of
 
     cfg = load_preset(preset, {"vocab_size": VOCAB, "max_seq_len": 64} | overrides)
     model = build_model(cfg, seed=0)
     replicated: list[str] = []
     if dist.is_initialized():
         world = dist.get_world_size()
-        replicated = apply_tensor_parallel(model, tp_mesh_of(world, world, "cpu"))
+        replicated = split_over_tp(model, tp_mesh_of(world, world, "cpu"), False)
     inputs, targets = batch()
     loss = model(inputs, targets)
     loss.backward()
+    sum_partial_gradients(model)  # (a MoE layer's router and routed experts: each rank's tokens)
     grads = {n: whole(p.grad) for n, p in model.named_parameters() if p.grad is not None}
     with torch.no_grad():
         log_probs = model(inputs, targets, per_token=True)
@@ -100,7 +102,8 @@ def tp_fsdp_train(rank: int, preset: str, overrides: dict[str, Any], tp: int) ->
     from parallel.grad_norm import clip_grad_norm
     from parallel.init import init_like_single_process
     from parallel.mesh import Meshes, ParallelDims
-    from parallel.tensor_parallel import apply_tensor_parallel
+    from parallel.sequence_parallel import sum_partial_gradients
+    from parallel.tensor_parallel import split_over_tp
 
     cfg = load_preset(preset, {"vocab_size": VOCAB, "max_seq_len": 64} | overrides)
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -109,7 +112,7 @@ def tp_fsdp_train(rank: int, preset: str, overrides: dict[str, Any], tp: int) ->
         model = Transformer(cfg)
     if world > 1:
         root = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp_shard", "tp"))
-        apply_tensor_parallel(model, root["tp"])
+        split_over_tp(model, root["tp"], False)
         dims = ParallelDims(dp_replicate=1, dp_shard=dp, ep=1, world_size=world)
         apply_fsdp(
             model, Meshes(dims=dims, dense=root["dp_shard"], experts=None, ep=None), FP32, True
@@ -124,6 +127,7 @@ def tp_fsdp_train(rank: int, preset: str, overrides: dict[str, Any], tp: int) ->
     for inputs, targets in train_batches():
         loss = model(inputs[rows], targets[rows])
         loss.backward()
+        sum_partial_gradients(model)  # (as the engine does before clipping)
         norms.append(clip_grad_norm(params, 1.0, tp if world > 1 else 1))
         optimizer.step()
         optimizer.zero_grad()
