@@ -347,6 +347,9 @@ def _tp_comm(model: Transformer, layout: Layout, children: list) -> float:
     sharing = _sharing_moe(model, layout)  # MoE layers summing their output (routed_work)
     forward += sum(tokens * C * width for m in sharing if m.shared is None)  # (else: its AR)
     backward += len(sharing) * tokens * C * width  # each input's gradient
+    # a gate on partial shared-expert outputs sums its gradient (N fp32; model/moe/layer.py)
+    gated = [m for m in _partial_shared_experts(model, layout) if m.shared_gate is not None]
+    backward += len(gated) * tokens * 4
     gathered = recomputed = scattered = 0.0  # sequence parallelism: bytes of whole tensors
     ends_scattered: set[int] = set()
     if layout.sequence_parallel:
@@ -384,6 +387,15 @@ def _sharing_moe(model: Transformer, layout: Layout) -> list[nn.Module]:
         return []
     main = len(model.layers) if layout.sequence_parallel else 0
     return [b.ffn for b in model.blocks()[main:] if hasattr(b.ffn, "local_positions")]
+
+
+def _partial_shared_experts(model: Transformer, layout: Layout) -> list[nn.Module]:
+    """The MoE layers whose shared experts leave their output partial over tp: those sharing
+    their routed work and, under sequence parallelism, the stack's (reduce-scattered)."""
+    layers = _sharing_moe(model, layout)
+    if layout.tp > 1 and layout.sequence_parallel:
+        layers += [b.ffn for b in model.layers.values() if hasattr(b.ffn, "local_positions")]
+    return [m for m in layers if m.shared is not None]
 
 
 def _position_local_elements(moe: nn.Module) -> int:

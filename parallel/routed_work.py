@@ -6,7 +6,8 @@ Every tp rank holds the whole sequence (B, T, C). Each MoE layer (a module with
 statistics, balance losses and aux-loss-free bias updates stay the whole sequence's), but runs
 its routed experts for its own positions only, [r T / tp, (r + 1) T / tp) on rank r, leaving
 zeros elsewhere; its shared experts' row-wise projection leaves its output as the rank's partial
-sum (`partial_output`: parallel/tensor_parallel_styles.py RowwiseSummable). So the layer's
+sum (`partial_output`: parallel/tensor_parallel_styles.py RowwiseSummable; their gate, if any,
+sums its gradient over the ranks: model/moe/layer.py GatedPartialSum). So the layer's
 output is a sum over the tp ranks, and one all-reduce of (B, T, C) completes it: with shared
 experts it replaces their all-reduce (no extra bytes), without them it is one more. Expert
 matmuls and expert-parallel all-to-alls drop to 1 / tp per rank.
@@ -19,7 +20,8 @@ rank's tokens only (`position_local_parameters`): summed over the tp ranks once 
 sequence parallelism's are (parallel/sequence_parallel.py sum_partial_gradients).
 
 A layer that drops tokens over capacity (`model.moe.capacity_factor > 0`) keeps the repeated
-work: its drops would depend on the split. A forward shorter than tp runs whole.
+work: its drops would depend on the split. In a forward shorter than tp some ranks route
+no token.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from parallel.sequence_parallel import mark_partial_gradients
+from parallel.sequence_parallel import mark_partial_gradients, set_partial
 
 
 def share_routed_work(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> list[str]:
@@ -57,19 +59,15 @@ def _share(moe: nn.Module, group: dist.ProcessGroup, rank: int, tp: int) -> None
     closing = [m for m in moe.modules() if hasattr(m, "partial_output")]
 
     def shared_forward(x: Tensor) -> Tensor:
-        length = x.shape[1]
-        if length < tp:
-            return forward(x)
+        length = x.shape[1]  # (fewer positions than ranks: some ranks route none)
         start, stop = rank * length // tp, (rank + 1) * length // tp
         moe.local_positions = (start, stop)
-        for projection in closing:
-            projection.partial_output = True
+        set_partial(moe, closing, group)
         try:
             out = forward(_OwnPositionsGrad.apply(x, start, stop, group))
         finally:
             moe.local_positions = None
-            for projection in closing:
-                projection.partial_output = False
+            set_partial(moe, closing, None)
         return _SumOutput.apply(out, group)
 
     moe.forward = shared_forward  # (an instance attribute: nn.Module calls it)

@@ -173,11 +173,11 @@ def _whole_sequence(module: nn.Module, layout: _Layout) -> None:
         if keeps_positions:  # (a MoE layer runs its routed experts for the kept tokens only)
             share = layout.full // layout.tp
             module.local_positions = (layout.rank * share, (layout.rank + 1) * share)
-        _set_partial(closing, True)
+        set_partial(module, closing, layout.group)
         try:
             out = forward(_Gather.apply(x, layout), *args, **kwargs)
         finally:
-            _set_partial(closing, False)
+            set_partial(module, closing, None)
             if keeps_positions:
                 module.local_positions = None
         return _ReduceScatter.apply(out, layout) if closing else _Cut.apply(out, layout)
@@ -188,6 +188,21 @@ def _whole_sequence(module: nn.Module, layout: _Layout) -> None:
     module.forward = gathered_forward  # (an instance attribute: nn.Module calls it)
 
 
-def _set_partial(projections: list[nn.Module], partial: bool) -> None:
+def set_partial(
+    module: nn.Module, projections: list[nn.Module], group: dist.ProcessGroup | None
+) -> None:
+    """Row-wise `projections` inside `module` leave their output as the rank's partial sum
+    (group given) or sum it themselves (None); a module that computes with such a sum (a MoE
+    layer's shared experts' gate: `sum_partial`) is told how to complete it."""
     for projection in projections:
-        projection.partial_output = partial
+        projection.partial_output = group is not None
+    if projections and hasattr(module, "sum_partial"):
+        module.sum_partial = None if group is None else _summed_over(group)
+
+
+def _summed_over(group: dist.ProcessGroup):
+    def sum_partial(t: Tensor) -> Tensor:
+        dist.all_reduce(t, group=group)
+        return t
+
+    return sum_partial

@@ -63,6 +63,25 @@ def in_recompute(checkpointed: bool = True) -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+class GatedPartialSum(torch.autograd.Function):
+    """shared (N, C), one rank's partial sum of the shared experts' output, times the gate
+    (N, 1) that every rank computes whole: the product is the rank's partial sum of the gated
+    output, and the gate's gradient, sum_c dout s over the whole s, is the sum over the ranks of
+    each rank's (`sum_partial`: N numbers)."""
+
+    @staticmethod
+    def forward(ctx: object, shared: Tensor, gate: Tensor, sum_partial: Callable) -> Tensor:
+        ctx.save_for_backward(shared, gate)
+        ctx.sum_partial = sum_partial
+        return shared * gate
+
+    @staticmethod
+    def backward(ctx: object, grad: Tensor) -> tuple[Tensor, Tensor, None]:
+        shared, gate = ctx.saved_tensors
+        grad_gate = ctx.sum_partial((grad * shared).sum(-1, keepdim=True, dtype=torch.float32))
+        return grad * gate, grad_gate.to(gate.dtype), None
+
+
 class MoE(Fp32Buffers):
     fp32_buffers = ("tokens_per_expert", "dropped_tokens")
 
@@ -96,6 +115,10 @@ class MoE(Fp32Buffers):
         # run only for those tokens (the router still sees every token: its statistics and
         # balance losses are the whole sequence's). None: every token
         self.local_positions: tuple[int, int] | None = None
+        # set per forward by tensor parallelism while the shared experts' output is each tp
+        # rank's partial sum (their row-wise projection's `partial_output`): sums a tensor over
+        # the ranks, which the shared experts' gate needs for its gradient. None: whole outputs
+        self.sum_partial: Callable[[Tensor], Tensor] | None = None
         self._aux_losses: list[Tensor] = []  # weighted balance losses since the last pop
         self.last_losses: dict[str, Tensor] = {}  # detached, from the last training forward
 
@@ -184,7 +207,11 @@ class MoE(Fp32Buffers):
         if self.shared is not None:
             shared = self.shared(flat)
             if self.shared_gate is not None:
-                shared = shared * torch.sigmoid(self.shared_gate(flat))
+                gate = torch.sigmoid(self.shared_gate(flat))  # (N, 1)
+                if self.sum_partial is None:
+                    shared = shared * gate
+                else:
+                    shared = GatedPartialSum.apply(shared, gate, self.sum_partial)
             out = out + shared
         self._account(routing, counts, dropped, batch)
         return out.view(batch, -1, flat.shape[1]).to(out_dtype)

@@ -94,6 +94,8 @@ SPLIT_CASES = {
     "tiny_mla_sp": ("tiny_mla", DENSE, True, True),
     "tiny_hybrid_sp": ("tiny_hybrid", DENSE | {"n_layers": 4}, True, True),
     "tiny_moe": ("tiny_moe", DENSE, False, True),  # each rank's positions, summed
+    # the shared experts' gate: its gradient summed over tp (the experts' outputs are partial)
+    "tiny_moe_gated_sp": ("tiny_moe", DENSE | {"moe.shared_expert_gate": True}, True, True),
     "tiny_moe_sp": ("tiny_moe", DENSE, True, True),
     "tiny_mhc_sp": ("tiny_mhc", DENSE, True, False),  # (mHC's own activations: not modelled)
     "tiny_engram": ("tiny_engram", ENGRAM, False, False),  # the tables' lookups (not modelled)

@@ -14,6 +14,7 @@ from model.presets import load_preset
 from model.transformer import build_model
 from tests.parallel.ranks import run_ranks
 from tests.parallel.tp_workers import (
+    T,
     assert_equal_one_process,
     assert_same_training,
     tp_forward_backward,
@@ -43,19 +44,41 @@ def test_two_tp_ranks_equal_one_process(overrides):
         assert_equal_one_process(got, whole)
 
 
+GATED = {"d_model": 64, "n_layers": 2, "moe.shared_expert_gate": True}
+
+
 @pytest.mark.parametrize(
-    ("preset", "overrides", "replicated"),
+    ("preset", "overrides", "replicated", "sequence_parallel"),
     [
         # the router and routed experts (MLA, GDN, KDA: tests/parallel/test_tensor_parallel_kinds.py)
-        ("tiny_moe", {"d_model": 64, "n_layers": 2}, "layers.1.ffn"),
+        ("tiny_moe", {"d_model": 64, "n_layers": 2}, "layers.1.ffn", False),
+        # the shared experts' gate multiplies their output: its gradient needs their whole sum,
+        # not the rank's partial one (their row-wise projection's partial_output), with and
+        # without sequence parallelism
+        ("tiny_moe", GATED, "layers.1.ffn", False),
+        ("tiny_moe", GATED, "layers.1.ffn", True),
     ],
+    ids=["moe", "moe_shared_expert_gate", "moe_shared_expert_gate_sequence_parallel"],
 )
-def test_kinds_without_a_plan_run_replicated_and_exact(preset, overrides, replicated):
+def test_kinds_without_a_plan_run_replicated_and_exact(
+    preset, overrides, replicated, sequence_parallel
+):
     whole = tp_forward_backward(0, preset, overrides)
-    for got in run_ranks(2, tp_forward_backward, preset, overrides):
+    for got in run_ranks(2, tp_forward_backward, preset, overrides, T, sequence_parallel):
         assert any(name.startswith(replicated) for name in got["replicated"]), got["replicated"]
         assert "embed.weight" in got["sharded"]
         torch.testing.assert_close(got["loss"], whole["loss"], rtol=1e-6, atol=1e-6)
+        for name, grad in whole["grads"].items():
+            torch.testing.assert_close(got["grads"][name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_moe_forward_shorter_than_tp_gets_one_process_gradients():
+    """A forward of fewer positions than tp ranks runs the MoE layer whole on every rank
+    (parallel/routed_work.py): its router and routed experts then hold whole gradients, which
+    the per-step sum over the tp ranks must not add up again."""
+    overrides = {"d_model": 64, "n_layers": 2}
+    whole = tp_forward_backward(0, "tiny_moe", overrides, 1)
+    for got in run_ranks(2, tp_forward_backward, "tiny_moe", overrides, 1):
         for name, grad in whole["grads"].items():
             torch.testing.assert_close(got["grads"][name], grad, rtol=1e-5, atol=1e-6, msg=name)
 

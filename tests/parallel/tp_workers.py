@@ -26,9 +26,16 @@ def whole(t: torch.Tensor | None) -> torch.Tensor | None:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def tp_forward_backward(rank: int, preset: str, overrides: dict[str, Any]) -> dict[str, Any]:
+def tp_forward_backward(
+    rank: int,
+    preset: str,
+    overrides: dict[str, Any],
+    length: int = T,
+    sequence_parallel: bool = False,
+) -> dict[str, Any]:
     """One fp32 forward + backward of a seeded model, split over every rank as one tp group (or
-    whole, without a process group): loss, whole gradients, scoring log-probs, logits."""
+    whole, without a process group): loss, whole gradients, scoring log-probs, logits. `length`:
+    the first positions of the batch only."""
     from parallel.sequence_parallel import sum_partial_gradients
     from parallel.tensor_parallel import split_over_tp, tp_mesh_of
 
@@ -37,8 +44,8 @@ def tp_forward_backward(rank: int, preset: str, overrides: dict[str, Any]) -> di
     replicated: list[str] = []
     if dist.is_initialized():
         world = dist.get_world_size()
-        replicated = split_over_tp(model, tp_mesh_of(world, world, "cpu"), False)
-    inputs, targets = batch()
+        replicated = split_over_tp(model, tp_mesh_of(world, world, "cpu"), sequence_parallel)
+    inputs, targets = (t[:, :length] for t in batch())
     loss = model(inputs, targets)
     loss.backward()
     sum_partial_gradients(model)  # (a MoE layer's router and routed experts: each rank's tokens)
