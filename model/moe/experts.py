@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
-from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
 
 from model import roles
 from model.init import InitStds, trunc_normal_
@@ -73,10 +73,11 @@ def grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
 @torch.compiler.disable
 def _grouped_mm_meta_probe(dtype: torch.dtype) -> bool:
     try:
-        x = torch.empty(8, 16, device="meta", dtype=dtype)
-        w = torch.empty(3, 16, 16, device="meta", dtype=dtype)
-        offs = torch.empty(3, device="meta", dtype=torch.int32)
-        return torch._grouped_mm(x, w, offs=offs).shape == (8, 16)
+        with _disable_current_modes():
+            x = torch.empty(8, 16, device="meta", dtype=dtype)
+            w = torch.empty(3, 16, 16, device="meta", dtype=dtype)
+            offs = torch.empty(3, device="meta", dtype=torch.int32)
+            return torch._grouped_mm(x, w, offs=offs).shape == (8, 16)
     except (RuntimeError, NotImplementedError, TypeError):
         return False
 
@@ -87,7 +88,9 @@ def _grouped_mm_probe(device_type: str, dtype: torch.dtype) -> bool:
     if not hasattr(torch, "_grouped_mm"):
         return False
     try:
-        with (  # the probe needs autograd: not inference mode (its False would be cached)
+        with (  # the probe needs autograd: not inference mode (its False would be cached);
+            # outside any dispatch mode (selective checkpointing's counts the ops it caches)
+            _disable_current_modes(),
             torch.inference_mode(False),
             torch.enable_grad(),
             torch.autocast(device_type, enabled=False),

@@ -63,3 +63,25 @@ def test_selective_checkpointing_recomputes_only_the_cheap_ops(ops):
     assert ops["selective"]["silu"] == LAYERS and ops["selective"]["rsqrt"] > 0
     assert ops["selective"][SDPA] == 0  # attention output kept
     assert ops["selective"]["mm"] == ops["none"]["mm"]  # matmul outputs kept
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_a_moe_model_checkpointed_from_its_first_step_equals_no_checkpointing(mode):
+    """The grouped-GEMM probe (model/moe/experts.py) runs at the first MoE forward, inside the
+    first checkpointed block: under selective checkpointing its ops went into the checkpoint's
+    cache and the recompute took the probe's tensors for the experts' ("size of tensor a (16)
+    must match ... (256)"). Fresh probes here, as in a new process."""
+    from model.moe.experts import _grouped_mm_meta_probe, _grouped_mm_probe
+
+    overrides = {"d_model": 64, "n_layers": LAYERS, "vocab_size": 128, "max_seq_len": 64}
+    tokens = torch.randint(0, 128, (2, 17), generator=torch.Generator().manual_seed(0))
+    grads = {}
+    for checkpointing in ("none", mode):
+        _grouped_mm_probe.cache_clear()
+        _grouped_mm_meta_probe.cache_clear()
+        model = build_model(load_preset("tiny_moe", overrides), seed=0)
+        apply_activation_checkpointing(model, checkpointing)
+        model(tokens[:, :-1], tokens[:, 1:]).backward()
+        grads[checkpointing] = {n: p.grad for n, p in model.named_parameters()}
+    for name, grad in grads["none"].items():
+        torch.testing.assert_close(grads[mode][name], grad, msg=name)
