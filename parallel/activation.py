@@ -178,7 +178,14 @@ def compile_model(model: Transformer, device_type: str, backend: str = "inductor
             # type 'DeviceMesh' has no len()" (torch 2.13). Inductor's own caller passes it on
             options = {k: v for k, v in options.items() if k != "cpp_wrapper"}
     whole = model.stream.compile_whole_blocks
-    if whole and any(is_checkpointed(block) for block in model.blocks()):
+    checkpointed = any(is_checkpointed(block) for block in model.blocks())
+    if checkpointed and _tensor_parallel(model):
+        # a checkpoint traced inside a tensor-parallel graph saves the tp DeviceMesh (an opaque
+        # graph input) for its recompute, which AOTAutograd refuses ("expected all
+        # tensors_saved_with_vc_check to be Tensors", torch 2.13, any backend): the checkpoint
+        # stays eager around the compiled sublayers, which it recomputes as they are
+        whole = False
+    if whole and checkpointed:
         _checkpoint_inside_the_graphs(model)
         if options:
             # checkpointed blocks compile with their RNG-state bookkeeping, whose op cpp_wrapper's
