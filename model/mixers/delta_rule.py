@@ -17,6 +17,11 @@ s <= r in the same document, else 0):
 The scan over chunks is sequential; everything inside a chunk is matmuls. Padding T up to a
 multiple of C with k = v = beta = g = 0 changes nothing, so results do not depend on C.
 
+A segment of a longer sequence whose incoming state S0 is not known yet (context parallelism:
+each rank holds a segment) is affine in S0: o = o0 + R S0, final = M S0 + b
+(`affine_chunk_gated_delta_rule`); the segments' (M, b) passed on in order give each its S0
+(`combine_segments`), and the result equals one call on the whole sequence.
+
 Packed documents (`doc_starts` (B, T) bool): the state is zero before every document's first
 token. In the chunked form, pairs across documents are masked out of Gamma, the incoming state
 reaches only the chunk's positions before its first document start, and the outgoing state
@@ -24,6 +29,8 @@ keeps only the chunk's last document.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -110,20 +117,25 @@ def _channel_pair_products(a: Tensor, b: Tensor, gamma: Tensor) -> Tensor:
     return (across + placed).reshape(*lead, C, C)
 
 
-def chunk_gated_delta_rule(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    state: Tensor | None = None,
-    doc_starts: Tensor | None = None,
-    chunk: int = 64,
-) -> tuple[Tensor, Tensor]:
-    """Chunk by chunk: the same (o, final state) as `recurrent_gated_delta_rule`. g (B, H, T)
-    decays each head's state (Gated DeltaNet), g (B, H, T, Dk) each key channel (KDA)."""
+class ChunkTerms(NamedTuple):
+    """The per-chunk tensors of the chunked form (module docstring), N chunks of C tokens:
+    U (B, H, N, C, Dv), W and q_in (B, H, N, C, Dk), intra (B, H, N, C, C), k_out (B, H, N, C,
+    Dk), keep (B, H, N, 1 | Dk, 1): the incoming state's decay over the chunk (per head or key
+    channel; 0 where a document starts inside the chunk)."""
+
+    U: Tensor
+    W: Tensor
+    q_in: Tensor
+    intra: Tensor
+    k_out: Tensor
+    keep: Tensor
+
+
+def chunk_terms(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, doc_starts: Tensor | None, chunk: int
+) -> ChunkTerms:
+    """Everything inside the chunks (matmuls and the triangular solves), before the scan."""
     B, H, T, Dk = q.shape
-    Dv = v.shape[-1]
     per_channel = g.dim() == 4
     pad = (-T) % chunk
     q, k, v = (_pad_time(x, pad) for x in (q, k, v))
@@ -163,7 +175,26 @@ def chunk_gated_delta_rule(
         keep = (
             keep * carry[..., -1, None, None]
         )  # a document start inside the chunk ends the old state
+    return ChunkTerms(U, W, q_in, intra, k_out, keep)
 
+
+def chunk_gated_delta_rule(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    state: Tensor | None = None,
+    doc_starts: Tensor | None = None,
+    chunk: int = 64,
+) -> tuple[Tensor, Tensor]:
+    """Chunk by chunk: the same (o, final state) as `recurrent_gated_delta_rule`. g (B, H, T)
+    decays each head's state (Gated DeltaNet), g (B, H, T, Dk) each key channel (KDA)."""
+    B, H, T, Dk = q.shape
+    Dv = v.shape[-1]
+    terms = chunk_terms(q, k, v, g, beta, doc_starts, chunk)
+    U, W, q_in, intra, k_out, keep = terms
+    N, C = U.shape[2], U.shape[3]
     S = q.new_zeros(B, H, Dk, Dv) if state is None else state
     outputs = []
     for n in range(N):
@@ -172,3 +203,66 @@ def chunk_gated_delta_rule(
         S = S * keep[:, :, n] + k_out[:, :, n].transpose(-1, -2) @ new_v
     o = torch.stack(outputs, dim=2).reshape(B, H, N * C, Dv)[:, :, :T]
     return o, S
+
+
+class AffineDeltaRule(NamedTuple):
+    """A segment's outputs and final state as affine maps of its incoming state S0 (B, H, Dk,
+    Dv): o = o0 + R S0 (R (B, H, T, Dk)), final = M S0 + b (M (B, H, Dk, Dk), b (B, H, Dk, Dv))."""
+
+    o0: Tensor
+    R: Tensor
+    M: Tensor
+    b: Tensor
+
+
+def affine_chunk_gated_delta_rule(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    doc_starts: Tensor | None = None,
+    chunk: int = 64,
+) -> AffineDeltaRule:
+    """The chunked form of one segment of a longer sequence whose incoming state is not known
+    yet (context parallelism: fla's KCP). Per chunk n, with S_n = A_n S0 + c_n (A_0 = I, c_0 =
+    0) and P_n = q_in - intra W, G_n = diag(keep) - k_out^T W:
+        out_n = P_n S_n + intra U_n,   S_{n+1} = G_n S_n + k_out^T U_n
+    so o0 = P c + intra U, R = P A, M = A_N, b = c_N. Once the segments before it are done, S0 is
+    their combined final state, and o0 + R S0 equals `chunk_gated_delta_rule` on the whole
+    sequence (a document starting in the segment cuts S0 off where it should: W, q_in and keep
+    carry the document masks). The A chain adds one (Dk, Dk) product per chunk; keep the inputs
+    fp32 (the M chain multiplies decays over the whole segment)."""
+    B, H, T, Dk = q.shape
+    Dv = v.shape[-1]
+    U, W, q_in, intra, k_out, keep = chunk_terms(q, k, v, g, beta, doc_starts, chunk)
+    N, C = U.shape[2], U.shape[3]
+    A = torch.eye(Dk, dtype=q.dtype, device=q.device).expand(B, H, Dk, Dk)
+    c = q.new_zeros(B, H, Dk, Dv)
+    outputs, reads = [], []
+    for n in range(N):
+        P = q_in[:, :, n] - intra[:, :, n] @ W[:, :, n]  # (B, H, C, Dk)
+        outputs.append(P @ c + intra[:, :, n] @ U[:, :, n])
+        reads.append(P @ A)
+        k_t = k_out[:, :, n].transpose(-1, -2)  # (B, H, Dk, C)
+        A = A * keep[:, :, n] - k_t @ (W[:, :, n] @ A)
+        c = c * keep[:, :, n] + k_t @ (U[:, :, n] - W[:, :, n] @ c)
+    o0 = torch.stack(outputs, dim=2).reshape(B, H, N * C, Dv)[:, :, :T]
+    R = torch.stack(reads, dim=2).reshape(B, H, N * C, Dk)[:, :, :T]
+    return AffineDeltaRule(o0, R, A, c)
+
+
+def combine_segments(
+    segments: list[AffineDeltaRule], state: Tensor | None = None
+) -> tuple[list[Tensor], Tensor]:
+    """Consecutive segments of one sequence, each from `affine_chunk_gated_delta_rule`: their
+    outputs and the final state, as one call on the whole sequence gives them (the incoming
+    state passed on in order: S <- M S + b)."""
+    first = segments[0]
+    B, H, Dk, Dv = first.b.shape
+    S = first.b.new_zeros(B, H, Dk, Dv) if state is None else state
+    outputs = []
+    for segment in segments:
+        outputs.append(segment.o0 + segment.R @ S)
+        S = segment.M @ S + segment.b
+    return outputs, S
