@@ -1,0 +1,126 @@
+"""Context parallelism's building blocks: the sequence split over `cp` ranks, and the two ways
+layers look across the split, exactly (issue 57; the trainer does not use them yet).
+
+Load balance (causal attention costs more at later positions): the sequence of T positions is
+cut into 2 cp chunks of T / (2 cp); rank r keeps chunks r and 2 cp - 1 - r (head-tail, or
+"zig-zag"), so every rank does the same attention work. A rank's tensors hold its two chunks
+one after the other, (B, 2 T / (2 cp), ...): `kept_positions` gives their global positions.
+
+- Softmax attention (`attention_over_ranks`): each rank's queries attend to every rank's keys
+  and values, all-gathered in one collective (gathering K and V apart gave wrong K gradients on
+  gloo: backward collectives can pair up across ranks in another order) and put back in global
+  order; the mask compares global positions (causal, sliding window, packed documents). Backward
+  reduce-scatters the keys' and values' gradients to their ranks.
+- The gated delta rule (`delta_rule_over_ranks`, Gated DeltaNet and KDA): each rank runs its two
+  segments from an unknown incoming state (model/mixers/delta_rule.py
+  affine_chunk_gated_delta_rule: o = o0 + R S0, final = M S0 + b), the (M, b) of all 2 cp
+  segments are all-gathered and passed on in global order (S <- M S + b: 2 cp small products per
+  head, every rank the same), and each rank finishes its outputs from its segments' incoming
+  states (fla's "Kimi Context Parallel"). Sent per layer: 2 (Dk + Dv) Dk numbers per head and
+  segment, whatever T.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+from torch import Tensor
+
+from model.mixers.delta_rule import affine_chunk_gated_delta_rule
+
+
+def kept_positions(length: int, cp: int, rank: int, device: torch.device | str = "cpu") -> Tensor:
+    """(2 T / (2 cp),) the global positions rank `rank` keeps: chunks r and 2 cp - 1 - r."""
+    if length % (2 * cp):
+        raise ValueError(f"a sequence of {length} positions does not split into 2 x cp={cp} chunks")
+    chunk = length // (2 * cp)
+    first = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
+    last = torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk, device=device)
+    return torch.cat([first, last])
+
+
+def _global_chunk_order(cp: int) -> list[int]:
+    """Where global chunk j lies in the rank-order concatenation of every rank's two chunks
+    (rank r contributes slots 2 r (its chunk r) and 2 r + 1 (its chunk 2 cp - 1 - r))."""
+    return [2 * j if j < cp else 2 * (2 * cp - 1 - j) + 1 for j in range(2 * cp)]
+
+
+def gather_sequence(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """Every rank's (B, T_local, ...) two chunks -> (B, T, ...) in global order, with autograd
+    (backward sums each position's gradient over the ranks onto the rank that holds it)."""
+    cp = dist.get_world_size(group)
+    gathered = funcol.all_gather_tensor_autograd(x.contiguous(), gather_dim=1, group=group)
+    chunks = gathered.chunk(2 * cp, dim=1)  # rank order: (r0: 0, 2cp-1), (r1: 1, 2cp-2), ...
+    return torch.cat([chunks[slot] for slot in _global_chunk_order(cp)], dim=1)
+
+
+def attention_over_ranks(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_positions: Tensor,
+    group: dist.ProcessGroup,
+    *,
+    window: int = 0,
+    doc_ids: Tensor | None = None,
+    scale: float | None = None,
+) -> Tensor:
+    """Causal attention of this rank's queries over every rank's keys. q (B, H, T_local, Dq),
+    k (B, Hkv, T_local, Dq), v (B, Hkv, T_local, Dv) (Hkv divides H); q_positions (T_local,)
+    global (`kept_positions`); doc_ids (B, T) the whole row's document ids (packed rows) or
+    None; window: keys at most window - 1 positions back (0: all). -> (B, H, T_local, Dv)."""
+    Dq = q.shape[-1]
+    both = gather_sequence(torch.cat([k, v], dim=-1).transpose(1, 2), group).transpose(1, 2)
+    k_all, v_all = both.split([Dq, v.shape[-1]], dim=-1)  # (B, Hkv, T, D) in global order
+    T = k_all.shape[2]
+    k_positions = torch.arange(T, device=q.device)
+    allowed = k_positions[None, :] <= q_positions[:, None]  # (T_local, T)
+    if window:
+        allowed = allowed & (q_positions[:, None] - k_positions[None, :] < window)
+    allowed = allowed[None, None]  # (1, 1, T_local, T)
+    if doc_ids is not None:
+        same = doc_ids[:, q_positions, None] == doc_ids[:, None, :]  # (B, T_local, T)
+        allowed = allowed & same[:, None]
+    groups = q.shape[1] // k_all.shape[1]
+    if groups > 1:
+        k_all, v_all = (t.repeat_interleave(groups, dim=1) for t in (k_all, v_all))
+    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=allowed, scale=scale)
+
+
+def delta_rule_over_ranks(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    group: dist.ProcessGroup,
+    doc_starts: Tensor | None = None,
+    chunk: int = 64,
+) -> tuple[Tensor, Tensor]:
+    """The chunked gated delta rule of this rank's two segments (q, k (B, H, T_local, Dk), v
+    (B, H, T_local, Dv), g (B, H, T_local) or (B, H, T_local, Dk), beta (B, H, T_local),
+    doc_starts (B, T_local): this rank's positions of each), exactly as one call on the whole
+    sequence: (outputs (B, H, T_local, Dv), the sequence's final state (B, H, Dk, Dv), the same
+    on every rank). Inputs fp32."""
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    half = q.shape[2] // 2
+    pieces = [(x[:, :, :half], x[:, :, half:]) for x in (q, k, v, g, beta)]
+    docs = (doc_starts[:, :half], doc_starts[:, half:]) if doc_starts is not None else (None, None)
+    own = [
+        affine_chunk_gated_delta_rule(*(p[i] for p in pieces), doc_starts=docs[i], chunk=chunk)
+        for i in (0, 1)
+    ]
+    Dk = q.shape[-1]
+    # (B, 2 segments, H, Dk, Dk + Dv): both segments' (M, b), gathered in one collective
+    maps = torch.stack([torch.cat([seg.M, seg.b], dim=-1) for seg in own], dim=1)
+    every = gather_sequence(maps, group)  # (B, 2 cp, H, Dk, Dk + Dv) in global segment order
+    state = q.new_zeros(every.shape[0], every.shape[2], Dk, v.shape[-1])
+    incoming = []  # each segment's incoming state, in global order: S <- M S + b
+    for j in range(2 * cp):
+        incoming.append(state)
+        state = every[:, j, ..., :Dk] @ state + every[:, j, ..., Dk:]
+    mine = (rank, 2 * cp - 1 - rank)
+    outputs = [seg.o0 + seg.R @ incoming[j] for seg, j in zip(own, mine, strict=True)]
+    return torch.cat(outputs, dim=2), state

@@ -1,0 +1,128 @@
+"""Context parallelism's building blocks (parallel/context_parallel.py) on cp = 2 and 4 gloo
+ranks against one process, fp32: each rank keeps its head-tail chunks of the sequence, and
+(a) softmax attention over every rank's keys (GQA, a value width other than the key's, packed
+documents crossing the chunks, a sliding window) and (b) the gated delta rule passed on as
+segment states (per-head and per-key-channel decay, documents crossing the chunks) give each
+rank the whole sequence's outputs at its positions, and the gradients of every input (summed
+over the ranks onto the rank holding each position) equal the whole sequence's (1e-5)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model.mixers.delta_rule import chunk_gated_delta_rule
+from model.mixers.gdn import l2_normalize
+from model.mixers.masks import build_mask, document_starts
+from parallel.context_parallel import kept_positions
+from tests.parallel.ranks import run_ranks
+
+pytestmark = pytest.mark.distributed
+
+B, T = 2, 32
+# packed rows: documents start at 0, 3, 13, 20 and 0, 9, 26 (across every cp=4 chunk of 4)
+DOCS = torch.tensor([[0] * 3 + [1] * 10 + [2] * 7 + [3] * 12, [0] * 9 + [1] * 17 + [2] * 6])
+TOL = {"rtol": 1e-5, "atol": 1e-6}
+
+
+def attention_inputs() -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(B, 4, T, 8, generator=gen)
+    k = torch.randn(B, 2, T, 8, generator=gen)
+    v = torch.randn(B, 2, T, 6, generator=gen)
+    weights = torch.randn(B, 4, T, 6, generator=gen)
+    return [q, k, v, weights]
+
+
+def delta_inputs(per_channel: bool) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    q = l2_normalize(torch.randn(B, 3, T, 8, generator=gen)) * 8**-0.5
+    k = l2_normalize(torch.randn(B, 3, T, 8, generator=gen))
+    v = torch.randn(B, 3, T, 6, generator=gen)
+    shape = (B, 3, T, 8) if per_channel else (B, 3, T)
+    g = -torch.rand(*shape, generator=gen) * 0.5
+    beta = torch.rand(B, 3, T, generator=gen)
+    weights = torch.randn(B, 3, T, 6, generator=gen)
+    return [q, k, v, g, beta, weights]
+
+
+def whole_attention(window: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    *leaves, weights = attention_inputs()
+    q, k, v = (x.requires_grad_() for x in leaves)
+    mask, _ = build_mask(T, 0, window=window, doc_ids=DOCS)
+    out = F.scaled_dot_product_attention(
+        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=mask
+    )
+    (out * weights).sum().backward()
+    return out.detach(), [q.grad, k.grad, v.grad]
+
+
+def whole_delta(per_channel: bool) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    *leaves, weights = delta_inputs(per_channel)
+    leaves = [x.requires_grad_() for x in leaves]
+    o, s = chunk_gated_delta_rule(*leaves, None, document_starts(DOCS), 4)
+    ((o * weights).sum() + s.square().sum()).backward()
+    return o.detach(), s.detach(), [x.grad for x in leaves]
+
+
+def over_ranks(rank: int, window: int, per_channel: bool) -> dict:
+    """This rank's positions of both: outputs, final state, and its inputs' gradients."""
+    import torch.distributed as dist
+
+    from parallel.context_parallel import attention_over_ranks, delta_rule_over_ranks
+
+    group, cp = dist.group.WORLD, dist.get_world_size()
+    mine = kept_positions(T, cp, rank)
+    *inputs, weights = attention_inputs()
+    q, k, v = (x[:, :, mine].clone().requires_grad_() for x in inputs)
+    out = attention_over_ranks(q, k, v, mine, group, window=window, doc_ids=DOCS)
+    (out * weights[:, :, mine]).sum().backward()
+    result = {"attention": out.detach(), "attention_grads": [q.grad, k.grad, v.grad]}
+    *inputs, weights = delta_inputs(per_channel)
+    leaves = [x[:, :, mine].clone().requires_grad_() for x in inputs]
+    starts = document_starts(DOCS)[:, mine]
+    o, s = delta_rule_over_ranks(*leaves, group, starts, chunk=4)
+    # the final state's term counted once over the ranks (every rank holds it whole)
+    ((o * weights[:, :, mine]).sum() + s.square().sum() / cp).backward()
+    result |= {"delta": o.detach(), "state": s.detach(), "delta_grads": [x.grad for x in leaves]}
+    return result
+
+
+def assemble(parts: list[torch.Tensor], cp: int) -> torch.Tensor:
+    """Each rank's (B, H, T_local, ...) -> (B, H, T, ...) in global order."""
+    whole = torch.empty(*parts[0].shape[:2], T, *parts[0].shape[3:])
+    for rank, part in enumerate(parts):
+        whole[:, :, kept_positions(T, cp, rank)] = part
+    return whole
+
+
+@pytest.mark.parametrize(
+    ("cp", "window", "per_channel"), [(2, 0, False), (4, 5, True)], ids=["cp2", "cp4_window_kda"]
+)
+def test_attention_and_the_delta_rule_over_cp_ranks_equal_one_process(cp, window, per_channel):
+    out, grads = whole_attention(window)
+    o, s, delta_grads = whole_delta(per_channel)
+    ranks = run_ranks(cp, over_ranks, window, per_channel)
+    torch.testing.assert_close(assemble([r["attention"] for r in ranks], cp), out, **TOL)
+    for i, name in enumerate("qkv"):
+        got = assemble([r["attention_grads"][i] for r in ranks], cp)
+        torch.testing.assert_close(got, grads[i], **TOL, msg=f"attention d{name}")
+    torch.testing.assert_close(assemble([r["delta"] for r in ranks], cp), o, **TOL)
+    for r in ranks:
+        torch.testing.assert_close(r["state"], s, **TOL)
+    for i, name in enumerate(["q", "k", "v", "g", "beta"]):
+        got = assemble([r["delta_grads"][i] for r in ranks], cp)
+        torch.testing.assert_close(got, delta_grads[i], **TOL, msg=f"delta rule d{name}")
+
+
+def test_the_kept_chunks_balance_causal_work():
+    """Rank r keeps chunks r and 2 cp - 1 - r: every rank's queries see the same number of
+    causal keys; a length that does not split into 2 cp chunks is refused."""
+    work = [int((kept_positions(T, 4, r) + 1).sum()) for r in range(4)]
+    assert len(set(work)) == 1
+    assert torch.cat([kept_positions(T, 4, r) for r in range(4)]).sort().values.tolist() == list(
+        range(T)
+    )
+    with pytest.raises(ValueError, match="does not split into 2 x cp=4 chunks"):
+        kept_positions(30, 4, 0)
