@@ -11,6 +11,9 @@ one after the other, (B, 2 T / (2 cp), ...): `kept_positions` gives their global
   gloo: backward collectives can pair up across ranks in another order) and put back in global
   order; the mask compares global positions (causal, sliding window, packed documents). Backward
   reduce-scatters the keys' and values' gradients to their ranks.
+- Causal convolutions (the delta-rule layers' short convs, Engram's dilated one): each chunk
+  reads the last positions of the chunk before it (`previous_rows`), then convolves as usual
+  (their document masks use positions within the document, which stay global).
 - The gated delta rule (`delta_rule_over_ranks`, Gated DeltaNet and KDA): each rank runs its two
   segments from an unknown incoming state (model/mixers/delta_rule.py
   affine_chunk_gated_delta_rule: o = o0 + R S0, final = M S0 + b), the (M, b) of all 2 cp
@@ -54,6 +57,22 @@ def gather_sequence(x: Tensor, group: dist.ProcessGroup) -> Tensor:
     gathered = funcol.all_gather_tensor_autograd(x.contiguous(), gather_dim=1, group=group)
     chunks = gathered.chunk(2 * cp, dim=1)  # rank order: (r0: 0, 2cp-1), (r1: 1, 2cp-2), ...
     return torch.cat([chunks[slot] for slot in _global_chunk_order(cp)], dim=1)
+
+
+def previous_rows(x: Tensor, span: int, group: dist.ProcessGroup) -> Tensor:
+    """The `span` positions before each of this rank's two chunks, (B, 2, span, ...) (zeros
+    before the sequence's start): what a causal convolution of kernel span + 1 (or a dilated
+    one spanning as far) reads across the chunk boundary. x (B, T_local, ...) this rank's two
+    chunks, each at least `span` long. Backward sums the rows' gradients onto their ranks."""
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    half = x.shape[1] // 2
+    if span > half:
+        raise ValueError(f"a chunk of {half} positions is shorter than the span {span} it reads")
+    tails = torch.stack([x[:, half - span : half], x[:, x.shape[1] - span :]], dim=1)
+    every = gather_sequence(tails, group)  # (B, 2 cp, span, ...): chunk j's last rows
+    zeros = torch.zeros_like(every[:, 0])
+    own = (rank, 2 * cp - 1 - rank)
+    return torch.stack([every[:, j - 1] if j > 0 else zeros for j in own], dim=1)
 
 
 def attention_over_ranks(

@@ -3,8 +3,9 @@ ranks against one process, fp32: each rank keeps its head-tail chunks of the seq
 (a) softmax attention over every rank's keys (GQA, a value width other than the key's, packed
 documents crossing the chunks, a sliding window) and (b) the gated delta rule passed on as
 segment states (per-head and per-key-channel decay, documents crossing the chunks) give each
-rank the whole sequence's outputs at its positions, and the gradients of every input (summed
-over the ranks onto the rank holding each position) equal the whole sequence's (1e-5)."""
+rank the whole sequence's outputs at its positions, as (c) does a causal convolution reading the
+previous chunk's last positions; the gradients of every input (summed over the ranks onto the
+rank holding each position) equal the whole sequence's (1e-5)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch.nn.functional as F
 
 from model.mixers.delta_rule import chunk_gated_delta_rule
 from model.mixers.gdn import l2_normalize
-from model.mixers.masks import build_mask, document_starts
+from model.mixers.masks import build_mask, document_starts, positions_in_documents
 from parallel.context_parallel import kept_positions
 from tests.parallel.ranks import run_ranks
 
@@ -86,7 +87,47 @@ def over_ranks(rank: int, window: int, per_channel: bool) -> dict:
     # the final state's term counted once over the ranks (every rank holds it whole)
     ((o * weights[:, :, mine]).sum() + s.square().sum() / cp).backward()
     result |= {"delta": o.detach(), "state": s.detach(), "delta_grads": [x.grad for x in leaves]}
+    x, weight, weights = conv_inputs()
+    x = x[:, mine].clone().requires_grad_()
+    result |= conv_over_ranks(x, weight, mine, weights[:, mine], group)
     return result
+
+
+def conv_inputs() -> list[torch.Tensor]:
+    """x (B, T, D), a depthwise kernel (D, 4), the output's weights (B, T, D)."""
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(B, T, 5, generator=gen)
+    return [x, torch.randn(5, 4, generator=gen), torch.randn(B, T, 5, generator=gen)]
+
+
+def conv_over_ranks(x, weight, mine, weights, group) -> dict:
+    """GDN's causal conv (kernel 4) of this rank's two chunks, each continuing the chunk before
+    it (`previous_rows`), with the documents' own positions."""
+    from model.mixers.gdn import causal_conv
+    from parallel.context_parallel import previous_rows
+
+    past = previous_rows(x, 3, group)
+    positions = positions_in_documents(DOCS)[:, mine]
+    half = x.shape[1] // 2
+    y = torch.cat(
+        [
+            causal_conv(x[:, :half], weight, past[:, 0], positions[:, :half])[0],
+            causal_conv(x[:, half:], weight, past[:, 1], positions[:, half:])[0],
+        ],
+        dim=1,
+    )
+    (y * weights).sum().backward()
+    return {"conv": y.detach(), "conv_grad": x.grad}
+
+
+def whole_conv() -> tuple[torch.Tensor, torch.Tensor]:
+    from model.mixers.gdn import causal_conv
+
+    x, weight, weights = conv_inputs()
+    x.requires_grad_()
+    y = causal_conv(x, weight, None, positions_in_documents(DOCS))[0]
+    (y * weights).sum().backward()
+    return y.detach(), x.grad
 
 
 def assemble(parts: list[torch.Tensor], cp: int) -> torch.Tensor:
@@ -114,6 +155,10 @@ def test_attention_and_the_delta_rule_over_cp_ranks_equal_one_process(cp, window
     for i, name in enumerate(["q", "k", "v", "g", "beta"]):
         got = assemble([r["delta_grads"][i] for r in ranks], cp)
         torch.testing.assert_close(got, delta_grads[i], **TOL, msg=f"delta rule d{name}")
+    y, x_grad = whole_conv()  # (B, T, D): positions on dim 1
+    for key, want in (("conv", y), ("conv_grad", x_grad)):
+        got = assemble([r[key].unsqueeze(1) for r in ranks], cp).squeeze(1)
+        torch.testing.assert_close(got, want, **TOL, msg=key)
 
 
 def test_the_kept_chunks_balance_causal_work():
