@@ -146,8 +146,10 @@ def run_in_parallel(work: Callable[[int, int], None], ranges: list[tuple[int, in
         torch.profiler.record_function("lmforge::threaded_ranges"),  # the pool's ops go unseen
         _borrowed_pool(len(ranges)) as pool,
     ):
-        futures = [pool.submit(_run_range, work, lo, hi, inference) for lo, hi in ranges]
-        try:
+        futures = []
+        try:  # (submitting too: a Ctrl-C that lands before the last submit returns)
+            for lo, hi in ranges:
+                futures.append(pool.submit(_run_range, work, lo, hi, inference))
             errors = [f.exception() for f in futures]
         except BaseException:  # Ctrl-C while waiting: stop what has not begun, let the running
             for future in futures:  # ranges end (they write into the caller's buffers), raise
