@@ -26,7 +26,7 @@ from model.config import ConfigError, ModelConfig
 from model.engram.layer import Engram, TokenCompression
 from model.init import trunc_normal_
 from model.kernels.flash_attention import key_bounds
-from model.loss import chunked_cross_entropy, target_log_probs
+from model.loss import IGNORE_INDEX, chunked_cross_entropy, target_log_probs
 from model.mixers.attention_backend import MASK_FORM_BACKENDS, flex_block_mask
 from model.mixers.kv_cache import Cache
 from model.mixers.masks import AttentionContext, build_mask, document_starts, positions_in_documents
@@ -72,6 +72,10 @@ class Transformer(nn.Module):
         # multi-token prediction modules (training objective, speculative drafts)
         self.mtp = MultiTokenPrediction(cfg) if cfg.mtp.depth else None
         self._mtp_objective: Tensor | None = None
+        # set by context parallelism (parallel/context_parallel.py): `kept(T, device)` the
+        # positions of a training forward this rank computes (None: all), `for_forward(kept,
+        # doc_ids)` what its attention layers read (AttentionContext.context_parallel)
+        self.context_split: object | None = None
         for module in self.modules():  # model.kernels: each op's module picks its kernel
             if hasattr(module, "use_kernels"):
                 module.use_kernels(cfg.kernels)
@@ -171,12 +175,20 @@ class Transformer(nn.Module):
         per_token: with targets, each target's log-probability (B, T) fp32 instead of the mean
         loss (0 where ignored; no gradients): scoring continuations without (B, T, V) logits.
         """
-        trunk, ctx = self._trunk(tokens, doc_ids, cache)
+        kept = None  # context parallelism: the positions this rank computes (training forwards)
+        if self.context_split is not None and targets is not None and not per_token:
+            kept = self.context_split.kept(tokens.shape[1], tokens.device)
+        trunk, ctx = self._trunk(tokens, doc_ids, cache, kept)
         h = self.norm(trunk)
         if targets is None:
             return self.logits_fn(h, self.head_weight)
         if per_token:
             return self.log_probs_fn(h, self.head_weight, targets, self.cfg.loss_chunk_tokens)
+        if kept is not None:  # this rank's share of the whole sequence's mean
+            counted = (targets != IGNORE_INDEX).sum().clamp(min=1)
+            targets = targets[:, kept]
+            share = (targets != IGNORE_INDEX).sum().clamp(min=1) / counted
+            return share * self.loss_fn(h, self.head_weight, targets, self.cfg.loss_chunk_tokens)
         loss = self.loss_fn(h, self.head_weight, targets, self.cfg.loss_chunk_tokens)
         if self.mtp is not None and torch.is_grad_enabled():  # training forwards only
             self._mtp_objective = self.mtp.objective(self, trunk, tokens, targets, ctx)
@@ -200,10 +212,15 @@ class Transformer(nn.Module):
         return self.norm(self._trunk(tokens, doc_ids, cache)[0])
 
     def _trunk(
-        self, tokens: Tensor, doc_ids: Tensor | None, cache: Cache | None
+        self,
+        tokens: Tensor,
+        doc_ids: Tensor | None,
+        cache: Cache | None,
+        kept: Tensor | None = None,
     ) -> tuple[Tensor, AttentionContext]:
         """The last block's output collapsed to (B, T, C), before the final norm, and the
-        context the layers shared."""
+        context the layers shared; with `kept` (T_local,) (context parallelism) only those
+        positions of the sequence: (B, T_local, C)."""
         B, T = tokens.shape
         start = 0
         if cache is not None:
@@ -214,11 +231,16 @@ class Transformer(nn.Module):
             positions = positions_in_documents(doc_ids)
         else:
             positions = torch.arange(start, start + T, device=tokens.device).expand(B, T)
+        if kept is not None:
+            tokens, positions = tokens[:, kept], positions[:, kept]  # (the sequence: T long)
         h = self.embed(tokens)
         additive = self.pos.additive(positions)
         if additive is not None:
             h = h + additive.to(h.dtype)
-        ctx = self._context(tokens, positions, start, doc_ids, h.dtype)
+        if kept is not None:
+            ctx = self._split_context(tokens, positions, doc_ids, kept, T)
+        else:
+            ctx = self._context(tokens, positions, start, doc_ids, h.dtype)
         caches = cache.layers if cache is not None else [None] * len(self.layers)
         state = self.stream.expand(h)
         for block, layer_cache in zip(self.layers.values(), caches):
@@ -270,6 +292,30 @@ class Transformer(nn.Module):
             doc_starts=doc_starts,
             first_key=first_key,
             block_mask=block_mask,
+            **self._memory_ids(tokens),
+        )
+
+    def _split_context(
+        self, tokens: Tensor, positions: Tensor, doc_ids: Tensor | None, kept: Tensor, length: int
+    ) -> AttentionContext:
+        """The context of this rank's positions `kept` of a sequence of `length` split over
+        context-parallel ranks: tokens and positions (B, T_local) already cut; doc_ids (B, T)
+        whole."""
+        doc_starts = document_starts(doc_ids)[:, kept] if doc_ids is not None else None
+        rope = {}
+        for dim in self.rotary_dims:
+            rotations = self.pos.rotary(positions, length, dim)
+            if rotations is not None:
+                rope[dim] = rotations
+        return AttentionContext(
+            positions=positions,
+            rope=rope,
+            mask=None,
+            is_causal=False,
+            start=0,
+            tokens=tokens,
+            doc_starts=doc_starts,
+            context_parallel=self.context_split.for_forward(kept, doc_ids),
             **self._memory_ids(tokens),
         )
 

@@ -1,5 +1,6 @@
-"""Context parallelism's building blocks: the sequence split over `cp` ranks, and the two ways
-layers look across the split, exactly (issue 57; the trainer does not use them yet).
+"""Context parallelism: the sequence split over `cp` ranks, and the ways layers look across the
+split, exactly (the trainer does not offer it yet: `apply_context_parallel` splits a model whose
+layers are all softmax attention; the delta-rule and convolution pieces wait for their layers).
 
 Load balance (causal attention costs more at later positions): the sequence of T positions is
 cut into 2 cp chunks of T / (2 cp); rank r keeps chunks r and 2 cp - 1 - r (head-tail, or
@@ -29,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from model.mixers.delta_rule import affine_chunk_gated_delta_rule
 
@@ -143,3 +144,58 @@ def delta_rule_over_ranks(
     mine = (rank, 2 * cp - 1 - rank)
     outputs = [seg.o0 + seg.R @ incoming[j] for seg, j in zip(own, mine, strict=True)]
     return torch.cat(outputs, dim=2), state
+
+
+class ContextSplit:
+    """What a model split over the context-parallel group `group` asks per forward
+    (model/transformer.py `context_split`): the positions this rank computes, and the attention
+    over every rank's keys."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.cp, self.rank = dist.get_world_size(group), dist.get_rank(group)
+
+    def kept(self, length: int, device: torch.device) -> Tensor | None:
+        """This rank's positions of a training forward of `length`; None (the whole sequence on
+        every rank, the same numbers) when it does not split into 2 cp chunks."""
+        if length % (2 * self.cp):
+            return None
+        return kept_positions(length, self.cp, self.rank, device)
+
+    def for_forward(self, kept: Tensor, doc_ids: Tensor | None) -> _SplitForward:
+        return _SplitForward(kept, doc_ids, self.group)
+
+
+class _SplitForward:
+    """One forward's split (AttentionContext.context_parallel): positions `kept` (T_local,),
+    the whole row's document ids (B, T) or None."""
+
+    def __init__(self, kept: Tensor, doc_ids: Tensor | None, group: dist.ProcessGroup) -> None:
+        self.kept, self.doc_ids, self.group = kept, doc_ids, group
+
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, window: int, scale: float) -> Tensor:
+        return attention_over_ranks(
+            q, k, v, self.kept, self.group, window=window, doc_ids=self.doc_ids, scale=scale
+        )
+
+
+def apply_context_parallel(model: nn.Module, group: dist.ProcessGroup) -> None:
+    """Split `model`'s training forwards over the ranks of `group` (each rank reads the whole
+    rows; the loss each returns is its share of the whole sequence's mean: their sum is one
+    process's loss, and summing the weights' gradients over the group gives its gradients).
+    Layers that look across positions in another way than softmax attention are refused."""
+    cfg = model.cfg
+    kinds = {block.attn.kind for block in model.blocks()}
+    unsupported = sorted(kinds - {"gqa"})
+    if unsupported or cfg.engram.enabled or cfg.mtp.depth or cfg.position == "alibi":
+        found = unsupported + [
+            n
+            for n, on in (
+                ("engram", cfg.engram.enabled),
+                ("mtp", cfg.mtp.depth),
+                ("alibi", cfg.position == "alibi"),
+            )
+            if on
+        ]
+        raise NotImplementedError(f"context parallelism does not split {', '.join(found)} yet")
+    model.context_split = ContextSplit(group)

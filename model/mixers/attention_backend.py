@@ -157,6 +157,10 @@ class KernelChoice:
     ) -> Tensor:
         """Attention through the resolved backend; a training forward under QK-clip folds the
         heads' max logits into `self.max_logits`."""
+        if ctx.context_parallel is not None:  # the keys of every context-parallel rank
+            if self.record_max_logits:
+                raise ValueError("QK-clip's max logits under context parallelism: not built yet")
+            return ctx.context_parallel.attention(q, k, v, self.window, scale)
         want_max = self.record_max_logits and torch.is_grad_enabled()
         backend = self.attention_backend(q.device, ctx.start)
         if backend == "sdpa" and self.backend == "auto" and prefers_matmul(q, k, ctx.start):

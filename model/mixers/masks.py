@@ -38,6 +38,10 @@ class AttentionContext:
     # first visible key per row (None: every row sees keys 0..row), FlexAttention's BlockMask
     first_key: Tensor | None = None
     block_mask: object | None = None
+    # this forward's share of a sequence split over context-parallel ranks (parallel/
+    # context_parallel.py): `attention(q, k, v, window, scale)` attends this rank's queries over
+    # every rank's keys; None: the whole sequence is here
+    context_parallel: object | None = None
 
     def rotations(self, rotary_dim: int) -> Tensor | None:
         """(B, T, R/2) rotations for R = rotary_dim, or None (no RoPE, or rotary_dim 0)."""

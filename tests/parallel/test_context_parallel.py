@@ -171,3 +171,54 @@ def test_the_kept_chunks_balance_causal_work():
     )
     with pytest.raises(ValueError, match="does not split into 2 x cp=4 chunks"):
         kept_positions(30, 4, 0)
+
+
+MODEL = {"vocab_size": 128, "max_seq_len": 64, "d_model": 64, "n_layers": 2}
+MODEL |= {"attention.n_heads": 4, "attention.n_kv_heads": 2}
+
+
+def model_step(rank: int, overrides: dict, packed: bool) -> dict:
+    """One fp32 training forward + backward of the seeded model, split over every rank as one
+    context-parallel group (or whole, without a process group): the loss and each gradient."""
+    import torch.distributed as dist
+
+    from model.presets import load_preset
+    from model.transformer import build_model
+    from parallel.context_parallel import apply_context_parallel
+
+    model = build_model(load_preset("tiny", MODEL | overrides), seed=0)
+    if dist.is_initialized():
+        apply_context_parallel(model, dist.group.WORLD)
+    tokens = torch.randint(0, 128, (B, T + 1), generator=torch.Generator().manual_seed(3))
+    targets = tokens[:, 1:].clone()
+    targets[0, 5:9] = -100  # ignored targets: the mean is over the whole sequence's count
+    loss = model(tokens[:, :-1], targets, doc_ids=DOCS if packed else None)
+    loss.backward()
+    return {"loss": loss.detach(), "grads": {n: p.grad for n, p in model.named_parameters()}}
+
+
+@pytest.mark.parametrize(
+    ("cp", "overrides", "packed"),
+    [(2, {}, False), (4, {"attention.sliding_window": 6}, True)],
+    ids=["cp2", "cp4_packed_window"],
+)
+def test_a_model_split_over_cp_ranks_trains_as_one_process(cp, overrides, packed):
+    """The ranks' losses sum to one process's (each its share of the whole sequence's mean)
+    and their gradients, summed, equal its gradients (what FSDP2's reduction over the
+    context-parallel ranks will do)."""
+    whole = model_step(0, overrides, packed)
+    ranks = run_ranks(cp, model_step, overrides, packed)
+    torch.testing.assert_close(sum(r["loss"] for r in ranks), whole["loss"], **TOL)
+    for name, grad in whole["grads"].items():
+        got = sum(r["grads"][name] for r in ranks)
+        torch.testing.assert_close(got, grad, **TOL, msg=name)
+
+
+def test_layers_it_cannot_split_yet_are_refused():
+    from model.presets import load_preset
+    from model.transformer import build_model
+    from parallel.context_parallel import apply_context_parallel
+
+    model = build_model(load_preset("tiny_hybrid", MODEL | {"n_layers": 4}), device="meta")
+    with pytest.raises(NotImplementedError, match="does not split gdn yet"):
+        apply_context_parallel(model, None)
