@@ -1,6 +1,6 @@
 """Context parallelism: the sequence split over `cp` ranks, and the ways layers look across the
-split, exactly (the trainer does not offer it yet: `apply_context_parallel` splits a model whose
-layers are all softmax attention; the delta-rule and convolution pieces wait for their layers).
+split, exactly (the trainer does not offer it yet: `apply_context_parallel` splits a model of
+softmax attention (GQA/MHA/MQA), Gated DeltaNet and KDA layers).
 
 Load balance (causal attention costs more at later positions): the sequence of T positions is
 cut into 2 cp chunks of T / (2 cp); rank r keeps chunks r and 2 cp - 1 - r (head-tail, or
@@ -178,6 +178,24 @@ class _SplitForward:
             q, k, v, self.kept, self.group, window=window, doc_ids=self.doc_ids, scale=scale
         )
 
+    def causal_conv(self, x: Tensor, weight: Tensor, positions: Tensor | None) -> Tensor:
+        """The delta-rule layers' short conv (model/mixers/gdn.py causal_conv: x (B, T_local,
+        D), weight (D, K)) of each chunk, continuing the chunk before it."""
+        from model.mixers.gdn import causal_conv
+
+        past = previous_rows(x, weight.shape[1] - 1, self.group)
+        half = x.shape[1] // 2
+        out = []
+        for i, part in enumerate((slice(0, half), slice(half, None))):
+            where = positions[:, part] if positions is not None else None
+            out.append(causal_conv(x[:, part], weight, past[:, i], where)[0])
+        return torch.cat(out, dim=1)
+
+    def delta_rule(
+        self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, doc_starts, chunk: int
+    ) -> tuple[Tensor, Tensor]:
+        return delta_rule_over_ranks(q, k, v, g, beta, self.group, doc_starts, chunk)
+
 
 def apply_context_parallel(model: nn.Module, group: dist.ProcessGroup) -> None:
     """Split `model`'s training forwards over the ranks of `group` (each rank reads the whole
@@ -186,7 +204,7 @@ def apply_context_parallel(model: nn.Module, group: dist.ProcessGroup) -> None:
     Layers that look across positions in another way than softmax attention are refused."""
     cfg = model.cfg
     kinds = {block.attn.kind for block in model.blocks()}
-    unsupported = sorted(kinds - {"gqa"})
+    unsupported = sorted(kinds - {"gqa", "gdn", "kda"})
     if unsupported or cfg.engram.enabled or cfg.mtp.depth or cfg.position == "alibi":
         found = unsupported + [
             n

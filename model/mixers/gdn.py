@@ -79,6 +79,8 @@ def delta_rule(
     """The recurrent form for one decoded token (T == 1 with a state), else the chunked one; on
     fla-core's Triton kernels when `kernel` ("auto" | "torch" | "fla") picks them
     (model/mixers/fla_ops.py), else in torch (model/mixers/delta_rule.py)."""
+    if ctx.context_parallel is not None:  # segments on every context-parallel rank
+        return ctx.context_parallel.delta_rule(q, k, v, g, beta, ctx.doc_starts, chunk)
     decoding = state is not None and q.shape[2] == 1
     if use_fla(kernel, q):
         return fla_gated_delta_rule(q, k, v, g, beta, initial, None if decoding else ctx.doc_starts)
@@ -97,7 +99,15 @@ def conv_qkv(
     parts = [layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)]
     positions = ctx.positions if ctx.doc_starts is not None else None
     past = state.conv if state is not None else None
-    mixed, last_inputs = causal_conv(torch.cat(parts, -1), layer.conv.weight[:, 0], past, positions)
+    if ctx.context_parallel is not None:  # each chunk continuing the one before it
+        mixed = ctx.context_parallel.causal_conv(
+            torch.cat(parts, -1), layer.conv.weight[:, 0], positions
+        )
+        last_inputs = None
+    else:
+        mixed, last_inputs = causal_conv(
+            torch.cat(parts, -1), layer.conv.weight[:, 0], past, positions
+        )
     q, k, v = F.silu(mixed).split([t.shape[-1] for t in parts], dim=-1)
     return q, k, v, last_inputs
 

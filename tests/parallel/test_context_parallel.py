@@ -177,7 +177,7 @@ MODEL = {"vocab_size": 128, "max_seq_len": 64, "d_model": 64, "n_layers": 2}
 MODEL |= {"attention.n_heads": 4, "attention.n_kv_heads": 2}
 
 
-def model_step(rank: int, overrides: dict, packed: bool) -> dict:
+def model_step(rank: int, overrides: dict, packed: bool, preset: str = "tiny") -> dict:
     """One fp32 training forward + backward of the seeded model, split over every rank as one
     context-parallel group (or whole, without a process group): the loss and each gradient."""
     import torch.distributed as dist
@@ -186,7 +186,7 @@ def model_step(rank: int, overrides: dict, packed: bool) -> dict:
     from model.transformer import build_model
     from parallel.context_parallel import apply_context_parallel
 
-    model = build_model(load_preset("tiny", MODEL | overrides), seed=0)
+    model = build_model(load_preset(preset, MODEL | overrides), seed=0)
     if dist.is_initialized():
         apply_context_parallel(model, dist.group.WORLD)
     tokens = torch.randint(0, 128, (B, T + 1), generator=torch.Generator().manual_seed(3))
@@ -197,17 +197,25 @@ def model_step(rank: int, overrides: dict, packed: bool) -> dict:
     return {"loss": loss.detach(), "grads": {n: p.grad for n, p in model.named_parameters()}}
 
 
+HYBRID = {"n_layers": 4, "gdn.head_dim": 16, "gdn.v_head_dim": 16}
+
+
 @pytest.mark.parametrize(
-    ("cp", "overrides", "packed"),
-    [(2, {}, False), (4, {"attention.sliding_window": 6}, True)],
-    ids=["cp2", "cp4_packed_window"],
+    ("cp", "preset", "overrides", "packed"),
+    [
+        (2, "tiny", {}, False),
+        (4, "tiny", {"attention.sliding_window": 6}, True),
+        (2, "tiny_hybrid", HYBRID, True),  # Gated DeltaNet: state passing and conv halos
+        (4, "tiny_hybrid", HYBRID, False),
+    ],
+    ids=["cp2", "cp4_packed_window", "cp2_hybrid_packed", "cp4_hybrid"],
 )
-def test_a_model_split_over_cp_ranks_trains_as_one_process(cp, overrides, packed):
+def test_a_model_split_over_cp_ranks_trains_as_one_process(cp, preset, overrides, packed):
     """The ranks' losses sum to one process's (each its share of the whole sequence's mean)
     and their gradients, summed, equal its gradients (what FSDP2's reduction over the
     context-parallel ranks will do)."""
-    whole = model_step(0, overrides, packed)
-    ranks = run_ranks(cp, model_step, overrides, packed)
+    whole = model_step(0, overrides, packed, preset)
+    ranks = run_ranks(cp, model_step, overrides, packed, preset)
     torch.testing.assert_close(sum(r["loss"] for r in ranks), whole["loss"], **TOL)
     for name, grad in whole["grads"].items():
         got = sum(r["grads"][name] for r in ranks)
@@ -219,6 +227,6 @@ def test_layers_it_cannot_split_yet_are_refused():
     from model.transformer import build_model
     from parallel.context_parallel import apply_context_parallel
 
-    model = build_model(load_preset("tiny_hybrid", MODEL | {"n_layers": 4}), device="meta")
-    with pytest.raises(NotImplementedError, match="does not split gdn yet"):
+    model = build_model(load_preset("tiny_mla", MODEL), device="meta")
+    with pytest.raises(NotImplementedError, match="does not split mla yet"):
         apply_context_parallel(model, None)
