@@ -204,7 +204,7 @@ def apply_context_parallel(model: nn.Module, group: dist.ProcessGroup) -> None:
     Layers that look across positions in another way than softmax attention are refused."""
     cfg = model.cfg
     kinds = {block.attn.kind for block in model.blocks()}
-    unsupported = sorted(kinds - {"gqa", "gdn", "kda"})
+    unsupported = sorted(kinds - {"gqa", "mla", "gdn", "kda"})
     if unsupported or cfg.engram.enabled or cfg.mtp.depth or cfg.position == "alibi":
         found = unsupported + [
             n

@@ -207,8 +207,17 @@ HYBRID = {"n_layers": 4, "gdn.head_dim": 16, "gdn.v_head_dim": 16}
         (4, "tiny", {"attention.sliding_window": 6}, True),
         (2, "tiny_hybrid", HYBRID, True),  # Gated DeltaNet: state passing and conv halos
         (4, "tiny_hybrid", HYBRID, False),
+        (2, "tiny_mla", {}, True),  # its per-head keys (nope + rope) and values gathered
+        (2, "tiny_kda", {"n_layers": 4, "kda.head_dim": 16}, True),  # KDA + MLA without RoPE
     ],
-    ids=["cp2", "cp4_packed_window", "cp2_hybrid_packed", "cp4_hybrid"],
+    ids=[
+        "cp2",
+        "cp4_packed_window",
+        "cp2_hybrid_packed",
+        "cp4_hybrid",
+        "cp2_mla_packed",
+        "cp2_kda_packed",
+    ],
 )
 def test_a_model_split_over_cp_ranks_trains_as_one_process(cp, preset, overrides, packed):
     """The ranks' losses sum to one process's (each its share of the whole sequence's mean)
@@ -227,6 +236,6 @@ def test_layers_it_cannot_split_yet_are_refused():
     from model.transformer import build_model
     from parallel.context_parallel import apply_context_parallel
 
-    model = build_model(load_preset("tiny_mla", MODEL), device="meta")
-    with pytest.raises(NotImplementedError, match="does not split mla yet"):
+    model = build_model(load_preset("tiny_engram", MODEL | {"n_layers": 4}), device="meta")
+    with pytest.raises(NotImplementedError, match="does not split engram yet"):
         apply_context_parallel(model, None)
