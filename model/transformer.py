@@ -231,14 +231,15 @@ class Transformer(nn.Module):
             positions = positions_in_documents(doc_ids)
         else:
             positions = torch.arange(start, start + T, device=tokens.device).expand(B, T)
+        whole_tokens, whole_positions = tokens, positions
         if kept is not None:
-            tokens, positions = tokens[:, kept], positions[:, kept]  # (the sequence: T long)
+            tokens, positions = tokens[:, kept], positions[:, kept]
         h = self.embed(tokens)
         additive = self.pos.additive(positions)
         if additive is not None:
             h = h + additive.to(h.dtype)
         if kept is not None:
-            ctx = self._split_context(tokens, positions, doc_ids, kept, T)
+            ctx = self._split_context(whole_tokens, whole_positions, doc_ids, kept)
         else:
             ctx = self._context(tokens, positions, start, doc_ids, h.dtype)
         caches = cache.layers if cache is not None else [None] * len(self.layers)
@@ -296,27 +297,28 @@ class Transformer(nn.Module):
         )
 
     def _split_context(
-        self, tokens: Tensor, positions: Tensor, doc_ids: Tensor | None, kept: Tensor, length: int
+        self, tokens: Tensor, positions: Tensor, doc_ids: Tensor | None, kept: Tensor
     ) -> AttentionContext:
-        """The context of this rank's positions `kept` of a sequence of `length` split over
-        context-parallel ranks: tokens and positions (B, T_local) already cut; doc_ids (B, T)
-        whole."""
+        """The context of this rank's positions `kept` (T_local,) of a sequence split over
+        context-parallel ranks, from the whole row's tokens, positions and doc_ids (B, T)."""
         doc_starts = document_starts(doc_ids)[:, kept] if doc_ids is not None else None
         rope = {}
         for dim in self.rotary_dims:
-            rotations = self.pos.rotary(positions, length, dim)
+            rotations = self.pos.rotary(positions[:, kept], tokens.shape[1], dim)
             if rotations is not None:
                 rope[dim] = rotations
+        memory = self._memory_ids(tokens)  # whole rows: Engram hashes the ids before each one
+        whole = memory.get("memory_tokens")
         return AttentionContext(
-            positions=positions,
+            positions=positions[:, kept],
             rope=rope,
             mask=None,
             is_causal=False,
             start=0,
-            tokens=tokens,
+            tokens=tokens[:, kept],
             doc_starts=doc_starts,
-            context_parallel=self.context_split.for_forward(kept, doc_ids),
-            **self._memory_ids(tokens),
+            context_parallel=self.context_split.for_forward(kept, doc_ids, positions, whole),
+            memory_pad=memory.get("memory_pad"),
         )
 
     def attention_backends(self, device: torch.device, start: int) -> set[str]:

@@ -26,6 +26,8 @@ one after the other, (B, 2 T / (2 cp), ...): `kept_positions` gives their global
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
@@ -62,18 +64,24 @@ def gather_sequence(x: Tensor, group: dist.ProcessGroup) -> Tensor:
 
 def previous_rows(x: Tensor, span: int, group: dist.ProcessGroup) -> Tensor:
     """The `span` positions before each of this rank's two chunks, (B, 2, span, ...) (zeros
-    before the sequence's start): what a causal convolution of kernel span + 1 (or a dilated
-    one spanning as far) reads across the chunk boundary. x (B, T_local, ...) this rank's two
-    chunks, each at least `span` long. Backward sums the rows' gradients onto their ranks."""
+    before the sequence's start): what a causal convolution reading `span` positions back
+    needs across the chunk boundary. x (B, T_local, ...) this rank's two chunks. Each chunk's
+    last min(span, chunk) positions are all-gathered (a span longer than a chunk reaches into
+    the chunks before); backward sums the rows' gradients onto their ranks."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     half = x.shape[1] // 2
-    if span > half:
-        raise ValueError(f"a chunk of {half} positions is shorter than the span {span} it reads")
-    tails = torch.stack([x[:, half - span : half], x[:, x.shape[1] - span :]], dim=1)
-    every = gather_sequence(tails, group)  # (B, 2 cp, span, ...): chunk j's last rows
-    zeros = torch.zeros_like(every[:, 0])
-    own = (rank, 2 * cp - 1 - rank)
-    return torch.stack([every[:, j - 1] if j > 0 else zeros for j in own], dim=1)
+    m = min(span, half)
+    tails = torch.stack([x[:, half - m : half], x[:, x.shape[1] - m :]], dim=1)
+    every = gather_sequence(tails, group)  # (B, 2 cp, m, ...): each chunk's last rows
+    reach = -(-span // m)  # chunks back
+    out = []
+    for j in (rank, 2 * cp - 1 - rank):
+        rows = every[:, max(0, j - reach) : j].flatten(1, 2)  # (B, <= reach m, ...)
+        if rows.shape[1] < span:  # before the sequence's start
+            pad = rows.new_zeros(rows.shape[0], span - rows.shape[1], *rows.shape[2:])
+            rows = torch.cat([pad, rows], dim=1)
+        out.append(rows[:, rows.shape[1] - span :])
+    return torch.stack(out, dim=1)
 
 
 def attention_over_ranks(
@@ -162,33 +170,44 @@ class ContextSplit:
             return None
         return kept_positions(length, self.cp, self.rank, device)
 
-    def for_forward(self, kept: Tensor, doc_ids: Tensor | None) -> _SplitForward:
-        return _SplitForward(kept, doc_ids, self.group)
+    def for_forward(
+        self, kept: Tensor, doc_ids: Tensor | None, positions: Tensor, memory_tokens: Tensor | None
+    ) -> _SplitForward:
+        return _SplitForward(self.group, kept, doc_ids, positions, memory_tokens)
 
 
 class _SplitForward:
-    """One forward's split (AttentionContext.context_parallel): positions `kept` (T_local,),
-    the whole row's document ids (B, T) or None."""
+    """One forward's split (AttentionContext.context_parallel): positions `kept` (T_local,);
+    the whole row's document ids (B, T) or None, positions within documents (B, T) and the ids
+    Engram hashes (B, T) or None (layers that look back over token ids take them whole)."""
 
-    def __init__(self, kept: Tensor, doc_ids: Tensor | None, group: dist.ProcessGroup) -> None:
-        self.kept, self.doc_ids, self.group = kept, doc_ids, group
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        kept: Tensor,
+        doc_ids: Tensor | None,
+        positions: Tensor,
+        memory_tokens: Tensor | None,
+    ) -> None:
+        self.group, self.kept, self.doc_ids = group, kept, doc_ids
+        self.positions, self.memory_tokens = positions, memory_tokens
 
     def attention(self, q: Tensor, k: Tensor, v: Tensor, window: int, scale: float) -> Tensor:
         return attention_over_ranks(
             q, k, v, self.kept, self.group, window=window, doc_ids=self.doc_ids, scale=scale
         )
 
-    def causal_conv(self, x: Tensor, weight: Tensor, positions: Tensor | None) -> Tensor:
-        """The delta-rule layers' short conv (model/mixers/gdn.py causal_conv: x (B, T_local,
-        D), weight (D, K)) of each chunk, continuing the chunk before it."""
-        from model.mixers.gdn import causal_conv
-
-        past = previous_rows(x, weight.shape[1] - 1, self.group)
+    def convolve(self, conv: Callable, x: Tensor, span: int, positions: Tensor | None) -> Tensor:
+        """A causal convolution reading `span` positions back (the delta-rule layers' short
+        convs, Engram's dilated one) of each chunk, continuing the chunk before it:
+        conv(x_chunk, past (B, span, ...), positions_chunk or None) -> y_chunk; x (B, T_local,
+        ...)."""
+        past = previous_rows(x, span, self.group)
         half = x.shape[1] // 2
         out = []
         for i, part in enumerate((slice(0, half), slice(half, None))):
             where = positions[:, part] if positions is not None else None
-            out.append(causal_conv(x[:, part], weight, past[:, i], where)[0])
+            out.append(conv(x[:, part], past[:, i], where))
         return torch.cat(out, dim=1)
 
     def delta_rule(
@@ -205,15 +224,9 @@ def apply_context_parallel(model: nn.Module, group: dist.ProcessGroup) -> None:
     cfg = model.cfg
     kinds = {block.attn.kind for block in model.blocks()}
     unsupported = sorted(kinds - {"gqa", "mla", "gdn", "kda"})
-    if unsupported or cfg.engram.enabled or cfg.mtp.depth or cfg.position == "alibi":
-        found = unsupported + [
-            n
-            for n, on in (
-                ("engram", cfg.engram.enabled),
-                ("mtp", cfg.mtp.depth),
-                ("alibi", cfg.position == "alibi"),
-            )
-            if on
-        ]
+    unsupported += ["mtp"] if cfg.mtp.depth else []
+    unsupported += ["alibi"] if cfg.position == "alibi" else []
+    if unsupported:
+        found = unsupported
         raise NotImplementedError(f"context parallelism does not split {', '.join(found)} yet")
     model.context_split = ContextSplit(group)

@@ -299,20 +299,30 @@ class Engram(nn.Module):
         gate = torch.sigmoid(score.sign() * score.abs().clamp_min(1e-6).sqrt())  # (B, T, n)
         value = gate.to(h.dtype)[..., None] * self.value(e).to(h.dtype)[:, :, None, :]
         past = cache.conv if cache is not None else None
-        mixed, last = dilated_causal_conv(
-            self.conv_norm(value).flatten(2),
-            self.conv.weight[:, 0].to(h.dtype),
-            self.max_ngram,
-            ctx.positions,
-            past,
-        )
-        if cache is not None:
-            cache.conv.copy_(last)
+        weight, u = self.conv.weight[:, 0].to(h.dtype), self.conv_norm(value).flatten(2)
+        if ctx.context_parallel is not None:  # each chunk continuing the one before it
+
+            def conv(chunk: Tensor, before: Tensor, where: Tensor | None) -> Tensor:
+                return dilated_causal_conv(chunk, weight, self.max_ngram, where, before)[0]
+
+            span = (weight.shape[1] - 1) * self.max_ngram
+            mixed = ctx.context_parallel.convolve(conv, u, span, ctx.positions)
+        else:
+            mixed, last = dilated_causal_conv(u, weight, self.max_ngram, ctx.positions, past)
+            if cache is not None:
+                cache.conv.copy_(last)
         out = value + F.silu(mixed).unflatten(-1, (self.streams, self.width))
         return (h + out).reshape(state.shape)
 
     def rows(self, ctx: AttentionContext, cache: EngramState | None) -> Tensor:
         """(B, T, O K) rows of this layer's heads; continues and updates `cache`'s ids."""
+        split = ctx.context_parallel
+        if split is not None:  # hashed over the whole row, then this rank's positions
+            whole = shifted_tokens(
+                split.memory_tokens, split.positions, None, self.max_ngram, ctx.memory_pad
+            )
+            shifted = [ids[:, split.kept] for ids in whole]
+            return ngram_rows(shifted, self.multipliers, self.table.primes)
         if ctx.memory_tokens is None or ctx.memory_pad is None:
             raise ValueError("an Engram layer needs the token ids in the layer context")
         history = cache.tokens if cache is not None else None

@@ -99,15 +99,16 @@ def conv_qkv(
     parts = [layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)]
     positions = ctx.positions if ctx.doc_starts is not None else None
     past = state.conv if state is not None else None
+    x, weight = torch.cat(parts, -1), layer.conv.weight[:, 0]
     if ctx.context_parallel is not None:  # each chunk continuing the one before it
-        mixed = ctx.context_parallel.causal_conv(
-            torch.cat(parts, -1), layer.conv.weight[:, 0], positions
-        )
+
+        def conv(chunk: Tensor, before: Tensor, where: Tensor | None) -> Tensor:
+            return causal_conv(chunk, weight, before, where)[0]
+
+        mixed = ctx.context_parallel.convolve(conv, x, weight.shape[1] - 1, positions)
         last_inputs = None
     else:
-        mixed, last_inputs = causal_conv(
-            torch.cat(parts, -1), layer.conv.weight[:, 0], past, positions
-        )
+        mixed, last_inputs = causal_conv(x, weight, past, positions)
     q, k, v = F.silu(mixed).split([t.shape[-1] for t in parts], dim=-1)
     return q, k, v, last_inputs
 
