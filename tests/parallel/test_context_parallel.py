@@ -214,6 +214,9 @@ HYBRID = {"n_layers": 4, "gdn.head_dim": 16, "gdn.v_head_dim": 16}
         (2, "tiny_kda", {"n_layers": 4, "kda.head_dim": 16}, True),  # KDA + MLA without RoPE
         # n-grams hashed over the whole row, the dilated conv (3 x 3 back) across the chunks
         (2, "tiny_engram", {"n_layers": 4, "engram.table_sizes": [500, 500]}, True),
+        # per token: nothing to exchange beyond the layers' own
+        (2, "tiny_attnres", {}, True),
+        (2, "tiny_mhc", {}, False),
     ],
     ids=[
         "cp2",
@@ -223,6 +226,8 @@ HYBRID = {"n_layers": 4, "gdn.head_dim": 16, "gdn.v_head_dim": 16}
         "cp2_mla_packed",
         "cp2_kda_packed",
         "cp2_engram_packed",
+        "cp2_attnres_packed",
+        "cp2_mhc",
     ],
 )
 def test_a_model_split_over_cp_ranks_trains_as_one_process(cp, preset, overrides, packed):
