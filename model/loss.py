@@ -216,3 +216,13 @@ def target_log_probs(h: Tensor, weight: Tensor, targets: Tensor, chunk_tokens: i
             picked = logits.gather(1, targets[part, None])[:, 0]
             out[part] = picked - torch.logsumexp(logits, dim=-1)
     return out.view(shape)
+
+
+def split_targets(targets: Tensor, kept: Tensor) -> tuple[Tensor, Tensor]:
+    """Context parallelism (a rank computes positions `kept` (T_local,) of the sequence): this
+    rank's targets (B, T_local) and its share of the whole sequence's mean, the targets it
+    counts over all counted ones (0-d), from the whole row's targets (B, T). share x the mean
+    over its targets = its part of the sequence's mean; the parts sum to one process's."""
+    counted = (targets != IGNORE_INDEX).sum().clamp(min=1)
+    local = targets[:, kept]
+    return local, (local != IGNORE_INDEX).sum().clamp(min=1) / counted

@@ -26,7 +26,7 @@ from model.config import ConfigError, ModelConfig
 from model.engram.layer import Engram, TokenCompression
 from model.init import trunc_normal_
 from model.kernels.flash_attention import key_bounds
-from model.loss import IGNORE_INDEX, chunked_cross_entropy, target_log_probs
+from model.loss import chunked_cross_entropy, split_targets, target_log_probs
 from model.mixers.attention_backend import MASK_FORM_BACKENDS, flex_block_mask
 from model.mixers.kv_cache import Cache
 from model.mixers.masks import AttentionContext, build_mask, document_starts, positions_in_documents
@@ -185,11 +185,10 @@ class Transformer(nn.Module):
         if per_token:
             return self.log_probs_fn(h, self.head_weight, targets, self.cfg.loss_chunk_tokens)
         if kept is not None:  # this rank's share of the whole sequence's mean
-            counted = (targets != IGNORE_INDEX).sum().clamp(min=1)
-            targets = targets[:, kept]
-            share = (targets != IGNORE_INDEX).sum().clamp(min=1) / counted
-            return share * self.loss_fn(h, self.head_weight, targets, self.cfg.loss_chunk_tokens)
-        loss = self.loss_fn(h, self.head_weight, targets, self.cfg.loss_chunk_tokens)
+            local, share = split_targets(targets, kept)
+            loss = share * self.loss_fn(h, self.head_weight, local, self.cfg.loss_chunk_tokens)
+        else:
+            loss = self.loss_fn(h, self.head_weight, targets, self.cfg.loss_chunk_tokens)
         if self.mtp is not None and torch.is_grad_enabled():  # training forwards only
             self._mtp_objective = self.mtp.objective(self, trunk, tokens, targets, ctx)
         return loss

@@ -191,6 +191,7 @@ class _SplitForward:
     ) -> None:
         self.group, self.kept, self.doc_ids = group, kept, doc_ids
         self.positions, self.memory_tokens = positions, memory_tokens
+        self.cp = dist.get_world_size(group)
 
     def attention(self, q: Tensor, k: Tensor, v: Tensor, window: int, scale: float) -> Tensor:
         return attention_over_ranks(
@@ -224,7 +225,6 @@ def apply_context_parallel(model: nn.Module, group: dist.ProcessGroup) -> None:
     cfg = model.cfg
     kinds = {block.attn.kind for block in model.blocks()}
     unsupported = sorted(kinds - {"gqa", "mla", "gdn", "kda"})
-    unsupported += ["mtp"] if cfg.mtp.depth else []
     unsupported += ["alibi"] if cfg.position == "alibi" else []
     if unsupported:
         found = unsupported

@@ -34,8 +34,8 @@ from torch import Tensor, nn
 from model.block import Block
 from model.config import LayerSpec, ModelConfig
 from model.init import trunc_normal_
-from model.loss import IGNORE_INDEX
-from model.mixers.masks import AttentionContext
+from model.loss import IGNORE_INDEX, split_targets
+from model.mixers.masks import AttentionContext, document_starts
 from model.norms import build_norm
 from model.training_hooks import Reduce, TrainingHook
 
@@ -123,15 +123,24 @@ class MultiTokenPrediction(nn.Module):
         if self.weight == 0:
             return None
         total = None
+        split = ctx.context_parallel  # (hidden: the rank's positions; tokens, targets: whole)
+        starts = ctx.doc_starts
+        if split is not None:
+            starts = document_starts(split.doc_ids) if split.doc_ids is not None else None
         for k, module in enumerate(self.layers, start=1):
-            valid = shifted_valid(ctx.doc_starts, tokens.shape, k, tokens.device)
+            valid = shifted_valid(starts, tokens.shape, k, tokens.device)
             inputs = roll_left(tokens, k, valid, 0)
             labels = roll_left(targets, k, valid, IGNORE_INDEX)
+            share = 1.0
+            if split is not None:  # this rank's positions, its share of the depth's mean
+                inputs = inputs[:, split.kept]
+                labels, share = split_targets(labels, split.kept)
             hidden, normed = module(hidden, model.embed(inputs), ctx)
             head = model.head_weight
-            loss = model.loss_fn(normed, head, labels, model.cfg.loss_chunk_tokens)
-            with torch.no_grad():
-                self.loss_sums[k - 1] += loss.detach().float()
+            loss = share * model.loss_fn(normed, head, labels, model.cfg.loss_chunk_tokens)
+            with torch.no_grad():  # (split: the shares of the ranks' forwards add up to the mean)
+                ranks = split.cp if split is not None else 1
+                self.loss_sums[k - 1] += loss.detach().float() * ranks
             total = loss if total is None else total + loss
         with torch.no_grad():
             self.forwards += 1

@@ -193,7 +193,8 @@ def model_step(rank: int, overrides: dict, packed: bool, preset: str = "tiny") -
     targets = tokens[:, 1:].clone()
     targets[0, 5:9] = -100  # ignored targets: the mean is over the whole sequence's count
     loss = model(tokens[:, :-1], targets, doc_ids=DOCS if packed else None)
-    loss.backward()
+    mtp = model.pop_mtp_objective()
+    (loss if mtp is None else loss + mtp).backward()
     grads = {
         n: p.grad.to_dense() if p.grad.is_sparse else p.grad for n, p in model.named_parameters()
     }
@@ -217,6 +218,8 @@ HYBRID = {"n_layers": 4, "gdn.head_dim": 16, "gdn.v_head_dim": 16}
         # per token: nothing to exchange beyond the layers' own
         (2, "tiny_attnres", {}, True),
         (2, "tiny_mhc", {}, False),
+        # MTP: its inputs and labels shifted over the whole row, its block split like the stack's
+        (2, "tiny", {"mtp.depth": 2}, True),
     ],
     ids=[
         "cp2",
@@ -228,6 +231,7 @@ HYBRID = {"n_layers": 4, "gdn.head_dim": 16, "gdn.v_head_dim": 16}
         "cp2_engram_packed",
         "cp2_attnres_packed",
         "cp2_mhc",
+        "cp2_mtp_packed",
     ],
 )
 def test_a_model_split_over_cp_ranks_trains_as_one_process(cp, preset, overrides, packed):
@@ -247,6 +251,6 @@ def test_layers_it_cannot_split_yet_are_refused():
     from model.transformer import build_model
     from parallel.context_parallel import apply_context_parallel
 
-    model = build_model(load_preset("tiny", MODEL | {"mtp.depth": 1}), device="meta")
-    with pytest.raises(NotImplementedError, match="does not split mtp yet"):
+    model = build_model(load_preset("tiny", MODEL | {"position": "alibi"}), device="meta")
+    with pytest.raises(NotImplementedError, match="does not split alibi yet"):
         apply_context_parallel(model, None)
