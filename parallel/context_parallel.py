@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from model.mixers.delta_rule import affine_chunk_gated_delta_rule
+from model.mixers.qk_logits import max_logits_per_head
 
 
 def kept_positions(length: int, cp: int, rank: int, device: torch.device | str = "cpu") -> Tensor:
@@ -94,11 +95,14 @@ def attention_over_ranks(
     window: int = 0,
     doc_ids: Tensor | None = None,
     scale: float | None = None,
-) -> Tensor:
+    want_max: bool = False,
+) -> tuple[Tensor, Tensor | None]:
     """Causal attention of this rank's queries over every rank's keys. q (B, H, T_local, Dq),
     k (B, Hkv, T_local, Dq), v (B, Hkv, T_local, Dv) (Hkv divides H); q_positions (T_local,)
     global (`kept_positions`); doc_ids (B, T) the whole row's document ids (packed rows) or
-    None; window: keys at most window - 1 positions back (0: all). -> (B, H, T_local, Dv)."""
+    None; window: keys at most window - 1 positions back (0: all). -> ((B, H, T_local, Dv),
+    with `want_max` each head's largest logit over this rank's queries (H,), for QK-clip,
+    whose hook takes the maximum over the ranks, else None)."""
     Dq = q.shape[-1]
     both = gather_sequence(torch.cat([k, v], dim=-1).transpose(1, 2), group).transpose(1, 2)
     k_all, v_all = both.split([Dq, v.shape[-1]], dim=-1)  # (B, Hkv, T, D) in global order
@@ -111,10 +115,15 @@ def attention_over_ranks(
     if doc_ids is not None:
         same = doc_ids[:, q_positions, None] == doc_ids[:, None, :]  # (B, T_local, T)
         allowed = allowed & same[:, None]
+    new_max = None
+    if want_max:
+        scaling = scale if scale is not None else q.shape[-1] ** -0.5
+        new_max = max_logits_per_head(q, k_all, scaling, allowed, False, 0)
     groups = q.shape[1] // k_all.shape[1]
     if groups > 1:
         k_all, v_all = (t.repeat_interleave(groups, dim=1) for t in (k_all, v_all))
-    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=allowed, scale=scale)
+    out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=allowed, scale=scale)
+    return out, new_max
 
 
 def delta_rule_over_ranks(
@@ -193,9 +202,19 @@ class _SplitForward:
         self.positions, self.memory_tokens = positions, memory_tokens
         self.cp = dist.get_world_size(group)
 
-    def attention(self, q: Tensor, k: Tensor, v: Tensor, window: int, scale: float) -> Tensor:
+    def attention(
+        self, q: Tensor, k: Tensor, v: Tensor, window: int, scale: float, want_max: bool
+    ) -> tuple[Tensor, Tensor | None]:
         return attention_over_ranks(
-            q, k, v, self.kept, self.group, window=window, doc_ids=self.doc_ids, scale=scale
+            q,
+            k,
+            v,
+            self.kept,
+            self.group,
+            window=window,
+            doc_ids=self.doc_ids,
+            scale=scale,
+            want_max=want_max,
         )
 
     def convolve(self, conv: Callable, x: Tensor, span: int, positions: Tensor | None) -> Tensor:

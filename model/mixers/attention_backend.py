@@ -157,15 +157,14 @@ class KernelChoice:
     ) -> Tensor:
         """Attention through the resolved backend; a training forward under QK-clip folds the
         heads' max logits into `self.max_logits`."""
-        if ctx.context_parallel is not None:  # the keys of every context-parallel rank
-            if self.record_max_logits:
-                raise ValueError("QK-clip's max logits under context parallelism: not built yet")
-            return ctx.context_parallel.attention(q, k, v, self.window, scale)
         want_max = self.record_max_logits and torch.is_grad_enabled()
-        backend = self.attention_backend(q.device, ctx.start)
-        if backend == "sdpa" and self.backend == "auto" and prefers_matmul(q, k, ctx.start):
-            backend = "matmul"  # same mask form: the context was built for either
-        out, new_max = ATTENTION_BACKENDS.get(backend)(q, k, v, ctx, scale, want_max)
+        if ctx.context_parallel is not None:  # the keys of every context-parallel rank
+            out, new_max = ctx.context_parallel.attention(q, k, v, self.window, scale, want_max)
+        else:
+            backend = self.attention_backend(q.device, ctx.start)
+            if backend == "sdpa" and self.backend == "auto" and prefers_matmul(q, k, ctx.start):
+                backend = "matmul"  # same mask form: the context was built for either
+            out, new_max = ATTENTION_BACKENDS.get(backend)(q, k, v, ctx, scale, want_max)
         if new_max is not None:
             self.fold_max_logits(new_max)  # (QKClipHooks: this rank's heads under tp)
         return out

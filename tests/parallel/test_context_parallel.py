@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from model.mixers.delta_rule import chunk_gated_delta_rule
 from model.mixers.gdn import l2_normalize
 from model.mixers.masks import build_mask, document_starts, positions_in_documents
+from model.mixers.qk_logits import max_logits_per_head
 from parallel.context_parallel import kept_positions
 from tests.parallel.ranks import run_ranks
 
@@ -56,7 +57,8 @@ def whole_attention(window: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
         q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=mask
     )
     (out * weights).sum().backward()
-    return out.detach(), [q.grad, k.grad, v.grad]
+    top = max_logits_per_head(q, k, 8**-0.5, mask, False, 0)  # QK-clip's, per head
+    return out.detach(), [q.grad, k.grad, v.grad, top]
 
 
 def whole_delta(per_channel: bool) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
@@ -77,9 +79,11 @@ def over_ranks(rank: int, window: int, per_channel: bool) -> dict:
     mine = kept_positions(T, cp, rank)
     *inputs, weights = attention_inputs()
     q, k, v = (x[:, :, mine].clone().requires_grad_() for x in inputs)
-    out = attention_over_ranks(q, k, v, mine, group, window=window, doc_ids=DOCS)
+    out, top = attention_over_ranks(
+        q, k, v, mine, group, window=window, doc_ids=DOCS, want_max=True
+    )
     (out * weights[:, :, mine]).sum().backward()
-    result = {"attention": out.detach(), "attention_grads": [q.grad, k.grad, v.grad]}
+    result = {"attention": out.detach(), "attention_grads": [q.grad, k.grad, v.grad], "max": top}
     *inputs, weights = delta_inputs(per_channel)
     leaves = [x[:, :, mine].clone().requires_grad_() for x in inputs]
     starts = document_starts(DOCS)[:, mine]
@@ -149,6 +153,9 @@ def test_attention_and_the_delta_rule_over_cp_ranks_equal_one_process(cp, window
     for i, name in enumerate("qkv"):
         got = assemble([r["attention_grads"][i] for r in ranks], cp)
         torch.testing.assert_close(got, grads[i], **TOL, msg=f"attention d{name}")
+    # QK-clip's max logit per head: the maximum over the ranks (its hook reduces with max)
+    top = torch.stack([r["max"] for r in ranks]).amax(0)
+    torch.testing.assert_close(top, grads[3], **TOL)
     torch.testing.assert_close(assemble([r["delta"] for r in ranks], cp), o, **TOL)
     for r in ranks:
         torch.testing.assert_close(r["state"], s, **TOL)
