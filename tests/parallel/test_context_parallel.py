@@ -261,3 +261,54 @@ def test_layers_it_cannot_split_yet_are_refused():
     model = build_model(load_preset("tiny", MODEL | {"position": "alibi"}), device="meta")
     with pytest.raises(NotImplementedError, match="does not split alibi yet"):
         apply_context_parallel(model, None)
+
+
+def model_step_cp_tp(rank: int, preset: str, overrides: dict, sequence_parallel: bool) -> dict:
+    """As model_step, on 4 ranks as cp=2 x tp=2 (tp innermost): tensor parallelism's plans
+    (and sequence parallelism inside each rank's positions), then the context split."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from model.presets import load_preset
+    from model.transformer import build_model
+    from parallel.context_parallel import apply_context_parallel
+    from parallel.sequence_parallel import sum_partial_gradients
+    from parallel.tensor_parallel import split_over_tp
+
+    model = build_model(load_preset(preset, MODEL | overrides), seed=0)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
+    split_over_tp(model, mesh["tp"], sequence_parallel)
+    apply_context_parallel(model, mesh["cp"].get_group())
+    tokens = torch.randint(0, 128, (B, T + 1), generator=torch.Generator().manual_seed(3))
+    loss = model(tokens[:, :-1], tokens[:, 1:], doc_ids=DOCS)
+    loss.backward()
+    sum_partial_gradients(model)
+    grads = {}
+    for name, p in model.named_parameters():
+        g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        grads[name] = g
+    return {"loss": loss.detach(), "grads": grads, "cp_rank": mesh["cp"].get_local_rank()}
+
+
+@pytest.mark.parametrize(
+    ("preset", "overrides", "sequence_parallel"),
+    [("tiny", {}, True), ("tiny_hybrid", HYBRID, False)],
+    ids=["tiny_sequence_parallel", "hybrid"],
+)
+def test_context_and_tensor_parallelism_compose(preset, overrides, sequence_parallel):
+    """cp=2 x tp=2 on 4 ranks, packed documents: the two cp ranks' losses sum to one process's
+    and their (tp-gathered) gradients sum to its gradients."""
+    from model.presets import load_preset
+    from model.transformer import build_model
+
+    tokens = torch.randint(0, 128, (B, T + 1), generator=torch.Generator().manual_seed(3))
+    model = build_model(load_preset(preset, MODEL | overrides), seed=0)
+    want = model(tokens[:, :-1], tokens[:, 1:], doc_ids=DOCS)
+    want.backward()
+    ranks = run_ranks(4, model_step_cp_tp, preset, overrides, sequence_parallel)
+    lanes = [next(r for r in ranks if r["cp_rank"] == c) for c in (0, 1)]  # one tp rank each
+    torch.testing.assert_close(sum(r["loss"] for r in lanes), want.detach(), **TOL)
+    for name, p in model.named_parameters():
+        got = sum(r["grads"][name] for r in lanes)
+        torch.testing.assert_close(got, p.grad, **TOL, msg=name)
