@@ -266,7 +266,6 @@ def test_layers_it_cannot_split_yet_are_refused():
 def model_step_cp_tp(rank: int, preset: str, overrides: dict, sequence_parallel: bool) -> dict:
     """As model_step, on 4 ranks as cp=2 x tp=2 (tp innermost): tensor parallelism's plans
     (and sequence parallelism inside each rank's positions), then the context split."""
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
