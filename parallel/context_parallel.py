@@ -37,6 +37,12 @@ from torch import Tensor, nn
 from model.mixers.delta_rule import affine_chunk_gated_delta_rule
 from model.mixers.qk_logits import max_logits_per_head
 
+# the functional all-gather with autograd (backward: a reduce-scatter of the gradients); torch
+# 2.13 renamed it, 2.11 has only the old name
+_ALL_GATHER = (
+    getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+)
+
 
 def kept_positions(length: int, cp: int, rank: int, device: torch.device | str = "cpu") -> Tensor:
     """(2 T / (2 cp),) the global positions rank `rank` keeps: chunks r and 2 cp - 1 - r."""
@@ -58,7 +64,7 @@ def gather_sequence(x: Tensor, group: dist.ProcessGroup) -> Tensor:
     """Every rank's (B, T_local, ...) two chunks -> (B, T, ...) in global order, with autograd
     (backward sums each position's gradient over the ranks onto the rank that holds it)."""
     cp = dist.get_world_size(group)
-    gathered = funcol.all_gather_tensor_autograd(x.contiguous(), gather_dim=1, group=group)
+    gathered = _ALL_GATHER(x.movedim(1, 0).contiguous(), gather_dim=0, group=group).movedim(0, 1)
     chunks = gathered.chunk(2 * cp, dim=1)  # rank order: (r0: 0, 2cp-1), (r1: 1, 2cp-2), ...
     return torch.cat([chunks[slot] for slot in _global_chunk_order(cp)], dim=1)
 
