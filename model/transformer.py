@@ -175,8 +175,11 @@ class Transformer(nn.Module):
         per_token: with targets, each target's log-probability (B, T) fp32 instead of the mean
         loss (0 where ignored; no gradients): scoring continuations without (B, T, V) logits.
         """
-        kept = None  # context parallelism: the positions this rank computes (training forwards)
-        if self.context_split is not None and targets is not None and not per_token:
+        # context parallelism: the positions this rank computes, in forwards with targets
+        # (training and validation losses); see `_split_loss`
+        split = self.context_split is not None and targets is not None and not per_token
+        kept = None
+        if split and cache is None:
             kept = self.context_split.kept(tokens.shape[1], tokens.device)
         trunk, ctx = self._trunk(tokens, doc_ids, cache, kept)
         h = self.norm(trunk)
@@ -191,6 +194,21 @@ class Transformer(nn.Module):
             loss = self.loss_fn(h, self.head_weight, targets, self.cfg.loss_chunk_tokens)
         if self.mtp is not None and torch.is_grad_enabled():  # training forwards only
             self._mtp_objective = self.mtp.objective(self, trunk, tokens, targets, ctx)
+        return self._split_loss(loss, split, kept is not None)
+
+    def _split_loss(self, loss: Tensor, split: bool, was_split: bool) -> Tensor:
+        """Under context parallelism a training forward returns this rank's share of the
+        sequence's mean (the shares and their gradients sum to one process's over the cp ranks;
+        a length that does not split counts 1 / cp on each rank), a forward without gradients
+        the whole mean on every rank (validation)."""
+        if not split:
+            return loss
+        if not torch.is_grad_enabled():
+            return self.context_split.total(loss) if was_split else loss
+        if not was_split:
+            loss = loss / self.context_split.cp
+            if self._mtp_objective is not None:
+                self._mtp_objective = self._mtp_objective / self.context_split.cp
         return loss
 
     def pop_mtp_objective(self) -> Tensor | None:

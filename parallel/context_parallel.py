@@ -185,6 +185,12 @@ class ContextSplit:
             return None
         return kept_positions(length, self.cp, self.rank, device)
 
+    def total(self, loss: Tensor) -> Tensor:
+        """The sum of the ranks' shares (0-d, no gradient): the whole sequence's mean."""
+        whole = loss.detach().clone()
+        dist.all_reduce(whole, group=self.group)
+        return whole
+
     def for_forward(
         self, kept: Tensor, doc_ids: Tensor | None, positions: Tensor, memory_tokens: Tensor | None
     ) -> _SplitForward:
