@@ -258,6 +258,7 @@ def apply_context_parallel(model: nn.Module, group: dist.ProcessGroup) -> None:
     unsupported = sorted(kinds - {"gqa", "mla", "gdn", "kda"})
     unsupported += ["alibi"] if cfg.position == "alibi" else []
     if unsupported:
-        found = unsupported
-        raise NotImplementedError(f"context parallelism does not split {', '.join(found)} yet")
+        raise NotImplementedError(
+            f"context parallelism does not split {', '.join(unsupported)} yet"
+        )
     model.context_split = ContextSplit(group)
