@@ -5,6 +5,7 @@
     python -m model.inspect model=llama2_7b,llama3_8b,deepseek_v3 dtype=bf16   # side by side
     python -m model.inspect model=llama3_70b model.attention.n_kv_heads=64 dp_shard=64 format=json
     python -m model.inspect model=llama3_70b dp_shard=8 tp=8 seq_len=8192 param_dtype=bf16
+    python -m model.inspect model=llama3_8b dp_shard=8 cp=4 seq_len=131072 memory_gib=80
 
 Options: model=<preset>[,<preset>...], model.<key>=<value> (any ModelConfig field), seq_len=<T>
 (default: 8192, or the model's max_seq_len when shorter), dtype=bf16|fp32|fp8 (the KV cache),
@@ -13,11 +14,13 @@ Models are built on the meta device, so the largest presets cost no memory. Size
 MiB, GiB, TiB (powers of 1024).
 
 The layout planner (model/planner.py): what one rank holds and sends per step under
-dp_replicate=<R> dp_shard=<S> tp=<T> ep=<E> (world R x S x T), optimizer=adamw|muon,
+dp_replicate=<R> dp_shard=<S> cp=<C> tp=<T> ep=<E> (world R x S x C x T), optimizer=adamw|muon,
 micro_batch_size=<B> (default 1) and seq_len, activation_checkpoint=none|full (which activations
 the total counts; full also counts the recompute's collectives), reshard_after_forward=true|false,
 sequence_parallel=true|false (with tp > 1: the residual stream split along the sequence over the
-tp ranks, as parallel.sequence_parallel).
+tp ranks, as parallel.sequence_parallel). cp: context parallelism (parallel.cp), each rank
+computing seq_len / cp positions of every sequence; memory_gib=<G>: also the longest seq_len
+whose per-rank total fits G GiB under that layout (how to choose cp for a context).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from model.accounting import (
     training_memory,
 )
 from model.config import ConfigError, ModelConfig
-from model.planner import Layout, rank_plan
+from model.planner import Layout, largest_seq_len, rank_plan
 from model.presets import load_preset, parse_value, preset_names
 from model.transformer import build_model
 
@@ -54,9 +57,10 @@ class InspectArgs:
     param_dtype: str = "fp32"  # training weights (bf16 adds an fp32 master copy)
     format: str = "table"
     layout: dict[str, Any] = field(default_factory=dict)  # planner options (model.planner.Layout)
+    memory_gib: float = 0.0  # > 0: the longest seq_len whose per-rank total fits it
 
 
-INT_OPTIONS = ("dp_replicate", "dp_shard", "tp", "ep", "micro_batch_size")
+INT_OPTIONS = ("dp_replicate", "dp_shard", "cp", "tp", "ep", "micro_batch_size")
 TEXT_OPTIONS = ("optimizer", "activation_checkpoint")
 BOOL_OPTIONS = ("reshard_after_forward", "sequence_parallel")
 
@@ -82,6 +86,13 @@ def parse_args(argv: list[str]) -> InspectArgs:
                 args.seq_len = number
             else:
                 args.layout[key] = number
+        elif key == "memory_gib":
+            try:
+                args.memory_gib = float(text)
+            except ValueError:
+                raise ConfigError(f"memory_gib={text!r} must be a number") from None
+            if args.memory_gib <= 0:
+                raise ConfigError(f"memory_gib={text} must be > 0")
         elif key in ("dtype", "param_dtype", "format"):
             setattr(args, key, text)
         elif key in TEXT_OPTIONS:
@@ -93,7 +104,7 @@ def parse_args(argv: list[str]) -> InspectArgs:
         else:
             raise ConfigError(
                 f"unknown option {key!r}; options: model, model.<key>, seq_len, dtype, param_dtype, "
-                f"format, {', '.join(INT_OPTIONS + TEXT_OPTIONS + BOOL_OPTIONS)}"
+                f"format, memory_gib, {', '.join(INT_OPTIONS + TEXT_OPTIONS + BOOL_OPTIONS)}"
             )
     if args.dtype not in DTYPE_BYTES:
         raise ConfigError(f"dtype={args.dtype!r}; choose one of: {', '.join(DTYPE_BYTES)}")
@@ -124,6 +135,7 @@ def describe(cfg: ModelConfig, seq_len: int, args: InspectArgs) -> dict[str, Any
     layout = layout_of(args, seq_len)
     plan = rank_plan(model, layout)  # checks the layout first (ConfigError)
     memory = training_memory(params.total, args.param_dtype, layout.dp_shard)
+    fits = largest_seq_len(model, layout, args.memory_gib * 2**30) if args.memory_gib else None
     return {
         "layers": cfg.n_layers,
         "layout": cfg.layout_summary(),
@@ -161,10 +173,12 @@ def describe(cfg: ModelConfig, seq_len: int, args: InspectArgs) -> dict[str, Any
         "param_dtype": args.param_dtype,
         **{key: getattr(layout, key) for key in LAYOUT_KEYS},
         **plan.as_dict(),
+        "rank_largest_seq_len": fits,
+        "memory_gib": args.memory_gib or None,
     }
 
 
-LAYOUT_KEYS = ("dp_replicate", "dp_shard", "tp", "ep", "micro_batch_size", "optimizer")
+LAYOUT_KEYS = ("dp_replicate", "dp_shard", "cp", "tp", "ep", "micro_batch_size", "optimizer")
 LAYOUT_KEYS += ("sequence_parallel",)
 
 
@@ -272,7 +286,7 @@ RANK_MEMORY = (
     "total",
 )
 RANK_COMM = ("comm_all_gather", "comm_reduce_scatter", "comm_hsdp_all_reduce", "comm_tp")
-RANK_COMM += ("comm_ep", "comm")
+RANK_COMM += ("comm_ep", "comm_cp", "comm")
 
 ROWS: list[tuple[str, str, Any]] = [
     ("Shape", "layers", str),
@@ -310,6 +324,7 @@ ROWS: list[tuple[str, str, Any]] = [
     ("AdamW training state", "train_state_bytes_per_device", format_bytes),
     *(("Per rank: memory", f"rank_{key}", format_bytes) for key in RANK_MEMORY),
     *(("Per rank: sent per step", f"rank_{key}", format_bytes) for key in RANK_COMM),
+    ("Per rank: longest context", "rank_largest_seq_len", lambda n: "-" if n is None else f"{n:,}"),
 ]
 
 LABELS = {
@@ -349,6 +364,8 @@ LABELS = {
     "rank_comm_hsdp_all_reduce": "HSDP all-reduce (dp_replicate)",
     "rank_comm_tp": "TP all-reduce/gather (tp)",
     "rank_comm_ep": "EP all-to-all (ep)",
+    "rank_comm_cp": "CP K/V all-gather, states (cp)",
+    "rank_largest_seq_len": "seq_len whose total fits memory_gib",
     "rank_comm": "total",
 }
 
@@ -362,7 +379,7 @@ def render_table(results: dict[str, dict[str, Any]], args: InspectArgs) -> None:
     table = Table(
         title=f"Model inspection (seq_len {seq_len}, KV cache {args.dtype}, "
         f"weights {args.param_dtype}); per rank of dp_replicate {layout.dp_replicate} x "
-        f"dp_shard {layout.dp_shard} x tp {layout.tp} ({layout.world} ranks"
+        f"dp_shard {layout.dp_shard} x cp {layout.cp} x tp {layout.tp} ({layout.world} ranks"
         f"{', sequence parallel' if layout.sequence_parallel else ''}), ep {layout.ep}, "
         f"micro-batch {layout.micro_batch_size}, {layout.optimizer}, "
         f"activation_checkpoint {layout.activation_checkpoint}"

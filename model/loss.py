@@ -218,11 +218,12 @@ def target_log_probs(h: Tensor, weight: Tensor, targets: Tensor, chunk_tokens: i
     return out.view(shape)
 
 
-def split_targets(targets: Tensor, kept: Tensor) -> tuple[Tensor, Tensor]:
-    """Context parallelism (a rank computes positions `kept` (T_local,) of the sequence): this
-    rank's targets (B, T_local) and its share of the whole sequence's mean, the targets it
-    counts over all counted ones (0-d), from the whole row's targets (B, T). share x the mean
-    over its targets = its part of the sequence's mean; the parts sum to one process's."""
+def split_targets(targets: Tensor, kept: Tensor, ranks: int) -> tuple[Tensor, Tensor]:
+    """Context parallelism (a rank computes positions `kept` (T_local,) of the sequence, the
+    `ranks` ranks of its group the rest): this rank's targets (B, T_local) and the weight of
+    its mean over them (0-d), ranks x the targets it counts over all counted ones of the whole
+    row's targets (B, T). The ranks' weighted means average to the whole sequence's mean, as
+    data-parallel ranks' losses average to the batch's (so the ranks' gradients average too)."""
     counted = (targets != IGNORE_INDEX).sum().clamp(min=1)
     local = targets[:, kept]
-    return local, (local != IGNORE_INDEX).sum().clamp(min=1) / counted
+    return local, ranks * (local != IGNORE_INDEX).sum().clamp(min=1) / counted

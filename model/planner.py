@@ -18,6 +18,11 @@ optimizer state AdamW 8 (two fp32 moments), Muon 4 (one fp32 momentum) for the r
 orthogonalizes (matrices, expert stacks: optim/roles.py) and AdamW's 8 for the rest. Figures are
 means over the ranks: uneven shards (torch.chunk's, as FSDP2 and DTensor cut) differ by a row.
 
+Context parallelism (cp): FSDP2 shards over dp_shard x cp, every per-token figure counts the
+T / cp positions a rank computes, and model/planner_context.py adds the gathered keys and values,
+the masks and the bytes sent over the cp ranks (comm_cp). `largest_seq_len` finds the longest
+sequence whose rank total fits a memory budget.
+
 Activations: model/planner_activations.py (sequence parallelism divides what the stream between
 the sublayers keeps, and the checkpointed block inputs, by tp). Transient: FSDP2's gathered
 weights (the root, kept gathered, and two blocks: the one running and the one prefetched) in the
@@ -59,12 +64,13 @@ reduce-scatter over P ranks sends (P - 1) / P of the whole, an all-reduce twice 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from torch import nn
 
 from model.config import ConfigError, ModelConfig
 from model.planner_activations import block_saved, loss_fixed_elements, outside_blocks
+from model.planner_context import context_activations, context_comm, context_masks
 from model.registry import RESIDUALS
 from model.roles import EXPERT_STACK, MATRIX, MEMORY, param_roles, role_owners
 from model.transformer import Transformer
@@ -88,17 +94,28 @@ class Layout:
     activation_checkpoint: str = "none"  # none | full: which activations the total counts
     reshard_after_forward: bool = True
     sequence_parallel: bool = False  # tp > 1: the stream between sublayers split over tp
+    cp: int = 1  # context-parallel ranks: each computes T / cp positions of every sequence
 
     @property
     def world(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp
+        return self.dp_replicate * self.dp_shard * self.cp * self.tp
+
+    @property
+    def local_tokens(self) -> int:
+        """The positions of a micro-batch a rank computes (all of them without cp)."""
+        return self.micro_batch_size * self.seq_len // self.cp
 
 
 def check_layout(layout: Layout, cfg: ModelConfig) -> None:
     """One ConfigError line per rule (the trainer's: parallel/mesh.py, expert_parallel.py)."""
-    for key in ("dp_replicate", "dp_shard", "tp", "ep", "micro_batch_size", "seq_len"):
+    for key in ("dp_replicate", "dp_shard", "tp", "ep", "cp", "micro_batch_size", "seq_len"):
         if getattr(layout, key) < 1:
             raise ConfigError(f"{key}={getattr(layout, key)} must be >= 1")
+    if layout.seq_len % (2 * layout.cp):
+        raise ConfigError(
+            f"cp={layout.cp} splits seq_len={layout.seq_len} into 2 x cp chunks: make seq_len a "
+            f"multiple of {2 * layout.cp}"
+        )
     if layout.dp_shard % layout.ep:
         raise ConfigError(
             f"ep={layout.ep} must divide dp_shard={layout.dp_shard}: expert-parallel ranks are "
@@ -139,6 +156,7 @@ class RankPlan:
     comm_hsdp_all_reduce: float
     comm_tp: float
     comm_ep: float
+    comm_cp: float  # keys/values and delta-rule states over the context-parallel ranks
     ac: str
 
     @property
@@ -158,6 +176,7 @@ class RankPlan:
             + self.comm_hsdp_all_reduce
             + self.comm_tp
             + self.comm_ep
+            + self.comm_cp
         )
 
     def as_dict(self) -> dict[str, float]:
@@ -224,7 +243,8 @@ def _units(model: Transformer, experts_apart: bool) -> list[tuple[str, list[nn.P
 def rank_plan(model: Transformer, layout: Layout) -> RankPlan:
     """The per-rank plan of `model` (meta-device) under `layout` (checked here too)."""
     check_layout(layout, model.cfg)
-    tp, ep, S, R = layout.tp, layout.ep, layout.dp_shard, layout.dp_replicate
+    # FSDP2 shards over the data and context ranks together (dp_shard x cp)
+    tp, ep, S, R = layout.tp, layout.ep, layout.dp_shard * layout.cp, layout.dp_replicate
     width = WIDTH[layout.param_dtype]
     shares, children = tensor_parallel_shares(model, tp)
     roles = param_roles(model)
@@ -244,7 +264,7 @@ def rank_plan(model: Transformer, layout: Layout) -> RankPlan:
             name = names[id(p)]
             expert = roles[name] == EXPERT_STACK
             per_tp = p.numel() * shares.get(name, 1.0) / (ep if expert else 1)
-            shards = 1 if id(p) in replicated_tables else S // ep if expert else S
+            shards = 1 if id(p) in replicated_tables else (S // ep if expert else S)
             local = per_tp / shards  # elements = numel x tp_share / ep / shards
             elements += local
             muon = layout.optimizer != "adamw" and roles[name] in MUON_ROLES
@@ -266,7 +286,7 @@ def rank_plan(model: Transformer, layout: Layout) -> RankPlan:
                 largest_block = max(largest_block, unit * width)
     master = elements * 4 if width < 4 else 0.0
     activations = _activations(model, layout, children)
-    tokens = layout.micro_batch_size * layout.seq_len
+    tokens = layout.local_tokens
     chunk = min(model.cfg.loss_chunk_tokens or tokens, tokens)
     logits = chunk * model.cfg.vocab_size / tp * (4 + width)
     return RankPlan(
@@ -283,25 +303,34 @@ def rank_plan(model: Transformer, layout: Layout) -> RankPlan:
         comm_hsdp_all_reduce=hsdp,
         comm_tp=_tp_comm(model, layout, children),
         comm_ep=_ep_comm(model, layout),
+        comm_cp=context_comm(model, layout, _head_shares(children, tp)),
         ac=layout.activation_checkpoint,
     )
+
+
+def _head_shares(children: list, tp: int) -> dict[int, float]:
+    """The fraction of its heads or hidden units a rank holds, by id of each module a tp plan
+    splits."""
+    return {id(parent): 1 / tp for _, _, parent in children}
 
 
 def _activations(model: Transformer, layout: Layout, children: list) -> tuple[float, ...]:
     """(no checkpointing, full checkpointing, one block's recompute) bytes on a rank."""
     width = WIDTH[layout.param_dtype]
-    tokens = layout.micro_batch_size * layout.seq_len
-    planned = {id(parent) for _, _, parent in children}
-    shares = {m: 1 / layout.tp for m in planned}
+    tokens = layout.local_tokens
+    shares = _head_shares(children, layout.tp)
     stream = 1 / layout.tp if layout.sequence_parallel else 1.0  # the positions a rank keeps
     routed = 1 / layout.tp if model.cfg.moe.capacity_factor == 0 else 1.0  # MoE: its positions'
-    main = [block_saved(b, shares, layout.seq_len, stream, routed) for b in model.layers.values()]
-    mtp = [
-        block_saved(b, shares, layout.seq_len, routed=routed) for b in model.blocks()[len(main) :]
+    # (the delta rule's chunks pad each of a cp rank's two segments of T / 2 cp positions)
+    length = layout.seq_len // (2 * layout.cp) if layout.cp > 1 else layout.seq_len
+    main = [block_saved(b, shares, length, stream, routed) for b in model.layers.values()]
+    mtp = [block_saved(b, shares, length, routed=routed) for b in model.blocks()[len(main) :]]
+    blocks = [
+        saved.bytes(width) * tokens + context_activations(b, shares.get(id(b.attn), 1.0), layout)
+        for saved, b in zip(main + mtp, model.blocks(), strict=True)
     ]
-    blocks = [saved.bytes(width) * tokens for saved in main + mtp]
     outside = outside_blocks(model).bytes(width) * tokens
-    outside += loss_fixed_elements(model, layout.tp) * width
+    outside += loss_fixed_elements(model, layout.tp) * width + context_masks(model, layout)
     streams = RESIDUALS.get(model.cfg.residual).parallel_streams(model.cfg) or 1
     inputs = (len(main) * stream + len(mtp)) * streams * model.cfg.d_model * width * tokens
     recompute = max(blocks)
@@ -324,7 +353,7 @@ def _tp_comm(model: Transformer, layout: Layout, children: list) -> float:
     if tp == 1:
         return 0.0
     width = WIDTH[layout.param_dtype]
-    tokens = layout.micro_batch_size * layout.seq_len
+    tokens = layout.local_tokens
     C = model.cfg.d_model
     forward = backward = 0.0  # bytes all-reduced in the blocks
     for style, target, parent in children:
@@ -375,7 +404,7 @@ def _tp_comm(model: Transformer, layout: Layout, children: list) -> float:
     if layout.sequence_parallel:  # the split region's gradients
         partial += _split_region_elements(model)
     if partial:
-        sent += _ring_all_reduce(partial / layout.dp_shard * width, tp)
+        sent += _ring_all_reduce(partial / (layout.dp_shard * layout.cp) * width, tp)
     return sent
 
 
@@ -469,7 +498,7 @@ def _ep_comm(model: Transformer, layout: Layout) -> float:
     ep = layout.ep
     if ep == 1:
         return 0.0
-    tokens = layout.micro_batch_size * layout.seq_len
+    tokens = layout.local_tokens
     layers = [b.ffn for b in model.blocks() if hasattr(b.ffn, "experts")]
     # there and back, in forward and backward (and a full checkpointing recompute's forward)
     passes = 6 if layout.activation_checkpoint == "full" else 4
@@ -477,3 +506,25 @@ def _ep_comm(model: Transformer, layout: Layout) -> float:
     routed = 1 / layout.tp if model.cfg.moe.capacity_factor == 0 else 1.0
     copies = sum(passes * m.top_k * tokens * routed for m in layers)
     return copies * model.cfg.d_model * WIDTH[layout.param_dtype] * (ep - 1) / ep
+
+
+def largest_seq_len(model: Transformer, layout: Layout, budget: float, limit: int = 1 << 24) -> int:
+    """The longest seq_len (a multiple of 2 cp, and of cp x tp under sequence parallelism) whose
+    rank total under `layout` fits `budget` bytes, up to `limit`; 0 when none does. The total
+    grows with the length, so a doubling then a bisection over multiples finds it."""
+    step = 2 * layout.cp * (layout.tp if layout.sequence_parallel else 1)
+
+    def fits(multiple: int) -> bool:
+        plan = rank_plan(model, replace(layout, seq_len=multiple * step))
+        return plan.total <= budget
+
+    if not fits(1):
+        return 0
+    low, high = 1, 2
+    while high * step <= limit and fits(high):
+        low, high = high, 2 * high
+    high = min(high, limit // step + 1)
+    while high - low > 1:  # fits(low), not fits(high) (or past the limit)
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low * step

@@ -187,9 +187,9 @@ class Transformer(nn.Module):
             return self.logits_fn(h, self.head_weight)
         if per_token:
             return self.log_probs_fn(h, self.head_weight, targets, self.cfg.loss_chunk_tokens)
-        if kept is not None:  # this rank's share of the whole sequence's mean
-            local, share = split_targets(targets, kept)
-            loss = share * self.loss_fn(h, self.head_weight, local, self.cfg.loss_chunk_tokens)
+        if kept is not None:  # this rank's weighted mean (the cp ranks' average to the whole's)
+            local, weight = split_targets(targets, kept, self.context_split.cp)
+            loss = weight * self.loss_fn(h, self.head_weight, local, self.cfg.loss_chunk_tokens)
         else:
             loss = self.loss_fn(h, self.head_weight, targets, self.cfg.loss_chunk_tokens)
         if self.mtp is not None and torch.is_grad_enabled():  # training forwards only
@@ -197,18 +197,12 @@ class Transformer(nn.Module):
         return self._split_loss(loss, split, kept is not None)
 
     def _split_loss(self, loss: Tensor, split: bool, was_split: bool) -> Tensor:
-        """Under context parallelism a training forward returns this rank's share of the
-        sequence's mean (the shares and their gradients sum to one process's over the cp ranks;
-        a length that does not split counts 1 / cp on each rank), a forward without gradients
-        the whole mean on every rank (validation)."""
-        if not split:
-            return loss
-        if not torch.is_grad_enabled():
-            return self.context_split.total(loss) if was_split else loss
-        if not was_split:
-            loss = loss / self.context_split.cp
-            if self._mtp_objective is not None:
-                self._mtp_objective = self._mtp_objective / self.context_split.cp
+        """Under context parallelism a training forward returns this rank's weighted mean: the
+        mean over the cp ranks is one process's loss, as over data-parallel ranks (a length
+        that does not split runs whole on every rank: each returns the whole mean); a split
+        forward without gradients returns the whole mean on every rank (validation)."""
+        if split and was_split and not torch.is_grad_enabled():
+            return self.context_split.total(loss)
         return loss
 
     def pop_mtp_objective(self) -> Tensor | None:

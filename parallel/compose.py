@@ -1,6 +1,6 @@
 """The one composition path: a plain model built on the meta device, rewritten in a fixed order
-(expert parallelism -> tensor parallelism -> activation checkpointing -> compile per block ->
-FSDP2), then allocated
+(expert parallelism -> tensor parallelism -> context parallelism -> activation checkpointing ->
+compile per block -> FSDP2), then allocated
 and filled with the weights a single process would have started from.
 
 The same path serves one process and many. With one rank there is no mesh, so the EP and FSDP
@@ -64,6 +64,17 @@ def parallelize(
                 len(replicated),
                 ", ".join(_shorten(replicated)),
             )
+    if meshes is not None and meshes.cp is not None:
+        from parallel.context_parallel import apply_context_parallel
+
+        apply_context_parallel(model, meshes.cp.get_group())
+        cp = meshes.dims.cp
+        log.info(
+            "context parallelism: each rank computes 2 of the %d head-tail chunks of every "
+            "training sequence (1 / %d of its positions)",
+            2 * cp,
+            cp,
+        )
     apply_activation_checkpointing(model, cfg.activation_checkpoint)
     if compile:
         compile_model(model, device_type)

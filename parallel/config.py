@@ -69,6 +69,11 @@ class ParallelConfig:
     # tensor-parallel ranks (heads, hidden units and vocabulary split over them; consecutive
     # ranks, so keep it within a node)
     tp: int = 1
+    # context-parallel ranks: each computes 1 / cp of every sequence's positions (head-tail
+    # chunks, so causal attention work is even) and they exchange keys and values (softmax
+    # attention) or states (Gated DeltaNet, KDA) per layer; for long contexts (parallel/
+    # context_parallel.py). data.seq_len must split into 2 x cp chunks
+    cp: int = 1
     # with tp > 1: the residual stream between sublayers split along the sequence over the tp
     # ranks (norms, residuals, AttnRes/mHC streams take 1 / tp of their activation memory), at
     # one all-gather of the sublayer input more per sublayer (parallel/sequence_parallel.py)
@@ -94,7 +99,7 @@ class ParallelConfig:
             self.dp_shard == -1 or self.dp_shard >= 1,
             f"parallel.dp_shard={self.dp_shard} must be >= 1, or -1 for all remaining ranks",
         )
-        for key in ("dp_replicate", "ep", "tp"):
+        for key in ("dp_replicate", "ep", "tp", "cp"):
             value = getattr(self, key)
             _require(value >= 1, f"parallel.{key}={value} must be >= 1")
         _require(

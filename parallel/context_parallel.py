@@ -34,6 +34,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from model.errors import ConfigError
 from model.mixers.delta_rule import affine_chunk_gated_delta_rule
 from model.mixers.qk_logits import max_logits_per_head
 
@@ -91,6 +92,23 @@ def previous_rows(x: Tensor, span: int, group: dist.ProcessGroup) -> Tensor:
     return torch.stack(out, dim=1)
 
 
+def visible_keys(
+    q_positions: Tensor, length: int, window: int = 0, doc_ids: Tensor | None = None
+) -> Tensor:
+    """The keys each of this rank's queries sees: (1 or B, 1, T_local, T) bool from the global
+    query positions (T_local,), causal, within `window` (0: all), inside its document (doc_ids
+    (B, T) the whole row's, or None)."""
+    k_positions = torch.arange(length, device=q_positions.device)
+    allowed = k_positions[None, :] <= q_positions[:, None]  # (T_local, T)
+    if window:
+        allowed = allowed & (q_positions[:, None] - k_positions[None, :] < window)
+    allowed = allowed[None, None]  # (1, 1, T_local, T)
+    if doc_ids is not None:
+        same = doc_ids[:, q_positions, None] == doc_ids[:, None, :]  # (B, T_local, T)
+        allowed = allowed & same[:, None]
+    return allowed
+
+
 def attention_over_ranks(
     q: Tensor,
     k: Tensor,
@@ -102,33 +120,28 @@ def attention_over_ranks(
     doc_ids: Tensor | None = None,
     scale: float | None = None,
     want_max: bool = False,
+    mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Causal attention of this rank's queries over every rank's keys. q (B, H, T_local, Dq),
     k (B, Hkv, T_local, Dq), v (B, Hkv, T_local, Dv) (Hkv divides H); q_positions (T_local,)
     global (`kept_positions`); doc_ids (B, T) the whole row's document ids (packed rows) or
-    None; window: keys at most window - 1 positions back (0: all). -> ((B, H, T_local, Dv),
+    None; window: keys at most window - 1 positions back (0: all); mask: `visible_keys` of
+    these arguments when the caller keeps it (layers sharing one). -> ((B, H, T_local, Dv),
     with `want_max` each head's largest logit over this rank's queries (H,), for QK-clip,
     whose hook takes the maximum over the ranks, else None)."""
     Dq = q.shape[-1]
     both = gather_sequence(torch.cat([k, v], dim=-1).transpose(1, 2), group).transpose(1, 2)
     k_all, v_all = both.split([Dq, v.shape[-1]], dim=-1)  # (B, Hkv, T, D) in global order
-    T = k_all.shape[2]
-    k_positions = torch.arange(T, device=q.device)
-    allowed = k_positions[None, :] <= q_positions[:, None]  # (T_local, T)
-    if window:
-        allowed = allowed & (q_positions[:, None] - k_positions[None, :] < window)
-    allowed = allowed[None, None]  # (1, 1, T_local, T)
-    if doc_ids is not None:
-        same = doc_ids[:, q_positions, None] == doc_ids[:, None, :]  # (B, T_local, T)
-        allowed = allowed & same[:, None]
+    if mask is None:
+        mask = visible_keys(q_positions, k_all.shape[2], window, doc_ids)
     new_max = None
     if want_max:
         scaling = scale if scale is not None else q.shape[-1] ** -0.5
-        new_max = max_logits_per_head(q, k_all, scaling, allowed, False, 0)
+        new_max = max_logits_per_head(q, k_all, scaling, mask, False, 0)
     groups = q.shape[1] // k_all.shape[1]
     if groups > 1:
         k_all, v_all = (t.repeat_interleave(groups, dim=1) for t in (k_all, v_all))
-    out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=allowed, scale=scale)
+    out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=scale)
     return out, new_max
 
 
@@ -186,10 +199,10 @@ class ContextSplit:
         return kept_positions(length, self.cp, self.rank, device)
 
     def total(self, loss: Tensor) -> Tensor:
-        """The sum of the ranks' shares (0-d, no gradient): the whole sequence's mean."""
+        """The mean of the ranks' weighted means (0-d, no gradient): the whole sequence's."""
         whole = loss.detach().clone()
         dist.all_reduce(whole, group=self.group)
-        return whole
+        return whole / self.cp
 
     def for_forward(
         self, kept: Tensor, doc_ids: Tensor | None, positions: Tensor, memory_tokens: Tensor | None
@@ -213,10 +226,14 @@ class _SplitForward:
         self.group, self.kept, self.doc_ids = group, kept, doc_ids
         self.positions, self.memory_tokens = positions, memory_tokens
         self.cp = dist.get_world_size(group)
+        self._masks: dict[int, Tensor] = {}  # window -> visible_keys, shared by the layers
 
     def attention(
         self, q: Tensor, k: Tensor, v: Tensor, window: int, scale: float, want_max: bool
     ) -> tuple[Tensor, Tensor | None]:
+        if window not in self._masks:  # one mask a forward (per window), not one per layer
+            length = self.kept.numel() * self.cp
+            self._masks[window] = visible_keys(self.kept, length, window, self.doc_ids)
         return attention_over_ranks(
             q,
             k,
@@ -227,6 +244,7 @@ class _SplitForward:
             doc_ids=self.doc_ids,
             scale=scale,
             want_max=want_max,
+            mask=self._masks[window],
         )
 
     def convolve(self, conv: Callable, x: Tensor, span: int, positions: Tensor | None) -> Tensor:
@@ -248,17 +266,25 @@ class _SplitForward:
         return delta_rule_over_ranks(q, k, v, g, beta, self.group, doc_starts, chunk)
 
 
-def apply_context_parallel(model: nn.Module, group: dist.ProcessGroup) -> None:
-    """Split `model`'s training forwards over the ranks of `group` (each rank reads the whole
-    rows; the loss each returns is its share of the whole sequence's mean: their sum is one
-    process's loss, and summing the weights' gradients over the group gives its gradients).
-    Layers that look across positions in another way than softmax attention are refused."""
-    cfg = model.cfg
+def context_parallel_refusal(model: nn.Module) -> str | None:
+    """Why `model` cannot be split over the sequence (one line naming the fix), or None."""
     kinds = {block.attn.kind for block in model.blocks()}
     unsupported = sorted(kinds - {"gqa", "mla", "gdn", "kda"})
-    unsupported += ["alibi"] if cfg.position == "alibi" else []
-    if unsupported:
-        raise NotImplementedError(
-            f"context parallelism does not split {', '.join(unsupported)} yet"
-        )
+    unsupported += ["alibi positions"] if model.cfg.position == "alibi" else []
+    if not unsupported:
+        return None
+    return (
+        f"parallel.cp > 1: context parallelism does not split {', '.join(unsupported)} yet; "
+        "use model.position=rope, or parallel.cp=1"
+    )
+
+
+def apply_context_parallel(model: nn.Module, group: dist.ProcessGroup) -> None:
+    """Split `model`'s training forwards over the ranks of `group` (each rank reads the whole
+    rows; the loss each returns is its weighted mean: their average is one process's loss, and
+    averaging the weights' gradients over the group, as FSDP2 does over data-parallel ranks,
+    gives its gradients). Layers that look across positions in another way than softmax
+    attention and the delta rule are refused (ConfigError)."""
+    if problem := context_parallel_refusal(model):
+        raise ConfigError(problem)
     model.context_split = ContextSplit(group)

@@ -17,6 +17,14 @@ data-parallel sub-mesh of that root (the 2D/3D composition needs one root), and 
 data-parallel index is rank // tp (its tp group reads the same batch rows). With expert
 parallelism too, that root's dp_shard is unflattened into (dp_shard_mod_ep, ep): the experts
 live on the same root as the dense weights, and each tp rank has its own group of ep ranks.
+
+Context parallelism adds a dimension between the data-parallel ones and tp: the root is
+("dp_replicate", "dp_shard", "cp", "tp"). The cp ranks of a group read the same rows and each
+computes its part of every sequence; FSDP2 shards the dense weights over flatten(dp_shard, cp)
+("dp_shard_cp", as torchtitan), so the cp ranks hold shards, not copies, and the gradient
+reduction averages over them (their losses average to the sequence's). With expert parallelism,
+dp_shard is unflattened into (dp_shard_mod_ep, ep) and each expert's weights are sharded over
+flatten(dp_shard_mod_ep, cp): each cp rank has its own group of ep ranks.
 """
 
 from __future__ import annotations
@@ -36,27 +44,30 @@ class ParallelDims:
     ep: int
     world_size: int
     tp: int = 1  # tensor-parallel ranks (innermost: consecutive ranks)
+    cp: int = 1  # context-parallel ranks (next to tp: they exchange keys and values per layer)
 
     @classmethod
     def resolve(cls, cfg: ParallelConfig, world_size: int) -> ParallelDims:
         """Fill in dp_shard=-1 and check that the sizes multiply to the world size."""
-        tp, shard = cfg.tp, cfg.dp_shard
+        tp, cp, shard = cfg.tp, cfg.cp, cfg.dp_shard
+        others = [("dp_replicate", cfg.dp_replicate), ("cp", cp), ("tp", tp)]
+        others = [(name, size) for name, size in others if size > 1 or name == "dp_replicate"]
         if shard == -1:
-            shard, rest = divmod(world_size, cfg.dp_replicate * tp)
+            shard, rest = divmod(world_size, cfg.dp_replicate * cp * tp)
             if rest or shard == 0:
-                sizes = f"parallel.dp_replicate={cfg.dp_replicate}" + (
-                    f" x parallel.tp={tp} = {cfg.dp_replicate * tp}" if tp > 1 else ""
-                )
+                sizes = " x ".join(f"parallel.{name}={size}" for name, size in others)
+                product = cfg.dp_replicate * cp * tp
+                sizes += f" = {product}" if len(others) > 1 else ""
                 raise ConfigError(
                     f"{sizes} does not divide the world size {world_size} (WORLD_SIZE from "
                     "torchrun/srun)"
                 )
-        if cfg.dp_replicate * shard * tp != world_size:
-            with_tp = f" x parallel.tp={tp}" if tp > 1 else ""
+        if cfg.dp_replicate * shard * cp * tp != world_size:
+            sizes = [others[0], ("dp_shard", shard), *others[1:]]
+            product = " x ".join(f"parallel.{name}={size}" for name, size in sizes)
             raise ConfigError(
-                f"parallel.dp_replicate={cfg.dp_replicate} x parallel.dp_shard={shard}{with_tp} = "
-                f"{cfg.dp_replicate * shard * tp} ranks, but the world size is {world_size}; set "
-                "parallel.dp_shard=-1 to use all remaining ranks"
+                f"{product} = {cfg.dp_replicate * shard * cp * tp} ranks, but the world size is "
+                f"{world_size}; set parallel.dp_shard=-1 to use all remaining ranks"
             )
         if shard % cfg.ep:
             raise ConfigError(
@@ -69,6 +80,7 @@ class ParallelDims:
             ep=cfg.ep,
             world_size=world_size,
             tp=tp,
+            cp=cp,
         )
 
     @property
@@ -76,9 +88,14 @@ class ParallelDims:
         """Data-parallel ranks: each reads its own rows of the global batch."""
         return self.dp_replicate * self.dp_shard
 
+    @property
+    def ranks_per_row(self) -> int:
+        """Consecutive ranks that read the same batch rows (a cp x tp group)."""
+        return self.cp * self.tp
+
     def dp_rank(self, rank: int) -> int:
-        """The data-parallel index of global `rank` (the tp ranks of a group share it)."""
-        return rank // self.tp
+        """The data-parallel index of global `rank` (the cp x tp ranks of a group share it)."""
+        return rank // self.ranks_per_row
 
     @property
     def expert_shard(self) -> int:
@@ -91,6 +108,8 @@ class ParallelDims:
             parts.append(f"dp_replicate {self.dp_replicate} (HSDP)")
         if self.ep > 1:
             parts.append(f"ep {self.ep} (expert weights sharded over {self.expert_shard})")
+        if self.cp > 1:
+            parts.append(f"cp {self.cp}")
         if self.tp > 1:
             parts.append(f"tp {self.tp}")
         return ", ".join(parts)
@@ -103,10 +122,13 @@ class Meshes:
     experts: DeviceMesh | None  # (dp_replicate, dp_shard_mod_ep) or (dp_shard_mod_ep,), ep > 1
     ep: DeviceMesh | None  # (ep,) when parallel.ep > 1
     tp: DeviceMesh | None = None  # (tp,) when parallel.tp > 1: a sub-mesh of dense's root
+    cp: DeviceMesh | None = None  # (cp,) when parallel.cp > 1: a sub-mesh of dense's root
 
 
 def build_meshes(dims: ParallelDims, device_type: str) -> Meshes:
     """The meshes over all ranks (the default process group must exist)."""
+    if dims.cp > 1:
+        return _context_parallel_meshes(dims, device_type)
     hsdp = dims.dp_replicate > 1
     if dims.tp > 1:  # one root, tp innermost: FSDP2 composes with TP over its sub-meshes
         root = init_device_mesh(
@@ -141,3 +163,28 @@ def build_meshes(dims: ParallelDims, device_type: str) -> Meshes:
     )
     experts = root["dp_replicate", "dp_shard_mod_ep"] if hsdp else root["dp_shard_mod_ep"]
     return Meshes(dims=dims, dense=dense, experts=experts, ep=root["ep"])
+
+
+def _context_parallel_meshes(dims: ParallelDims, device_type: str) -> Meshes:
+    """Root (dp_replicate, dp_shard, cp, tp); the weights sharded over dp_shard and cp together
+    (the dense ones over flatten(dp_shard, cp), experts over flatten(dp_shard_mod_ep, cp))."""
+    root = init_device_mesh(
+        device_type,
+        (dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp),
+        mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"),
+    )
+    dense = _with_replicas(root, root["dp_shard", "cp"]._flatten("dp_shard_cp"), dims)
+    tp = root["tp"] if dims.tp > 1 else None
+    if dims.ep == 1:
+        return Meshes(dims=dims, dense=dense, experts=None, ep=None, tp=tp, cp=root["cp"])
+    split = root._unflatten("dp_shard", (dims.expert_shard, dims.ep), ("dp_shard_mod_ep", "ep"))
+    experts = split["dp_shard_mod_ep", "cp"]._flatten("dp_shard_mod_ep_cp")
+    experts = _with_replicas(split, experts, dims)
+    return Meshes(dims=dims, dense=dense, experts=experts, ep=split["ep"], tp=tp, cp=root["cp"])
+
+
+def _with_replicas(root: DeviceMesh, shards: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
+    """(dp_replicate, shards) under HSDP, else `shards` (a flattened 1-D mesh of `root`)."""
+    if dims.dp_replicate == 1:
+        return shards
+    return DeviceMesh._concatenate([root["dp_replicate"], shards])

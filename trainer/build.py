@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -186,12 +187,19 @@ def check_start(cfg: RootConfig, world_size: int) -> tuple[ParallelDims, BatchPl
     ENGINES.get(cfg.parallel.engine)  # an unknown parallel.engine names the known ones
     check_expert_layout(dims, cfg.parallel.activation_checkpoint)
     check_sequence_split(cfg.parallel.sequence_parallel, cfg.data.seq_len, dims)
-    if cfg.parallel.sequence_parallel and dims.tp > 1 and cfg.model.moe.capacity_factor > 0:
+    check_context_split(cfg.parallel.sequence_parallel, cfg.data.seq_len, dims)
+    split_by = "parallel.cp > 1" if dims.cp > 1 else "parallel.sequence_parallel=true"
+    if (dims.cp > 1 or cfg.parallel.sequence_parallel) and cfg.model.moe.capacity_factor > 0:
         # each rank routes its own positions through the experts: capacity would be per rank
         raise ConfigError(
-            f"model.moe.capacity_factor={cfg.model.moe.capacity_factor:g} with "
-            "parallel.sequence_parallel=true: the experts see each rank's positions apart, so "
-            "what is dropped would depend on the split; set model.moe.capacity_factor=0"
+            f"model.moe.capacity_factor={cfg.model.moe.capacity_factor:g} with {split_by}: "
+            "the experts see each rank's positions apart, so what is dropped would depend on "
+            "the split; set model.moe.capacity_factor=0"
+        )
+    if dims.cp > 1 and cfg.parallel.engine != "fsdp2":
+        raise ConfigError(
+            f"parallel.cp={dims.cp} runs on parallel.engine=fsdp2 (parallel.engine="
+            f"{cfg.parallel.engine} does not split sequences); set parallel.engine=fsdp2"
         )
     plan = plan_batches(cfg.trainer.batch_size, cfg.trainer.micro_batch_size, dims.dp_ranks)
     if not is_hf(cfg.init_from):
@@ -206,6 +214,7 @@ def check_model_shape(model_cfg: ModelConfig, data: LoaderConfig, dims: Parallel
     heads over parallel.tp, and data.seq_len within its context."""
     check_expert_count(model_cfg, dims)
     check_tensor_parallel_plans(model_cfg, dims.tp)
+    check_context_parallel_layers(model_cfg, dims.cp)
     check_context(model_cfg, data)
 
 
@@ -223,6 +232,39 @@ def check_tensor_parallel_plans(model_cfg: ModelConfig, tp: int) -> None:
         plan = getattr(module, "tensor_parallel_plan", None)
         if plan is not None:
             plan(tp)
+
+
+def check_context_parallel_layers(model_cfg: ModelConfig, cp: int) -> None:
+    """Every layer of the model splits over the sequence (on the meta device, at start-up)."""
+    if cp == 1:
+        return
+    from model.transformer import build_model
+    from parallel.context_parallel import context_parallel_refusal
+
+    vocab = model_cfg.vocab_size or 8192
+    model = build_model(dataclasses.replace(model_cfg, vocab_size=vocab), device="meta")
+    if problem := context_parallel_refusal(model):
+        raise ConfigError(problem)
+
+
+def check_context_split(sequence_parallel: bool, seq_len: int, dims: ParallelDims) -> None:
+    """parallel.cp splits each training window into 2 cp head-tail chunks (and sequence
+    parallelism splits each rank's two chunks over tp)."""
+    if dims.cp == 1:
+        return
+    parts = 2 * dims.cp
+    if seq_len % parts:
+        raise ConfigError(
+            f"parallel.cp={dims.cp} splits each window of data.seq_len={seq_len} into 2 x cp = "
+            f"{parts} chunks; make data.seq_len a multiple of {parts}"
+        )
+    if sequence_parallel and (seq_len // dims.cp) % dims.tp:
+        multiple = math.lcm(parts, dims.cp * dims.tp)
+        raise ConfigError(
+            f"parallel.cp={dims.cp} with parallel.sequence_parallel=true splits each rank's "
+            f"{seq_len // dims.cp} positions over parallel.tp={dims.tp}; make data.seq_len a "
+            f"multiple of {multiple}"
+        )
 
 
 def check_sequence_split(sequence_parallel: bool, seq_len: int, dims: ParallelDims) -> None:

@@ -131,16 +131,15 @@ class MultiTokenPrediction(nn.Module):
             valid = shifted_valid(starts, tokens.shape, k, tokens.device)
             inputs = roll_left(tokens, k, valid, 0)
             labels = roll_left(targets, k, valid, IGNORE_INDEX)
-            share = 1.0
-            if split is not None:  # this rank's positions, its share of the depth's mean
+            weight = 1.0
+            if split is not None:  # this rank's positions, its weighted mean (as the loss's)
                 inputs = inputs[:, split.kept]
-                labels, share = split_targets(labels, split.kept)
+                labels, weight = split_targets(labels, split.kept, split.cp)
             hidden, normed = module(hidden, model.embed(inputs), ctx)
             head = model.head_weight
-            loss = share * model.loss_fn(normed, head, labels, model.cfg.loss_chunk_tokens)
-            with torch.no_grad():  # (split: the shares of the ranks' forwards add up to the mean)
-                ranks = split.cp if split is not None else 1
-                self.loss_sums[k - 1] += loss.detach().float() * ranks
+            loss = weight * model.loss_fn(normed, head, labels, model.cfg.loss_chunk_tokens)
+            with torch.no_grad():  # (split: the ranks' weighted means average to the depth's)
+                self.loss_sums[k - 1] += loss.detach().float()
             total = loss if total is None else total + loss
         with torch.no_grad():
             self.forwards += 1

@@ -117,6 +117,11 @@ def refuse_unsupported(request: EngineRequest, optimizer_name: str) -> None:
             "parallel.tp > 1: tensor parallelism runs on parallel.engine=fsdp2 (DeepSpeed's "
             "AutoTP is not wired in); use parallel.engine=fsdp2 with parallel.tp"
         )
+    if request.dims.cp > 1:
+        problems.append(
+            "parallel.cp > 1: context parallelism runs on parallel.engine=fsdp2 (DeepSpeed's "
+            "Ulysses sequence parallelism is not wired in); use parallel.engine=fsdp2"
+        )
     if request.dims.dp_replicate > 1:
         problems.append(
             "parallel.dp_replicate > 1 (HSDP) is FSDP2's layout; ZeRO partitions over every rank"

@@ -19,6 +19,32 @@ def test_dp_shard_takes_all_remaining_ranks() -> None:
     assert (dims.dp_replicate, dims.dp_shard, dims.tp, dims.dp_ranks) == (2, 2, 2, 4)
     assert [dims.dp_rank(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]  # tp innermost
     assert dims.describe().endswith("tp 2")
+    dims = ParallelDims.resolve(ParallelConfig(cp=2, tp=2), 8)
+    assert (dims.dp_shard, dims.cp, dims.tp, dims.dp_ranks, dims.ranks_per_row) == (2, 2, 2, 2, 4)
+    assert [dims.dp_rank(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]  # cp x tp innermost
+    assert dims.describe().endswith("cp 2, tp 2")
+
+
+def test_context_parallel_meshes_shard_over_data_and_context_ranks() -> None:
+    """Rank 5 of dp_replicate 2 x dp_shard 2 (ep 2) x cp 2 x tp 1 (one process, a fake group):
+    dense weights sharded over dp_shard x cp of its replica, experts over cp (dp_shard is all
+    ep), its cp partner the next rank."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from parallel.mesh import build_meshes
+
+    dims = ParallelDims.resolve(ParallelConfig(dp_replicate=2, ep=2, cp=2), 8)
+    dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=8)
+    try:
+        meshes = build_meshes(dims, "cpu")
+        assert meshes.dense.mesh.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+        assert meshes.experts.mesh.tolist() == [[0, 1], [4, 5]]
+        assert meshes.ep.mesh.tolist() == [5, 7]
+        assert meshes.cp.mesh.tolist() == [4, 5]
+        assert meshes.tp is None
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize(
@@ -40,6 +66,11 @@ def test_dp_shard_takes_all_remaining_ranks() -> None:
             r"parallel.dp_replicate=1 x parallel.dp_shard=4 x parallel.tp=2 = 8 ranks, but the",
         ),
         (dict(tp=2, ep=4), 4, "parallel.ep=4 must divide parallel.dp_shard=2"),
+        (
+            dict(cp=2, tp=2),
+            6,
+            r"parallel.dp_replicate=1 x parallel.cp=2 x parallel.tp=2 = 4 does not divide",
+        ),
     ],
 )
 def test_inconsistent_sizes_fail_with_the_keys(cfg: dict, world: int, message: str) -> None:
@@ -53,6 +84,7 @@ def test_inconsistent_sizes_fail_with_the_keys(cfg: dict, world: int, message: s
         (dict(dp_shard=0), "parallel.dp_shard=0 must be >= 1, or -1"),
         (dict(ep=0), "parallel.ep=0 must be >= 1"),
         (dict(tp=0), "parallel.tp=0 must be >= 1"),
+        (dict(cp=0), "parallel.cp=0 must be >= 1"),
         (dict(sequence_parallel=True), r"they need parallel.tp > 1 \(got parallel.tp=1\)"),
         (dict(async_tp=True), r"they need parallel.tp > 1 \(got parallel.tp=1\)"),
         (dict(activation_checkpoint="some"), "parallel.activation_checkpoint='some' is not one of"),

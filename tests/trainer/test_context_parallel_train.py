@@ -1,0 +1,136 @@
+"""`torchrun -m trainer parallel.cp=2` end to end on CPU (gloo, fp32): cp=2 trains the loss curve
+of one process (packed documents crossing the ranks' chunks, a sample generated under the split,
+validation whole), checkpoints move between context-parallel sizes (cp=2 -> one process, one
+process -> dp_shard=2 x cp=2 with activation checkpointing) and continue it exactly, a hybrid
+Gated DeltaNet model on cp=2 x tp=2 with MuonClip trains one process's curve; what context
+parallelism does not take is refused at start in one line."""
+
+from __future__ import annotations
+
+import pytest
+
+from model.errors import ConfigError
+from model.presets import load_preset
+from tests.trainer.helpers import SMALL_MODEL, SMALL_OVERRIDES, run_trainer, small_config
+from tests.trainer.helpers import train_losses as losses_of
+from tests.trainer.test_tensor_parallel_train import assert_same_losses
+from tests.trainer.test_torchrun import torchrun
+from trainer.build import check_start
+
+pytestmark = [pytest.mark.integration, pytest.mark.distributed]
+
+FP32 = ["trainer.precision=fp32", "trainer.max_steps=4", "trainer.doc_mask=true"]
+
+
+def test_context_parallel_runs_equal_one_process_and_resume_across_cp_sizes(dataset, tmp_path):
+    common = [f"data.path={dataset}", *SMALL_OVERRIDES, *FP32, "checkpoint.every=2"]
+    common += ["trainer.eval_every=2"]  # validation forwards split over the cp ranks too
+    one = tmp_path / "one"
+    result = run_trainer(*common, f"hydra.run.dir={one}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    whole = losses_of(one)
+
+    cp2 = tmp_path / "cp2"
+    result = torchrun(2, *common, "parallel.cp=2", f"hydra.run.dir={cp2}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    log = (cp2 / "train.log").read_text()
+    assert "world 2, dp_shard 1, cp 2" in log
+    assert "each rank computes 2 of the 4 head-tail chunks of every training sequence" in log
+    assert "sample at step 4" in log  # generation: every cp rank runs the whole sequence
+    assert_same_losses(losses_of(cp2), whole, [1, 2, 3, 4])
+    assert validation_losses(cp2) == pytest.approx(validation_losses(one), rel=1e-5)
+
+    resumed = tmp_path / "cp2_to_one"
+    checkpoint = cp2 / "checkpoints" / "step_00000002"
+    result = run_trainer(*common, f"resume={checkpoint}", f"hydra.run.dir={resumed}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert_same_losses(losses_of(resumed), whole, [3, 4])
+
+    resumed = tmp_path / "one_to_dp2_cp2"
+    checkpoint = one / "checkpoints" / "step_00000002"
+    result = torchrun(
+        4,
+        *common,
+        "parallel.cp=2",
+        "parallel.activation_checkpoint=full",  # recomputed blocks: the same numbers
+        f"resume={checkpoint}",
+        f"hydra.run.dir={resumed}",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "world 4, dp_shard 2, cp 2" in (resumed / "train.log").read_text()
+    assert_same_losses(losses_of(resumed), whole, [3, 4])
+
+
+def validation_losses(run_dir) -> list[float]:
+    from tests.trainer.helpers import metric_rows
+
+    return [r["val_loss"] for r in metric_rows(run_dir) if "val_loss" in r]
+
+
+def test_a_hybrid_model_on_context_and_tensor_parallel_ranks_equals_one_process(dataset, tmp_path):
+    """Gated DeltaNet layers (state passing over the cp ranks, conv halos) between softmax
+    attention, split over cp=2 x tp=2 (heads over tp, positions over cp), with MuonClip
+    (each matrix orthogonalized whole once, QK-clip's max logits over every rank's keys)."""
+    hybrid = ["model=tiny_hybrid", *SMALL_OVERRIDES, "model.layer_pattern=[gdn,gqa]"]
+    hybrid += ["model.gdn.head_dim=16", "model.gdn.v_head_dim=16", "optim.name=muonclip"]
+    common = [f"data.path={dataset}", *hybrid, *FP32, "trainer.eval_every=0"]
+    one = tmp_path / "one"
+    result = run_trainer(*common, f"hydra.run.dir={one}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    split = tmp_path / "cp2_tp2"
+    result = torchrun(
+        4, *common, "parallel.cp=2", "parallel.tp=2", f"hydra.run.dir={split}", cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "world 4, dp_shard 1, cp 2, tp 2" in (split / "train.log").read_text()
+    assert_same_losses(losses_of(split), losses_of(one), [1, 2, 3, 4])
+
+
+SEQ_36 = {"data.seq_len": 36}
+
+
+@pytest.mark.parametrize(
+    ("settings", "world", "message"),
+    [
+        ({"parallel.cp": 3}, 4, "parallel.dp_replicate=1 x parallel.cp=3 = 3 does not divide"),
+        (
+            {"parallel.cp": 4} | SEQ_36,
+            4,
+            "parallel.cp=4 splits each window of data.seq_len=36 into 2 x cp = 8 chunks; make",
+        ),
+        (
+            {"parallel.cp": 2, "parallel.tp": 4, "parallel.sequence_parallel": True} | SEQ_36,
+            8,
+            "with parallel.sequence_parallel=true splits each rank's 18 positions over "
+            "parallel.tp=4; make data.seq_len a multiple of 8",
+        ),
+        (
+            {"parallel.cp": 2, "parallel.engine": "deepspeed"},
+            2,
+            "parallel.cp=2 runs on parallel.engine=fsdp2",
+        ),
+        (
+            {"parallel.cp": 2, "model.position": "alibi"},
+            2,
+            "context parallelism does not split alibi positions yet; use model.position=rope",
+        ),
+    ],
+)
+def test_what_context_parallelism_does_not_take_is_refused_at_start(
+    tmp_path, settings, world, message
+):
+    cfg = small_config(tmp_path)
+    for key, value in settings.items():
+        group, name = key.split(".")
+        setattr(getattr(cfg, group), name, value)
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        check_start(cfg, world)
+
+
+def test_capacity_dropping_is_refused_with_context_parallelism(tmp_path):
+    cfg = small_config(tmp_path)
+    cfg.model = load_preset("tiny_moe", SMALL_MODEL | {"moe.capacity_factor": 1.25})
+    cfg.parallel.cp = 2
+    with pytest.raises(ConfigError, match="model.moe.capacity_factor=1.25 with parallel.cp > 1"):
+        check_start(cfg, 2)
