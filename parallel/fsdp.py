@@ -105,11 +105,11 @@ def apply_fsdp(
                 mesh=meshes.experts,
                 mp_policy=mp,
                 reshard_after_forward=reshard_after_forward,
-                shard_placement_fn=_expert_placement(meshes.dims.expert_shard),
+                shard_placement_fn=_expert_placement(meshes.dims.expert_shard * meshes.dims.cp),
             )
             # every rank's tokens reach the experts (the cp ranks' too: their losses average)
             experts.set_gradient_divide_factor(float(meshes.dims.dp_ranks * meshes.dims.cp))
-            if meshes.dims.expert_shard > 1:
+            if meshes.dims.expert_shard * meshes.dims.cp > 1:  # (the experts' shard ranks)
                 # reduce with SUM, then divide: a pre-scaled sum (PREMUL_SUM) has no gloo version.
                 # (Not when the reduce-scatter has 1 rank, also under HSDP: there FSDP divides
                 # without a collective, and forcing the sum would divide twice.)
