@@ -177,6 +177,11 @@ def compile_model(model: Transformer, device_type: str, backend: str = "inductor
             # Python caller turns every non-tensor input into a tensor: "TypeError: object of
             # type 'DeviceMesh' has no len()" (torch 2.13). Inductor's own caller passes it on
             options = {k: v for k, v in options.items() if k != "cpp_wrapper"}
+    if options and getattr(model, "context_split", None) is not None:
+        # context parallelism's autograd all-gather (funcol's) is a fallback op whose argument
+        # types cpp_wrapper's code generation rejects ("arg type Any is not yet supported by
+        # custom_op_wrapper", torch 2.13): Inductor's Python caller runs it
+        options = {k: v for k, v in options.items() if k != "cpp_wrapper"}
     whole = model.stream.compile_whole_blocks
     checkpointed = any(is_checkpointed(block) for block in model.blocks())
     if checkpointed and _tensor_parallel(model):

@@ -1,17 +1,20 @@
 """Triton kernels of FlashAttention-2 (forward with the per-row max logit, backward), imported only
 when `model.kernels.flash_attention` runs them: CPU installs never import triton at module load.
 
-Layout: q, o, dq (B, Hq, T, Dqk|Dv); k, dk (B, Hkv, T, Dqk); v, dv (B, Hkv, T, Dv); any strides
-with the last dim contiguous. Hq = G Hkv (GQA: query head h reads kv head h // G, nothing
-repeated). Head dims need not be powers of two: they are padded to BD_QK, BD_V (masked loads).
-Per (batch, query head): lse2 and max (T,) fp32.
+Layout: q, o, dq (B, Hq, T, Dqk|Dv); k, dk (B, Hkv, n_keys, Dqk); v, dv (B, Hkv, n_keys, Dv);
+any strides with the last dim contiguous. Hq = G Hkv (GQA: query head h reads kv head h // G,
+nothing repeated). Head dims need not be powers of two: they are padded to BD_QK, BD_V (masked
+loads). Per (batch, query head): lse2 and max (T,) fp32.
 
-Which keys a row sees: key c is visible to row r iff c < T, c <= r (CAUSAL), and c >= FK[b, r]
-(BOUNDED: the first visible key of each row, nondecreasing in r; packed documents and sliding
-windows both reduce to it under causal masking). LR[b, c], the last row that sees key c, is its
-mirror for the backward over keys. Loops visit only the blocks that hold visible keys, and apply
-the mask only on the blocks where it can remove something (the causal diagonal, the rows' first
-keys, the end of the sequence).
+Rows and keys: T query rows, n_keys >= T keys (n_keys == T unless CAUSAL). Row r sits at key
+position r + n_keys - T (bottom-right alignment: the rows are the last T positions of the keys,
+as a context-parallel chunk whose keys start at position 0); with n_keys == T that offset is 0.
+Key c is visible to row r iff c < n_keys, c <= r + offset (CAUSAL), and c >= FK[b, r] (BOUNDED:
+the first visible key of each row, a key position, nondecreasing in r; packed documents and
+sliding windows both reduce to it under causal masking). LR[b, c] (c < n_keys), the last row that
+may see key c, is its mirror for the backward over keys. Loops visit only the blocks that hold
+visible keys, and apply the mask only on the blocks where it can remove something (the causal
+diagonal, the rows' first keys, the end of the sequence).
 
 Online softmax in the base-2 domain (exp2; scores scaled by softmax_scale log2(e)), fp32
 accumulators. `_fwd` keeps m_i, the running row max: m_i ln 2 is the row's max of softmax_scale
@@ -44,12 +47,13 @@ def _dot(a, b, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _visible(rows, cols, first_keys, T, CAUSAL: tl.constexpr, BOUNDED: tl.constexpr):
-    """(rows, cols) bool: key inside the sequence, not after the row (causal), not before the
-    row's first key (bounded). Rows past T keep their keys: their softmax stays finite."""
-    ok = cols[None, :] < T
+def _visible(pos, cols, first_keys, n_keys, CAUSAL: tl.constexpr, BOUNDED: tl.constexpr):
+    """(rows, cols) bool for the rows at key positions `pos`: key inside the sequence, not after
+    the row (causal), not before the row's first key (bounded). Rows past T keep their keys:
+    their softmax stays finite."""
+    ok = cols[None, :] < n_keys
     if CAUSAL:
-        ok = ok & (rows[:, None] >= cols[None, :])
+        ok = ok & (pos[:, None] >= cols[None, :])
     if BOUNDED:
         ok = ok & (cols[None, :] >= first_keys[:, None])
     return ok
@@ -64,38 +68,43 @@ def _first_keys(FK, rows, T, BOUNDED: tl.constexpr):
 
 
 @triton.jit
-def _key_ranges(fk_ptr, m0, T, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _key_ranges(fk_ptr, m0, T, n_keys, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 CAUSAL: tl.constexpr, BOUNDED: tl.constexpr):  # fmt: skip
     """The key blocks of query block [m0, m0 + BLOCK_M): [lo, mid) masked (the rows' first
-    keys), [mid, diag) whole, [diag, hi) masked (the causal diagonal, the end of the sequence)."""
+    keys), [mid, diag) whole, [diag, hi) masked (the causal diagonal, the end of the sequence).
+    The block's first row sits at key position p0 = m0 + n_keys - T: keys before p0 (rounded
+    down to a key block, so that [mid, diag) holds whole blocks) are before every row."""
     lo = 0
     mid = 0
-    diag = T // BLOCK_N * BLOCK_N
-    hi = T
+    diag = n_keys // BLOCK_N * BLOCK_N
+    hi = n_keys
     if CAUSAL:
-        diag = m0
-        hi = tl.minimum(m0 + BLOCK_M, T)
+        p0 = m0 + n_keys - T
+        diag = p0 // BLOCK_N * BLOCK_N
+        hi = tl.minimum(p0 + BLOCK_M, n_keys)
         if BOUNDED:  # keys before the block's smallest first key are never visible
             lo = tl.load(fk_ptr + m0) // BLOCK_N * BLOCK_N
             last = tl.load(fk_ptr + tl.minimum(m0 + BLOCK_M, T) - 1)  # the largest first key
-            mid = tl.minimum((last + BLOCK_N - 1) // BLOCK_N * BLOCK_N, m0)
+            mid = tl.minimum((last + BLOCK_N - 1) // BLOCK_N * BLOCK_N, diag)
     return lo, mid, diag, hi
 
 
 @triton.jit
 def _fwd_keys(
-    acc, l_i, m_i, q, k_ptr, v_ptr, skt, svt, rows, first_keys, lo, hi, qk_scale, T,
+    acc, l_i, m_i, q, k_ptr, v_ptr, skt, svt, pos, first_keys, lo, hi, qk_scale, n_keys,
     offs_dqk, offs_dv, D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, BOUNDED: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Online-softmax update of one query block with the key blocks in [lo, hi)."""
+    """Online-softmax update of one query block (rows at key positions pos) with the key blocks
+    in [lo, hi)."""
     for start in range(lo, hi, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
-        k = _load_rows(k_ptr, cols, skt, offs_dqk, T, D_QK)
-        v = _load_rows(v_ptr, cols, svt, offs_dv, T, D_V)
+        k = _load_rows(k_ptr, cols, skt, offs_dqk, n_keys, D_QK)
+        v = _load_rows(v_ptr, cols, svt, offs_dv, n_keys, D_V)
         s = _dot(q, tl.trans(k), PRECISION) * qk_scale  # (BM, BN) base 2
         if MASKED:
-            s = tl.where(_visible(rows, cols, first_keys, T, CAUSAL, BOUNDED), s, float("-inf"))
+            ok = _visible(pos, cols, first_keys, n_keys, CAUSAL, BOUNDED)
+            s = tl.where(ok, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key seen yet
         p = tl.math.exp2(s - m_safe[:, None])
@@ -108,7 +117,7 @@ def _fwd_keys(
 
 @triton.jit
 def _fwd(
-    Q, K, V, OUT, LSE2, MAX, FK, sm_scale, T, HQ, GROUP,
+    Q, K, V, OUT, LSE2, MAX, FK, sm_scale, T, n_keys, HQ, GROUP,
     sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot,
     D_QK: tl.constexpr, D_V: tl.constexpr, BD_QK: tl.constexpr, BD_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
@@ -122,6 +131,7 @@ def _fwd(
     hk = h // GROUP
     m0 = pid_m * BLOCK_M
     rows = m0 + tl.arange(0, BLOCK_M)
+    pos = rows + (n_keys - T)  # the rows' key positions
     offs_dqk = tl.arange(0, BD_QK)
     offs_dv = tl.arange(0, BD_V)
     qk_scale = sm_scale * 1.4426950408889634  # log2(e): exp2 below
@@ -133,17 +143,17 @@ def _fwd(
     acc = tl.zeros([BLOCK_M, BD_V], tl.float32)
     k_ptr = K + b * skb + hk * skh
     v_ptr = V + b * svb + hk * svh
-    lo, mid, diag, hi = _key_ranges(fk_ptr, m0, T, BLOCK_M, BLOCK_N, CAUSAL, BOUNDED)
+    lo, mid, diag, hi = _key_ranges(fk_ptr, m0, T, n_keys, BLOCK_M, BLOCK_N, CAUSAL, BOUNDED)
     acc, l_i, m_i = _fwd_keys(
-        acc, l_i, m_i, q, k_ptr, v_ptr, skt, svt, rows, first_keys, lo, mid, qk_scale, T,
+        acc, l_i, m_i, q, k_ptr, v_ptr, skt, svt, pos, first_keys, lo, mid, qk_scale, n_keys,
         offs_dqk, offs_dv, D_QK, D_V, BLOCK_N, True, CAUSAL, BOUNDED, PRECISION,
     )  # fmt: skip
     acc, l_i, m_i = _fwd_keys(
-        acc, l_i, m_i, q, k_ptr, v_ptr, skt, svt, rows, first_keys, mid, diag, qk_scale, T,
+        acc, l_i, m_i, q, k_ptr, v_ptr, skt, svt, pos, first_keys, mid, diag, qk_scale, n_keys,
         offs_dqk, offs_dv, D_QK, D_V, BLOCK_N, False, CAUSAL, BOUNDED, PRECISION,
     )  # fmt: skip
     acc, l_i, m_i = _fwd_keys(
-        acc, l_i, m_i, q, k_ptr, v_ptr, skt, svt, rows, first_keys, diag, hi, qk_scale, T,
+        acc, l_i, m_i, q, k_ptr, v_ptr, skt, svt, pos, first_keys, diag, hi, qk_scale, n_keys,
         offs_dqk, offs_dv, D_QK, D_V, BLOCK_N, True, CAUSAL, BOUNDED, PRECISION,
     )  # fmt: skip
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # rows past T only
@@ -161,7 +171,7 @@ def _fwd(
 @triton.jit
 def _bwd_kv_rows(
     dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, FK, sqt, sot, cols, lo, hi, qk_scale, T,
-    offs_dqk, offs_dv, D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_M: tl.constexpr,
+    n_keys, offs_dqk, offs_dv, D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_M: tl.constexpr,
     BOUNDED: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """dK, dV (unscaled dK) of one key block from the query blocks in [lo, hi) of one head."""
@@ -175,7 +185,8 @@ def _bwd_kv_rows(
         p_t = tl.math.exp2(s_t - lse2[None, :])
         if MASKED:
             first_keys = _first_keys(FK, rows, T, BOUNDED)
-            seen = _visible(rows, cols, first_keys, T, CAUSAL, BOUNDED) & (rows[:, None] < T)
+            pos = rows + (n_keys - T)
+            seen = _visible(pos, cols, first_keys, n_keys, CAUSAL, BOUNDED) & (rows[:, None] < T)
             p_t = tl.where(tl.trans(seen), p_t, 0.0)
         dv += _dot(p_t.to(do.dtype), do, PRECISION)
         dp_t = _dot(v, tl.trans(do), PRECISION)
@@ -186,7 +197,7 @@ def _bwd_kv_rows(
 
 @triton.jit
 def _bwd_kv(
-    Q, K, V, DO, LSE2, DELTA, DK, DV, FK, LR, sm_scale, T, HQ, GROUP,
+    Q, K, V, DO, LSE2, DELTA, DK, DV, FK, LR, sm_scale, T, n_keys, HQ, GROUP,
     sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot,
     sdkb, sdkh, sdkt, sdvb, sdvh, sdvt,
     D_QK: tl.constexpr, D_V: tl.constexpr, BD_QK: tl.constexpr, BD_V: tl.constexpr,
@@ -205,21 +216,26 @@ def _bwd_kv(
     offs_dqk = tl.arange(0, BD_QK)
     offs_dv = tl.arange(0, BD_V)
     qk_scale = sm_scale * 1.4426950408889634
-    k = _load_rows(K + b * skb + hk * skh, cols, skt, offs_dqk, T, D_QK)
-    v = _load_rows(V + b * svb + hk * svh, cols, svt, offs_dv, T, D_V)
+    k = _load_rows(K + b * skb + hk * skh, cols, skt, offs_dqk, n_keys, D_QK)
+    v = _load_rows(V + b * svb + hk * svh, cols, svt, offs_dv, n_keys, D_V)
     dk = tl.zeros([BLOCK_N, BD_QK], tl.float32)
     dv = tl.zeros([BLOCK_N, BD_V], tl.float32)
     fk_ptr = FK + b * T
     # row blocks [first, diag_end) masked (the causal diagonal), [diag_end, full) whole,
-    # [full, hi) masked (rows that see part of the block, the end of the sequence)
+    # [full, hi) masked (rows that see part of the block, the end of the sequence). Row r sits
+    # at key position r + offset; both ends are rounded to row blocks (clamped at 0 first: the
+    # rows of a key block before the offset start at row 0)
+    offset = n_keys - T
     if CAUSAL:
-        first = n0  # earlier rows see none of these keys
-        diag_end = tl.minimum(n0 + BLOCK_N, T)
+        first = tl.maximum(n0 - offset, 0) // BLOCK_M * BLOCK_M  # earlier rows see none
+        key_end = tl.minimum(n0 + BLOCK_N, n_keys)
+        diag_end = tl.maximum(n0 + BLOCK_N - offset + BLOCK_M - 1, 0) // BLOCK_M * BLOCK_M
+        diag_end = tl.minimum(diag_end, T)  # rows from here on sit after the block's last key
         full = T // BLOCK_M * BLOCK_M
         hi = T
         if BOUNDED:  # rows after the last one that sees the block's first (last) key
-            full = (tl.load(LR + b * T + n0) + 1) // BLOCK_M * BLOCK_M
-            hi = tl.load(LR + b * T + diag_end - 1) + 1
+            full = (tl.load(LR + b * n_keys + n0) + 1) // BLOCK_M * BLOCK_M
+            hi = tl.load(LR + b * n_keys + key_end - 1) + 1
         full = tl.maximum(full, diag_end)
         hi = tl.maximum(hi, full)
     else:  # no diagonal
@@ -235,20 +251,21 @@ def _bwd_kv(
         delta_ptr = DELTA + (b * HQ + h) * T
         dk, dv = _bwd_kv_rows(
             dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, fk_ptr, sqt, sot, cols, first,
-            diag_end, qk_scale, T, offs_dqk, offs_dv, D_QK, D_V, BLOCK_M, BOUNDED, True, CAUSAL,
-            PRECISION,
+            diag_end, qk_scale, T, n_keys, offs_dqk, offs_dv, D_QK, D_V, BLOCK_M, BOUNDED, True,
+            CAUSAL, PRECISION,
         )  # fmt: skip
         dk, dv = _bwd_kv_rows(
             dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, fk_ptr, sqt, sot, cols, diag_end,
-            full, qk_scale, T, offs_dqk, offs_dv, D_QK, D_V, BLOCK_M, BOUNDED, False, CAUSAL,
-            PRECISION,
+            full, qk_scale, T, n_keys, offs_dqk, offs_dv, D_QK, D_V, BLOCK_M, BOUNDED, False,
+            CAUSAL, PRECISION,
         )  # fmt: skip
         dk, dv = _bwd_kv_rows(
             dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, fk_ptr, sqt, sot, cols, full, hi,
-            qk_scale, T, offs_dqk, offs_dv, D_QK, D_V, BLOCK_M, BOUNDED, True, CAUSAL, PRECISION,
+            qk_scale, T, n_keys, offs_dqk, offs_dv, D_QK, D_V, BLOCK_M, BOUNDED, True, CAUSAL,
+            PRECISION,
         )  # fmt: skip
-    kmask = (cols[:, None] < T) & (offs_dqk[None, :] < D_QK)
-    vmask = (cols[:, None] < T) & (offs_dv[None, :] < D_V)
+    kmask = (cols[:, None] < n_keys) & (offs_dqk[None, :] < D_QK)
+    vmask = (cols[:, None] < n_keys) & (offs_dv[None, :] < D_V)
     dk_ptr = DK + b * sdkb + hk * sdkh + cols[:, None] * sdkt + offs_dqk[None, :]
     dv_ptr = DV + b * sdvb + hk * sdvh + cols[:, None] * sdvt + offs_dv[None, :]
     tl.store(dk_ptr, (dk * sm_scale).to(DK.dtype.element_ty), mask=kmask)
@@ -257,19 +274,20 @@ def _bwd_kv(
 
 @triton.jit
 def _bwd_q_keys(
-    dq, q, do, lse2, delta, k_ptr, v_ptr, skt, svt, rows, first_keys, lo, hi, qk_scale, T,
+    dq, q, do, lse2, delta, k_ptr, v_ptr, skt, svt, pos, first_keys, lo, hi, qk_scale, n_keys,
     offs_dqk, offs_dv, D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, BOUNDED: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """dQ (unscaled) of one query block from the key blocks in [lo, hi)."""
+    """dQ (unscaled) of one query block (rows at key positions pos) from the key blocks in
+    [lo, hi)."""
     for start in range(lo, hi, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
-        k = _load_rows(k_ptr, cols, skt, offs_dqk, T, D_QK)
-        v = _load_rows(v_ptr, cols, svt, offs_dv, T, D_V)
+        k = _load_rows(k_ptr, cols, skt, offs_dqk, n_keys, D_QK)
+        v = _load_rows(v_ptr, cols, svt, offs_dv, n_keys, D_V)
         s = _dot(q, tl.trans(k), PRECISION) * qk_scale
         p = tl.math.exp2(s - lse2[:, None])
         if MASKED:
-            p = tl.where(_visible(rows, cols, first_keys, T, CAUSAL, BOUNDED), p, 0.0)
+            p = tl.where(_visible(pos, cols, first_keys, n_keys, CAUSAL, BOUNDED), p, 0.0)
         dp = _dot(do, tl.trans(v), PRECISION)
         ds = p * (dp - delta[:, None])
         dq += _dot(ds.to(k.dtype), k, PRECISION)
@@ -278,7 +296,7 @@ def _bwd_q_keys(
 
 @triton.jit
 def _bwd_q(
-    Q, K, V, DO, LSE2, DELTA, DQ, FK, sm_scale, T, HQ, GROUP,
+    Q, K, V, DO, LSE2, DELTA, DQ, FK, sm_scale, T, n_keys, HQ, GROUP,
     sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot, sdqb, sdqh, sdqt,
     D_QK: tl.constexpr, D_V: tl.constexpr, BD_QK: tl.constexpr, BD_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
@@ -293,6 +311,7 @@ def _bwd_q(
     hk = h // GROUP
     m0 = pid_m * BLOCK_M
     rows = m0 + tl.arange(0, BLOCK_M)
+    pos = rows + (n_keys - T)  # the rows' key positions
     offs_dqk = tl.arange(0, BD_QK)
     offs_dv = tl.arange(0, BD_V)
     qk_scale = sm_scale * 1.4426950408889634
@@ -305,18 +324,18 @@ def _bwd_q(
     dq = tl.zeros([BLOCK_M, BD_QK], tl.float32)
     k_ptr = K + b * skb + hk * skh
     v_ptr = V + b * svb + hk * svh
-    lo, mid, diag, hi = _key_ranges(fk_ptr, m0, T, BLOCK_M, BLOCK_N, CAUSAL, BOUNDED)
+    lo, mid, diag, hi = _key_ranges(fk_ptr, m0, T, n_keys, BLOCK_M, BLOCK_N, CAUSAL, BOUNDED)
     dq = _bwd_q_keys(
-        dq, q, do, lse2, delta, k_ptr, v_ptr, skt, svt, rows, first_keys, lo, mid, qk_scale, T,
-        offs_dqk, offs_dv, D_QK, D_V, BLOCK_N, True, CAUSAL, BOUNDED, PRECISION,
+        dq, q, do, lse2, delta, k_ptr, v_ptr, skt, svt, pos, first_keys, lo, mid, qk_scale,
+        n_keys, offs_dqk, offs_dv, D_QK, D_V, BLOCK_N, True, CAUSAL, BOUNDED, PRECISION,
     )  # fmt: skip
     dq = _bwd_q_keys(
-        dq, q, do, lse2, delta, k_ptr, v_ptr, skt, svt, rows, first_keys, mid, diag, qk_scale, T,
-        offs_dqk, offs_dv, D_QK, D_V, BLOCK_N, False, CAUSAL, BOUNDED, PRECISION,
+        dq, q, do, lse2, delta, k_ptr, v_ptr, skt, svt, pos, first_keys, mid, diag, qk_scale,
+        n_keys, offs_dqk, offs_dv, D_QK, D_V, BLOCK_N, False, CAUSAL, BOUNDED, PRECISION,
     )  # fmt: skip
     dq = _bwd_q_keys(
-        dq, q, do, lse2, delta, k_ptr, v_ptr, skt, svt, rows, first_keys, diag, hi, qk_scale, T,
-        offs_dqk, offs_dv, D_QK, D_V, BLOCK_N, True, CAUSAL, BOUNDED, PRECISION,
+        dq, q, do, lse2, delta, k_ptr, v_ptr, skt, svt, pos, first_keys, diag, hi, qk_scale,
+        n_keys, offs_dqk, offs_dv, D_QK, D_V, BLOCK_N, True, CAUSAL, BOUNDED, PRECISION,
     )  # fmt: skip
     qmask = (rows[:, None] < T) & (offs_dqk[None, :] < D_QK)
     dq_ptr = DQ + b * sdqb + h * sdqh + rows[:, None] * sdqt + offs_dqk[None, :]

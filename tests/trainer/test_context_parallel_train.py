@@ -106,9 +106,10 @@ def test_a_moe_model_on_context_and_expert_parallel_ranks_equals_one_process(dat
         4, *common, "parallel.cp=2", "parallel.ep=2", f"hydra.run.dir={split}", cwd=tmp_path
     )
     assert result.returncode == 0, result.stderr[-4000:]
-    assert "world 4, dp_shard 2, ep 2 (expert weights sharded over 1), cp 2" in (
-        split / "train.log"
-    ).read_text()
+    assert (
+        "world 4, dp_shard 2, ep 2 (expert weights sharded over 1), cp 2"
+        in (split / "train.log").read_text()
+    )
     assert_same_losses(losses_of(split), losses_of(one), [1, 2, 3, 4])
 
 
