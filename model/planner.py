@@ -19,9 +19,9 @@ orthogonalizes (matrices, expert stacks: optim/roles.py) and AdamW's 8 for the r
 means over the ranks: uneven shards (torch.chunk's, as FSDP2 and DTensor cut) differ by a row.
 
 Context parallelism (cp): FSDP2 shards over dp_shard x cp, every per-token figure counts the
-T / cp positions a rank computes, and model/planner_context.py adds the gathered keys and values,
-the masks and the bytes sent over the cp ranks (comm_cp). `largest_seq_len` finds the longest
-sequence whose rank total fits a memory budget.
+T / cp positions a rank computes, and model/planner_context.py adds the gathered keys and values
+and the bytes sent over the cp ranks (comm_cp). `largest_seq_len` finds the longest sequence
+whose rank total fits a memory budget.
 
 Activations: model/planner_activations.py (sequence parallelism divides what the stream between
 the sublayers keeps, and the checkpointed block inputs, by tp). Transient: FSDP2's gathered
@@ -70,7 +70,7 @@ from torch import nn
 
 from model.config import ConfigError, ModelConfig
 from model.planner_activations import block_saved, loss_fixed_elements, outside_blocks
-from model.planner_context import context_activations, context_comm, context_masks
+from model.planner_context import context_activations, context_comm
 from model.registry import RESIDUALS
 from model.roles import EXPERT_STACK, MATRIX, MEMORY, param_roles, role_owners
 from model.transformer import Transformer
@@ -330,7 +330,7 @@ def _activations(model: Transformer, layout: Layout, children: list) -> tuple[fl
         for saved, b in zip(main + mtp, model.blocks(), strict=True)
     ]
     outside = outside_blocks(model).bytes(width) * tokens
-    outside += loss_fixed_elements(model, layout.tp) * width + context_masks(model, layout)
+    outside += loss_fixed_elements(model, layout.tp) * width
     streams = RESIDUALS.get(model.cfg.residual).parallel_streams(model.cfg) or 1
     inputs = (len(main) * stream + len(mtp)) * streams * model.cfg.d_model * width * tokens
     recompute = max(blocks)

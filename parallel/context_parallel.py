@@ -145,6 +145,50 @@ def attention_over_ranks(
     return out, new_max
 
 
+def kernel_attention_over_ranks(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    group: dist.ProcessGroup,
+    *,
+    window: int = 0,
+    doc_ids: Tensor | None = None,
+    scale: float | None = None,
+    want_max: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """`attention_over_ranks` through the Triton FlashAttention kernel, without a mask: each of
+    the rank's two chunks (global positions [s, s + c)) attends over the gathered keys [0, s + c)
+    bottom-right aligned, the per-row first keys from the global document starts and window, so
+    only visible key blocks are computed; grouped-query heads read their kv head in the kernel.
+    Same arguments and result (the rank's chunks are r and 2 cp - 1 - r)."""
+    from model.kernels.flash_attention import flash_attention, key_bounds
+    from model.mixers.masks import document_starts
+
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    Dq = q.shape[-1]
+    both = gather_sequence(torch.cat([k, v], dim=-1).transpose(1, 2), group).transpose(1, 2)
+    k_all, v_all = both.split([Dq, v.shape[-1]], dim=-1)  # (B, Hkv, T, D) in global order
+    T, c = k_all.shape[2], q.shape[2] // 2
+    starts = document_starts(doc_ids) if doc_ids is not None else None
+    outs, maxes = [], []
+    for part, chunk in enumerate((rank, 2 * cp - 1 - rank)):
+        end = (chunk + 1) * c
+        first = key_bounds(starts, window, T, q.device, rows=slice(chunk * c, end))
+        result = flash_attention(
+            q[:, :, part * c : (part + 1) * c],
+            k_all[:, :, :end],
+            v_all[:, :, :end],
+            causal=True,
+            softmax_scale=scale,
+            first_key=first,
+            return_max_logits=want_max,
+        )
+        out, new_max = result if want_max else (result, None)
+        outs.append(out)
+        maxes.append(new_max)
+    return torch.cat(outs, dim=2), torch.maximum(*maxes) if want_max else None
+
+
 def delta_rule_over_ranks(
     q: Tensor,
     k: Tensor,
@@ -229,8 +273,28 @@ class _SplitForward:
         self._masks: dict[int, Tensor] = {}  # window -> visible_keys, shared by the layers
 
     def attention(
-        self, q: Tensor, k: Tensor, v: Tensor, window: int, scale: float, want_max: bool
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        window: int,
+        scale: float,
+        want_max: bool,
+        kernel: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
+        """kernel: the Triton FlashAttention kernel (model.attention.backend resolved to triton)
+        instead of SDPA with a mask."""
+        if kernel:
+            return kernel_attention_over_ranks(
+                q,
+                k,
+                v,
+                self.group,
+                window=window,
+                doc_ids=self.doc_ids,
+                scale=scale,
+                want_max=want_max,
+            )
         if window not in self._masks:  # one mask a forward (per window), not one per layer
             length = self.kept.numel() * self.cp
             self._masks[window] = visible_keys(self.kept, length, window, self.doc_ids)

@@ -89,6 +89,16 @@ def resolve_backend(
     return "triton" if _bf16_tensor_cores(index) else "sdpa"
 
 
+def context_parallel_kernel(requested: str, device: torch.device, fits: bool = True) -> bool:
+    """Whether a layer split over context-parallel ranks attends through the Triton kernel
+    (chunk by chunk, no mask) rather than SDPA with a (T / cp, T) mask: asked for, or `auto`
+    wherever the kernel runs (a CUDA GPU with bf16 tensor cores, triton installed; as `auto`
+    picks it for QK-clip): with long contexts the mask is what grows fastest."""
+    if requested != "auto":
+        return requested == "triton"
+    return resolve_backend("auto", device, 0, True, fits) == "triton"
+
+
 def check_backend(backend: str, *, alibi: bool, head_dims: tuple[int, int]) -> None:
     """Config-time rules of a backend choice (ConfigError naming the keys)."""
     if backend in ("flex", "triton") and alibi:
@@ -159,7 +169,10 @@ class KernelChoice:
         heads' max logits into `self.max_logits`."""
         want_max = self.record_max_logits and torch.is_grad_enabled()
         if ctx.context_parallel is not None:  # the keys of every context-parallel rank
-            out, new_max = ctx.context_parallel.attention(q, k, v, self.window, scale, want_max)
+            kernel = context_parallel_kernel(self.backend, q.device, self.kernel_fits)
+            out, new_max = ctx.context_parallel.attention(
+                q, k, v, self.window, scale, want_max, kernel
+            )
         else:
             backend = self.attention_backend(q.device, ctx.start)
             if backend == "sdpa" and self.backend == "auto" and prefers_matmul(q, k, ctx.start):

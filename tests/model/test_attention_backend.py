@@ -283,6 +283,23 @@ def test_auto_picks_triton_only_on_cuda_while_qk_clip_records(monkeypatch):
     assert resolve_backend("auto", cuda, 0, recording=True) == "sdpa"
 
 
+def test_context_parallel_layers_take_the_kernel_wherever_it_runs(monkeypatch):
+    """Split over cp ranks, `auto` attends through the Triton kernel on a GPU that runs it, QK-clip
+    or not (SDPA's (T / cp, T) mask would grow fastest with the context); elsewhere SDPA."""
+    import model.mixers.attention_backend as backends
+    from model.mixers.attention_backend import context_parallel_kernel
+
+    monkeypatch.setattr(backends, "triton_installed", lambda: True)
+    monkeypatch.setattr(backends, "_bf16_tensor_cores", lambda index: True)
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert context_parallel_kernel("auto", cuda)
+    assert not context_parallel_kernel("auto", cuda, fits=False)
+    assert not context_parallel_kernel("auto", cpu)
+    assert context_parallel_kernel("triton", cpu) and not context_parallel_kernel("sdpa", cuda)
+    monkeypatch.setattr(backends, "triton_installed", lambda: False)
+    assert not context_parallel_kernel("auto", cuda)
+
+
 @pytest.mark.parametrize(
     ("overrides", "expected"),
     [

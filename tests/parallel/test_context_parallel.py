@@ -1,7 +1,8 @@
 """Context parallelism's building blocks (parallel/context_parallel.py) on cp = 2 and 4 gloo
 ranks against one process, fp32: each rank keeps its head-tail chunks of the sequence, and
 (a) softmax attention over every rank's keys (GQA, a value width other than the key's, packed
-documents crossing the chunks, a sliding window) and (b) the gated delta rule passed on as
+documents crossing the chunks, a sliding window; SDPA with a mask and the Triton kernel, chunk by
+chunk, under its interpreter) and (b) the gated delta rule passed on as
 segment states (per-head and per-key-channel decay, documents crossing the chunks) give each
 rank the whole sequence's outputs at its positions, as (c) does a causal convolution reading the
 previous chunk's last positions; the gradients of every input (summed over the ranks onto the
@@ -73,7 +74,11 @@ def over_ranks(rank: int, window: int, per_channel: bool) -> dict:
     """This rank's positions of both: outputs, final state, and its inputs' gradients."""
     import torch.distributed as dist
 
-    from parallel.context_parallel import attention_over_ranks, delta_rule_over_ranks
+    from parallel.context_parallel import (
+        attention_over_ranks,
+        delta_rule_over_ranks,
+        kernel_attention_over_ranks,
+    )
 
     group, cp = dist.group.WORLD, dist.get_world_size()
     mine = kept_positions(T, cp, rank)
@@ -84,6 +89,13 @@ def over_ranks(rank: int, window: int, per_channel: bool) -> dict:
     )
     (out * weights[:, :, mine]).sum().backward()
     result = {"attention": out.detach(), "attention_grads": [q.grad, k.grad, v.grad], "max": top}
+    # the Triton kernel (interpreted on CPU): each chunk over the keys before its end, no mask
+    q, k, v = (x[:, :, mine].clone().requires_grad_() for x in inputs)
+    out, top = kernel_attention_over_ranks(
+        q, k, v, group, window=window, doc_ids=DOCS, want_max=True
+    )
+    (out * weights[:, :, mine]).sum().backward()
+    result |= {"kernel": out.detach(), "kernel_grads": [q.grad, k.grad, v.grad], "kernel_max": top}
     *inputs, weights = delta_inputs(per_channel)
     leaves = [x[:, :, mine].clone().requires_grad_() for x in inputs]
     starts = document_starts(DOCS)[:, mine]
@@ -156,6 +168,13 @@ def test_attention_and_the_delta_rule_over_cp_ranks_equal_one_process(cp, window
     # QK-clip's max logit per head: the maximum over the ranks (its hook reduces with max)
     top = torch.stack([r["max"] for r in ranks]).amax(0)
     torch.testing.assert_close(top, grads[3], **TOL)
+    # the Triton kernel path (model.attention.backend=triton) against the same whole sequence
+    torch.testing.assert_close(assemble([r["kernel"] for r in ranks], cp), out, **TOL)
+    for i, name in enumerate("qkv"):
+        got = assemble([r["kernel_grads"][i] for r in ranks], cp)
+        torch.testing.assert_close(got, grads[i], **TOL, msg=f"kernel attention d{name}")
+    top = torch.stack([r["kernel_max"] for r in ranks]).amax(0)
+    torch.testing.assert_close(top, grads[3], **TOL)
     torch.testing.assert_close(assemble([r["delta"] for r in ranks], cp), o, **TOL)
     for r in ranks:
         torch.testing.assert_close(r["state"], s, **TOL)
@@ -214,7 +233,8 @@ HYBRID = {"n_layers": 4, "gdn.head_dim": 16, "gdn.v_head_dim": 16}
 @pytest.mark.parametrize(
     ("cp", "preset", "overrides", "packed"),
     [
-        (2, "tiny", {}, False),
+        # the Triton kernel (interpreted): each chunk over the keys before its end, no mask
+        (2, "tiny", {"attention.backend": "triton"}, True),
         (4, "tiny", {"attention.sliding_window": 6}, True),
         (2, "tiny_hybrid", HYBRID, True),  # Gated DeltaNet: state passing and conv halos
         (4, "tiny_hybrid", HYBRID, False),
@@ -229,7 +249,7 @@ HYBRID = {"n_layers": 4, "gdn.head_dim": 16, "gdn.v_head_dim": 16}
         (2, "tiny", {"mtp.depth": 2}, True),
     ],
     ids=[
-        "cp2",
+        "cp2_triton_packed",
         "cp4_packed_window",
         "cp2_hybrid_packed",
         "cp4_hybrid",
