@@ -1,5 +1,5 @@
-"""Activation memory and step time per rank against the context-parallel size (model level:
-parallel/context_parallel.py apply_context_parallel; the trainer does not offer parallel.cp yet).
+"""Activation memory, bytes sent and step time per rank against the context-parallel size (model
+level: parallel/context_parallel.py apply_context_parallel, as parallel.cp applies it).
 
     python bench/context_parallel_memory.py            # T=4096, cp = 1, 2, 4
     python bench/context_parallel_memory.py --seq-len 2048 --cp 1 2
@@ -7,8 +7,12 @@ parallel/context_parallel.py apply_context_parallel; the trainer does not offer 
 For each preset (tiny, tiny_hybrid at d_model 128) and cp: one fp32 training forward + backward
 of a (1, T) packed row on cp gloo ranks; per rank, the bytes the forward keeps for backward
 (saved-tensor hooks, each storage once, weights apart) and the forward + backward seconds (the
-slowest rank; the ranks share the machine's cores, so compare only within one run). Writes
-bench/results/context_parallel_memory_cpu.json.
+slowest rank; the ranks share the machine's cores, so compare only within one run); the bytes a
+rank sends over the cp group (each all-gather and reduce-scatter counted as it runs: (cp - 1) /
+cp of the whole tensor) against the planner's comm_cp (model/planner_context.py: the gathered
+keys/values and delta-rule state maps; the conv halos are not in it), and the planner's
+activation figure (it assumes the Triton kernel; this CPU run takes SDPA with a mask, which
+keeps more). Writes bench/results/context_parallel_memory_cpu.json.
 """
 
 from __future__ import annotations
@@ -50,6 +54,39 @@ def saved_bytes(run) -> tuple[int, object]:
     return sum(seen.values()), out
 
 
+class SentBytes:
+    """Counts the bytes this rank sends in functional all-gathers and reduce-scatters: (P - 1) /
+    P of the gathered (or scattered) whole, a ring's."""
+
+    def __init__(self, world: int) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        ops = torch.ops._c10d_functional
+        gather, scatter = ops.all_gather_into_tensor.default, ops.reduce_scatter_tensor.default
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                whole = out if func is gather else args[0] if func is scatter else None
+                if whole is not None:
+                    counter.sent += (world - 1) / world * whole.numel() * whole.element_size()
+                return out
+
+        self.sent, self.mode = 0.0, Mode()
+
+
+def planned(preset: str, cp: int, seq_len: int) -> dict:
+    from model.planner import Layout, rank_plan
+    from model.presets import load_preset
+    from model.transformer import build_model
+
+    overrides = COMMON | PRESETS[preset] | {"max_seq_len": seq_len}
+    model = build_model(load_preset(preset, overrides), device="meta")
+    plan = rank_plan(model, Layout(cp=cp, seq_len=seq_len))
+    return {"planned_activation_bytes": plan.activations, "planned_sent_bytes": plan.comm_cp}
+
+
 def one_step(rank: int, world: int, preset: str, seq_len: int) -> dict:
     from model.presets import load_preset
     from model.transformer import build_model
@@ -62,14 +99,20 @@ def one_step(rank: int, world: int, preset: str, seq_len: int) -> dict:
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 512, (1, seq_len + 1), generator=generator)
     docs = (torch.arange(seq_len) * 5 // seq_len)[None]  # 5 packed documents
+    sent = SentBytes(world)
     start = time.perf_counter()
-    kept, loss = saved_bytes(lambda: model(tokens[:, :-1], tokens[:, 1:], doc_ids=docs))
-    loss.backward()
+    with sent.mode:
+        kept, loss = saved_bytes(lambda: model(tokens[:, :-1], tokens[:, 1:], doc_ids=docs))
+        loss.backward()
     seconds = time.perf_counter() - start
-    stats = torch.tensor([float(kept), seconds])
+    stats = torch.tensor([float(kept), seconds, sent.sent])
     if world > 1:
         dist.all_reduce(stats, op=dist.ReduceOp.MAX)
-    return {"activation_bytes": int(stats[0]), "seconds": float(stats[1])}
+    return {
+        "activation_bytes": int(stats[0]),
+        "seconds": float(stats[1]),
+        "sent_bytes": int(stats[2]),
+    }
 
 
 def main() -> None:
@@ -82,12 +125,15 @@ def main() -> None:
     for preset in PRESETS:
         for cp in args.cp:
             result = run_on_ranks(cp, args.cores, one_step, preset, args.seq_len)
+            result |= planned(preset, cp, args.seq_len)
             rows.append({"preset": preset, "cp": cp, **result})
             base = next(r for r in rows if r["preset"] == preset and r["cp"] == args.cp[0])
             ratio = result["activation_bytes"] / base["activation_bytes"]
             print(
                 f"{preset:12s} cp={cp}  activations {result['activation_bytes'] / 2**20:8.1f} MiB"
-                f" ({ratio:.2f} of cp={args.cp[0]})  step {result['seconds']:.2f} s"
+                f" ({ratio:.2f} of cp={args.cp[0]}; planned {result['planned_activation_bytes'] / 2**20:.1f})"
+                f"  sent {result['sent_bytes'] / 2**20:.2f} MiB (planned "
+                f"{result['planned_sent_bytes'] / 2**20:.2f})  step {result['seconds']:.2f} s"
             )
     out = ROOT / "bench" / "results" / "context_parallel_memory_cpu.json"
     record = {

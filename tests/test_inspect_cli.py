@@ -57,6 +57,8 @@ def test_overrides_and_sharding_change_the_numbers(capsys):
         (["color=red"], "unknown option 'color'"),
         (["dtype=int3"], "dtype='int3'"),
         (["seq_len"], "expected key=value"),
+        (["memory_gib=lots"], "memory_gib='lots' must be a number"),
+        (["memory_gib=0"], "memory_gib=0 must be > 0"),
     ],
 )
 def test_bad_arguments_exit_2_with_a_message(args, message, capsys):

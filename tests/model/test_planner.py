@@ -219,9 +219,31 @@ def test_layouts_move_memory_and_traffic_as_they_should():
     assert hsdp.comm_hsdp_all_reduce > 0
 
 
+def test_context_parallelism_shards_with_the_data_ranks_and_divides_the_tokens():
+    """cp ranks shard the weights as data ranks do; each computes T / cp positions (the
+    per-token activations halve) and keeps every rank's keys and values of one layer; the
+    longest seq_len that fits a budget is the last multiple of 2 cp within it."""
+    from model.planner import largest_seq_len
+
+    dp = plan_of("tiny", {}, dp_shard=2, seq_len=512)
+    cp = plan_of("tiny", {}, cp=2, seq_len=512)
+    assert cp.weights == pytest.approx(dp.weights) and cp.comm_cp > 0 and dp.comm_cp == 0
+    assert cp.comm_all_gather == pytest.approx(dp.comm_all_gather)
+    assert dp.activations / 2 < cp.activations < dp.activations * 0.6  # + the gathered K/V
+    model = build_model(load_preset("tiny", {}), device="meta")
+    layout = Layout(cp=4, seq_len=8)
+    budget = 2 * rank_plan(model, Layout(cp=4, seq_len=4096)).total
+    longest = largest_seq_len(model, layout, budget)
+    assert longest % 8 == 0 and longest > 4096
+    fits = rank_plan(model, Layout(cp=4, seq_len=longest)).total
+    assert fits <= budget < rank_plan(model, Layout(cp=4, seq_len=longest + 8)).total
+    assert largest_seq_len(model, layout, 1.0) == 0
+
+
 @pytest.mark.parametrize(
     ("layout", "message"),
     [
+        ({"cp": 4, "seq_len": 36}, "cp=4 splits seq_len=36 into 2 x cp chunks: make seq_len a"),
         ({"dp_shard": 2, "ep": 4}, "ep=4 must divide dp_shard=2"),
         ({"dp_shard": 3, "ep": 3}, "ep=3 must divide the model's 8 routed experts"),
         ({"tp": 3}, "parallel.tp=3 must divide the attention's 4 query heads"),
@@ -257,3 +279,6 @@ def test_json_keeps_the_old_fields_and_adds_the_plan(capsys):
     assert (row["dp_shard"], row["tp"]) == (4, 2)
     for key in ("rank_weights", "rank_optimizer", "rank_activations", "rank_comm_tp"):
         assert row[key] > 0
+    assert main(["model=tiny", "cp=2", "seq_len=1024", "memory_gib=1", "format=json"]) == 0
+    row = json.loads(capsys.readouterr().out)["tiny"]
+    assert row["cp"] == 2 and row["rank_comm_cp"] > 0 and row["rank_largest_seq_len"] > 1024

@@ -218,13 +218,53 @@ def model_step(rank: int, overrides: dict, packed: bool, preset: str = "tiny") -
     tokens = torch.randint(0, 128, (B, T + 1), generator=torch.Generator().manual_seed(3))
     targets = tokens[:, 1:].clone()
     targets[0, 5:9] = -100  # ignored targets: the mean is over the whole sequence's count
-    loss = model(tokens[:, :-1], targets, doc_ids=DOCS if packed else None)
-    mtp = model.pop_mtp_objective()
-    (loss if mtp is None else loss + mtp).backward()
+    sent = SentBytes(dist.get_world_size() if dist.is_initialized() else 1)
+    with sent.mode:
+        loss = model(tokens[:, :-1], targets, doc_ids=DOCS if packed else None)
+        mtp = model.pop_mtp_objective()
+        (loss if mtp is None else loss + mtp).backward()
     grads = {
         n: p.grad.to_dense() if p.grad.is_sparse else p.grad for n, p in model.named_parameters()
     }
-    return {"loss": loss.detach(), "grads": grads}  # (Engram's tables: sparse gradients)
+    # (Engram's tables: sparse gradients)
+    return {"loss": loss.detach(), "grads": grads, "sent": sent.sent}
+
+
+class SentBytes:
+    """The bytes this rank sends in functional all-gathers and reduce-scatters, as a ring does:
+    (P - 1) / P of the whole tensor (the planner's way of counting)."""
+
+    def __init__(self, world: int) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        ops = torch.ops._c10d_functional
+        gather, scatter = ops.all_gather_into_tensor.default, ops.reduce_scatter_tensor.default
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                whole = out if func is gather else args[0] if func is scatter else None
+                if whole is not None:
+                    counter.sent += (world - 1) / world * whole.numel() * whole.element_size()
+                return out
+
+        self.sent, self.mode = 0.0, Mode()
+
+
+def planned_sent(cp: int, preset: str, overrides: dict) -> float:
+    """model/planner.py's bytes a rank sends over the cp group per step (comm_cp)."""
+    from model.planner import Layout, rank_plan
+    from model.presets import load_preset
+    from model.transformer import build_model
+
+    model = build_model(load_preset(preset, MODEL | overrides), device="meta")
+    return rank_plan(model, Layout(cp=cp, seq_len=T, micro_batch_size=B)).comm_cp
+
+
+# what the planner counts exactly (keys/values and state maps); the conv halos and Engram's
+# are left out of it, so there it is a lower bound
+HALOS = ("tiny_hybrid", "tiny_kda", "tiny_engram")
 
 
 HYBRID = {"n_layers": 4, "gdn.head_dim": 16, "gdn.v_head_dim": 16}
@@ -263,13 +303,21 @@ HYBRID = {"n_layers": 4, "gdn.head_dim": 16, "gdn.v_head_dim": 16}
 )
 def test_a_model_split_over_cp_ranks_trains_as_one_process(cp, preset, overrides, packed):
     """The ranks' losses average to one process's (each its weighted mean over its positions)
-    and so do their gradients (FSDP2's reduction over the context-parallel ranks)."""
+    and so do their gradients (FSDP2's reduction over the context-parallel ranks); each rank
+    sends what model/planner.py says it sends over the cp group."""
     whole = model_step(0, overrides, packed, preset)
     ranks = run_ranks(cp, model_step, overrides, packed, preset)
     torch.testing.assert_close(sum(r["loss"] for r in ranks) / len(ranks), whole["loss"], **TOL)
     for name, grad in whole["grads"].items():
         got = sum(r["grads"][name] for r in ranks) / len(ranks)
         torch.testing.assert_close(got, grad, **TOL, msg=name)
+    # the bytes each rank sent over the cp group against the planner's formula
+    plan = planned_sent(cp, preset, overrides)
+    for r in ranks:
+        assert plan <= r["sent"] if preset in HALOS else r["sent"] == pytest.approx(plan), (
+            r["sent"],
+            plan,
+        )
 
 
 def test_layers_it_cannot_split_yet_are_refused():
