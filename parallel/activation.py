@@ -46,11 +46,14 @@ for _name in ("_grouped_mm", "_scaled_dot_product_cudnn_attention"):
 # expert-parallel token exchange: recomputing it would repeat the all-to-all in backward
 _c10d = torch.ops._c10d_functional
 SAVED_OPS |= {_c10d.all_to_all_single.default, _c10d.wait_tensor.default}
+# collectives kept whatever the grad mode: context parallelism's all-gathers (keys/values, state
+# maps, conv halos) run inside funcol's autograd function, whose forward runs without grad
+COLLECTIVES = {_c10d.all_gather_into_tensor.default, _c10d.all_to_all_single.default}
 
 
 def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     # ops under no_grad (QK-clip's max-logit recording) are never worth keeping for backward
-    if op in SAVED_OPS and torch.is_grad_enabled():
+    if op in COLLECTIVES or (op in SAVED_OPS and torch.is_grad_enabled()):
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 
