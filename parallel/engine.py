@@ -31,11 +31,10 @@ and the optimizer and offers:
   state_module           the module whose weights the optimizer updates and checkpoints hold
   weight_modules()       the distinct modules holding weights (model, then state_module)
   nonfinite_weights()    the weights holding NaN or inf on this rank (never saved, sampled)
-  ranks_per_forward      consecutive ranks that run one forward on the same inputs and hold
-                         the same statistics (tensor parallelism)
-  ranks_per_row          consecutive ranks that read the same batch rows and score the same
-                         requests (context x tensor parallelism: the cp ranks split each
-                         training sequence, and run scoring forwards whole)
+  ranks_per_forward      consecutive ranks that run one forward on the same inputs (tensor
+                         parallelism: they hold the same statistics and score the same requests;
+                         context-parallel ranks split only training forwards, so each scores
+                         its own)
 
 The engine knows no model feature: what a feature adds to a step comes through the objective
 and the edit the trainer's step passes in, and parallel code finds parts by parameter role.
@@ -116,10 +115,8 @@ class TrainingEngine(CheckpointFormat):
     # set by the trainer, None elsewhere (then beside the checkpoint read)
     scratch_dir: Path | None = None
     # consecutive ranks that run one forward together on the same inputs (tensor parallelism);
-    # they hold the same statistics
+    # they hold the same statistics and score the same requests
     ranks_per_forward: int = 1
-    # consecutive ranks that read the same batch rows and score the same requests (cp x tp)
-    ranks_per_row: int = 1
 
     @property
     def state_module(self) -> nn.Module:
@@ -243,8 +240,6 @@ class FSDP2Engine(TrainingEngine):
         self._autocast = autocast_factory(precision, device)
         self._replicated = replicated_tables(model)
         self.ranks_per_forward = tp_size(model)
-        split = getattr(model, "context_split", None)  # context parallelism's cp ranks
-        self.ranks_per_row = self.ranks_per_forward * (split.cp if split is not None else 1)
 
     @property
     def state_module(self) -> nn.Module:

@@ -2,7 +2,8 @@
 (TrainingEngine.evaluation_log_probs) under FSDP2 and under expert parallelism equal one process's
 for the same rows (fp32, from the same seeded weights); and whole tasks scored on 2 ranks (each
 its share of the batches, an idle forward where it has one fewer) give every rank the scores and
-metrics of one process (under tensor parallelism both ranks score every batch together).
+metrics of one process (under tensor parallelism both ranks score every batch together; context
+parallelism splits only training forwards, so its ranks score their own batches whole).
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ def assert_same_scores(got: tuple, whole: tuple) -> None:
 
 @pytest.mark.parametrize(
     ("preset", "layout"),
-    [("tiny", {}), ("tiny_moe", {"ep": 2}), ("tiny", {"tp": 2})],
-    ids=["fsdp2", "expert_parallel", "tensor_parallel"],
+    [("tiny", {}), ("tiny_moe", {"ep": 2}), ("tiny", {"tp": 2}), ("tiny", {"cp": 2})],
+    ids=["fsdp2", "expert_parallel", "tensor_parallel", "context_parallel"],
 )
 def test_two_ranks_score_tasks_as_one_process_does(preset, layout, tasks):
     from trainer.downstream.evaluator import DownstreamEvaluator

@@ -33,8 +33,9 @@ def log_likelihoods(
     """(len(requests),) float64 on the CPU, the same on every rank; None when `stop` (which
     every rank must agree on) interrupted it. Every rank must call it (collective forwards).
     `batches`: trainer.downstream.batches.pack's; `progress(n)`: n more requests were scored
-    on this rank; `together`: consecutive ranks that run one forward on the same batch (context
-    and tensor parallelism, TrainingEngine.ranks_per_row)."""
+    on this rank; `together`: consecutive ranks that run one forward on the same batch (tensor
+    parallelism, TrainingEngine.ranks_per_forward; context-parallel ranks score forwards whole,
+    each its own batches)."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if several_ranks() else (0, 1)
     rank, world = rank // together, world // together  # data-parallel index and count
     mine = batches[rank::world]
