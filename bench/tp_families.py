@@ -55,6 +55,7 @@ SMALL = [  # the trainer tests' SMALL_OVERRIDES (tests/trainer/helpers.py), with
     "logging.progress=false",
 ]
 TP = ["parallel.tp=2"]
+TP_MESH = ("dp_shard 2", "tp 2")  # what the 4-rank runs' log must show
 SP_AC = [*TP, "parallel.sequence_parallel=true", "parallel.activation_checkpoint=full"]
 # name -> (overrides of both runs, parallel overrides of the 4-rank run)
 CASES: dict[str, tuple[list[str], list[str]]] = {
@@ -80,8 +81,11 @@ NOTES = {
 }
 
 
-def train(overrides: list[str], ranks: int, run_dir: Path) -> tuple[list[dict], float]:
-    """The metrics.jsonl rows of one run of the public command, and its wall seconds."""
+def train(
+    overrides: list[str], ranks: int, run_dir: Path, mesh_words: tuple[str, ...] = ("tp 2",)
+) -> tuple[list[dict], float]:
+    """The metrics.jsonl rows of one run of the public command, and its wall seconds; a run on
+    several ranks must log a mesh line with `world <ranks>` and each of `mesh_words`."""
     args = ["-m", "trainer", f"hydra.run.dir={run_dir}", *overrides]
     if ranks > 1:
         launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
@@ -103,8 +107,9 @@ def train(overrides: list[str], ranks: int, run_dir: Path) -> tuple[list[dict], 
         mesh = [
             line for line in (run_dir / "train.log").read_text().splitlines() if "world" in line
         ]
-        if not mesh or f"world {ranks}, dp_shard 2" not in mesh[0] or "tp 2" not in mesh[0]:
-            raise RuntimeError(f"not a dp_shard 2 x tp 2 run: {mesh[:1]} ({' '.join(command)})")
+        words = (f"world {ranks}", *mesh_words)
+        if not mesh or any(word not in mesh[0] for word in words):
+            raise RuntimeError(f"not a {words} run: {mesh[:1]} ({' '.join(command)})")
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines], seconds
 
@@ -123,7 +128,8 @@ def run_case(name: str, steps: int, tmp: Path) -> dict:
     result |= {"note": NOTES[name]} if name in NOTES else {}
     try:
         result["one_process"] = summary(*train(common, 1, tmp / f"{name}_one"))
-        result["ranks4"] = summary(*train([*common, *parallel], RANKS, tmp / f"{name}_tp"))
+        tp_run = tmp / f"{name}_tp"
+        result["ranks4"] = summary(*train([*common, *parallel], RANKS, tp_run, TP_MESH))
     except (RuntimeError, subprocess.TimeoutExpired) as error:
         return result | {"error": str(error), "pass": False}
     one, many = result["one_process"]["loss"], result["ranks4"]["loss"]
