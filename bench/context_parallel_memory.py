@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.machine import machine
 from bench.ranks import run_on_ranks
+from bench.sent_bytes import SentBytes
 
 PRESETS = {
     "tiny": {"n_layers": 4},
@@ -52,28 +53,6 @@ def saved_bytes(run) -> tuple[int, object]:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = run()
     return sum(seen.values()), out
-
-
-class SentBytes:
-    """Counts the bytes this rank sends in functional all-gathers and reduce-scatters: (P - 1) /
-    P of the gathered (or scattered) whole, a ring's."""
-
-    def __init__(self, world: int) -> None:
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        ops = torch.ops._c10d_functional
-        gather, scatter = ops.all_gather_into_tensor.default, ops.reduce_scatter_tensor.default
-        counter = self
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                out = func(*args, **(kwargs or {}))
-                whole = out if func is gather else args[0] if func is scatter else None
-                if whole is not None:
-                    counter.sent += (world - 1) / world * whole.numel() * whole.element_size()
-                return out
-
-        self.sent, self.mode = 0.0, Mode()
 
 
 def planned(preset: str, cp: int, seq_len: int) -> dict:

@@ -15,7 +15,6 @@ exits 1 if any run fails or any case diverges.
 
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
 import tempfile
@@ -24,7 +23,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from bench.machine import save_result
-from bench.tp_families import DEFAULT_STEPS, SMALL, TOLERANCE, summary, train, worst_of
+from bench.tp_families import (
+    DEFAULT_STEPS,
+    SMALL,
+    TOLERANCE,
+    compare_losses,
+    parse_cases,
+    summary,
+    train,
+    worst_of,
+)
 
 COMMON = [*SMALL, "trainer.doc_mask=true"]  # documents packed in a row cross the chunks
 CP2, CP4 = ["parallel.cp=2"], ["parallel.cp=4"]
@@ -76,37 +84,23 @@ def run_case(name: str, steps: int, tmp: Path) -> dict:
         result["split"] = summary(*split)
     except (RuntimeError, subprocess.TimeoutExpired) as error:
         return result | {"error": str(error), "pass": False}
-    one, many = result["one_process"]["loss"], result["split"]["loss"]
-    if not len(one) == len(many) == steps:
-        return result | {
-            "error": f"logged {len(one)} and {len(many)} of {steps} steps",
-            "pass": False,
-        }
-    worst = max(abs(a - b) / abs(b) for a, b in zip(many, one))
-    return result | {"max_rel_diff": worst, "pass": worst <= TOLERANCE}
+    return result | compare_losses(result["one_process"]["loss"], result["split"]["loss"], steps)
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("cases", nargs="*", help=f"a subset of: {' '.join(CASES)}")
-    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS)
-    args = parser.parse_args(argv)
-    unknown = [c for c in args.cases if c not in CASES]
-    if unknown:
-        parser.error(f"unknown cases {unknown}; choose from {list(CASES)}")
-    names = args.cases or list(CASES)
+    names, steps = parse_cases(argv, CASES)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
-            r = results[name] = run_case(name, args.steps, Path(tmp))
+            r = results[name] = run_case(name, steps, Path(tmp))
             diff = f"{r['max_rel_diff']:.2e}" if "max_rel_diff" in r else "failed"
             layout = " ".join(o.removeprefix("parallel.") for o in r["parallel"])
             seconds = r.get("one_process", {}).get("seconds"), r.get("split", {}).get("seconds")
             print(f"{name:<14} {layout:<48} {diff:>9} {'pass' if r['pass'] else 'FAIL'} {seconds}")
-    full = names == list(CASES) and args.steps == DEFAULT_STEPS
+    full = names == list(CASES) and steps == DEFAULT_STEPS
     body = {
         "command": " ".join(["python bench/cp_families.py", *argv]),
-        "steps": args.steps,
+        "steps": steps,
         "tolerance": TOLERANCE,
         "common_overrides": COMMON,
         "max_rel_diff": worst_of(results),

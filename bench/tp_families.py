@@ -132,14 +132,27 @@ def run_case(name: str, steps: int, tmp: Path) -> dict:
         result["ranks4"] = summary(*train([*common, *parallel], RANKS, tp_run, TP_MESH))
     except (RuntimeError, subprocess.TimeoutExpired) as error:
         return result | {"error": str(error), "pass": False}
-    one, many = result["one_process"]["loss"], result["ranks4"]["loss"]
+    return result | compare_losses(result["one_process"]["loss"], result["ranks4"]["loss"], steps)
+
+
+def compare_losses(one: list[float], many: list[float], steps: int) -> dict:
+    """The verdict on the split run's losses against one process's, step by step."""
     if not len(one) == len(many) == steps:
-        return result | {
-            "error": f"logged {len(one)} and {len(many)} of {steps} steps",
-            "pass": False,
-        }
+        return {"error": f"logged {len(one)} and {len(many)} of {steps} steps", "pass": False}
     worst = max(abs(a - b) / abs(b) for a, b in zip(many, one))
-    return result | {"max_rel_diff": worst, "pass": worst <= TOLERANCE}
+    return {"max_rel_diff": worst, "pass": worst <= TOLERANCE}
+
+
+def parse_cases(argv: list[str], cases: dict) -> tuple[list[str], int]:
+    """(the case names to run, the steps) from the command line; unknown names end it."""
+    parser = argparse.ArgumentParser(description=sys.modules["__main__"].__doc__.splitlines()[0])
+    parser.add_argument("cases", nargs="*", help=f"a subset of: {' '.join(cases)}")
+    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS)
+    args = parser.parse_args(argv)
+    unknown = [c for c in args.cases if c not in cases]
+    if unknown:
+        parser.error(f"unknown cases {unknown}; choose from {list(cases)}")
+    return args.cases or list(cases), args.steps
 
 
 def layout(parallel: list[str]) -> str:
@@ -150,27 +163,20 @@ def layout(parallel: list[str]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("cases", nargs="*", help=f"a subset of: {' '.join(CASES)}")
-    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS)
-    args = parser.parse_args(argv)
-    unknown = [c for c in args.cases if c not in CASES]
-    if unknown:
-        parser.error(f"unknown cases {unknown}; choose from {list(CASES)}")
-    names = args.cases or list(CASES)
+    names, steps = parse_cases(argv, CASES)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
-            results[name] = run_case(name, args.steps, Path(tmp))
+            results[name] = run_case(name, steps, Path(tmp))
             r = results[name]
             diff = f"{r['max_rel_diff']:.2e}" if "max_rel_diff" in r else "failed"
             print(f"{name}: {diff} {'pass' if r['pass'] else 'FAIL'}", flush=True)
     print_table(results)
-    full = names == list(CASES) and args.steps == DEFAULT_STEPS
+    full = names == list(CASES) and steps == DEFAULT_STEPS
     body = {
         "command": " ".join(["python bench/tp_families.py", *argv]),
         "ranks": RANKS,
-        "steps": args.steps,
+        "steps": steps,
         "tolerance": TOLERANCE,
         "common_overrides": SMALL,
         "max_rel_diff": worst_of(results),

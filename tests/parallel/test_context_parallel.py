@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from bench.sent_bytes import SentBytes
 from model.mixers.delta_rule import chunk_gated_delta_rule
 from model.mixers.gdn import l2_normalize
 from model.mixers.masks import build_mask, document_starts, positions_in_documents
@@ -228,28 +229,6 @@ def model_step(rank: int, overrides: dict, packed: bool, preset: str = "tiny") -
     }
     # (Engram's tables: sparse gradients)
     return {"loss": loss.detach(), "grads": grads, "sent": sent.sent}
-
-
-class SentBytes:
-    """The bytes this rank sends in functional all-gathers and reduce-scatters, as a ring does:
-    (P - 1) / P of the whole tensor (the planner's way of counting)."""
-
-    def __init__(self, world: int) -> None:
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        ops = torch.ops._c10d_functional
-        gather, scatter = ops.all_gather_into_tensor.default, ops.reduce_scatter_tensor.default
-        counter = self
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                out = func(*args, **(kwargs or {}))
-                whole = out if func is gather else args[0] if func is scatter else None
-                if whole is not None:
-                    counter.sent += (world - 1) / world * whole.numel() * whole.element_size()
-                return out
-
-        self.sent, self.mode = 0.0, Mode()
 
 
 def planned_sent(cp: int, preset: str, overrides: dict) -> float:
