@@ -40,6 +40,7 @@ CP2, CP4 = ["parallel.cp=2"], ["parallel.cp=4"]
 CASES: dict[str, tuple[list[str], list[str], int]] = {
     "tiny": (["model=tiny"], CP2, 2),
     "tiny_window": (["model=tiny", "model.attention.sliding_window=8"], CP4, 4),
+    "tiny_hsdp": (["model=tiny"], [*CP2, "parallel.dp_replicate=2"], 4),
     "tiny_mla": (["model=tiny_mla"], [*CP2, "parallel.activation_checkpoint=full"], 2),
     "tiny_hybrid": (["model=tiny_hybrid", "model.n_layers=4"], CP4, 4),
     "tiny_kda": (
