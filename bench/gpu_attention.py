@@ -8,12 +8,17 @@ close as SDPA is):
               (model/mixers/qk_logits.py) and vs FlexAttention's max_scores
   documents   packed documents and a sliding window (per-row first keys) vs the dense mask
   mla         head dims 192 / 128 (DeepSeek-V3's), MHA
+  cp_chunks   context parallelism's calls (cp = 4: 8 chunks; each rank's two chunks over the
+              keys before their ends, bottom-right aligned, with documents and a window) vs the
+              same rows of one whole call: outputs and gradients
 Timing, forward + backward (B 4, T 4096, same heads): SDPA as dispatched, SDPA's cuDNN and
 FlashAttention-2 kernels forced, FlexAttention compiled, the Triton kernel without and with its
 max logits, SDPA followed by the max-logit recomputation (what QK-clip costs without the kernel);
 milliseconds, TFLOP/s (causal: 2 B H T^2 D forward, 2.5x that backward), and the ratio of the
 Triton kernel with max logits to the fastest SDPA (issue 18's target: <= 1.3). Also with
-documents: the kernel's block skipping vs SDPA's dense mask vs FlexAttention's block mask.
+documents: the kernel's block skipping vs SDPA's dense mask vs FlexAttention's block mask; and
+context parallelism's chunked calls per cp = 4 rank (their spread: the head-tail balance) against
+the whole call.
 
 `small=True` runs the same code on a tiny shape (a CPU dry run under Triton's interpreter).
 """
@@ -155,6 +160,7 @@ def check_cases(small: bool, device: str, sub_case: Callable) -> dict:
 
     sub_case(results, "documents", docs, 40)
     sub_case(results, "mla", lambda: compare(sizes["mla"], device), 40)
+    sub_case(results, "cp_chunks", lambda: chunks_match_whole(check, device, window), 40)
     if device == "cuda":
 
         def flex_agrees() -> dict:
@@ -239,6 +245,64 @@ def timing_cases(small: bool, device: str, timed: Callable, sub_case: Callable) 
             results["triton_max_logits"]["median_ms"] / min(sdpa_ms), 3
         )
     results["documents"] = document_timings(shape, device, timed, sub_case, q, k, v, cot)
+    sub_case(results, "cp_chunks", lambda: chunk_timings(shape, timed, q, k, v, cot), 60)
+    return results
+
+
+CP = 4  # context-parallel ranks simulated on one GPU: 2 CP head-tail chunks of the sequence
+
+
+def rank_chunks(T: int, rank: int) -> list[tuple[int, int]]:
+    """[(start, end)] of the two chunks rank `rank` keeps (parallel/context_parallel.py)."""
+    c = T // (2 * CP)
+    return [(j * c, (j + 1) * c) for j in (rank, 2 * CP - 1 - rank)]
+
+
+def chunk_call(q, k, v, start, end, first_key=None):
+    """The kernel on queries [start, end) over keys [0, end), as a cp rank calls it."""
+    return flash_attention(q[:, :, start:end], k[:, :, :end], v[:, :, :end], first_key=first_key)
+
+
+def chunks_match_whole(shape: Shape, device: str, window: int) -> dict:
+    """Every chunk's outputs and its queries' gradients against the same rows of one whole call
+    (documents and a window: per-row first keys from the global positions)."""
+    q, k, v = inputs(shape, device)
+    starts = document_starts(documents(shape, device))
+    whole_first = key_bounds(starts, window, shape.T, torch.device(device))
+    cot = torch.randn(shape.B, shape.Hq, shape.T, shape.Dv, device=device, dtype=q.dtype)
+    want = fwd_bwd(lambda *x: flash_attention(*x, first_key=whole_first), [q, k, v], cot)
+    worst = {"out": 0.0, "dq": 0.0}
+    for rank in range(CP):
+        for start, end in rank_chunks(shape.T, rank):
+            first = key_bounds(
+                starts, window, shape.T, torch.device(device), rows=slice(start, end)
+            )
+            leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+            out = chunk_call(*leaves, start, end, first)
+            dq = torch.autograd.grad(out, leaves[0], cot[:, :, start:end])[0][:, :, start:end]
+            for name, got, ref in (("out", out, want[0]), ("dq", dq, want[1])):
+                rows = ref[:, :, start:end].float()
+                error = ((got.float() - rows).norm() / rows.norm()).item()
+                worst[name] = max(worst[name], error)
+    return {"max_relative_error": worst, "ok": max(worst.values()) <= 1e-2}
+
+
+def chunk_timings(shape: Shape, timed: Callable, q, k, v, cot) -> dict:
+    """Forward + backward of each simulated cp rank's two chunk calls (the ranks' work should be
+    even: head-tail chunks), against the whole sequence's call."""
+    results = {"cp": CP, "whole": timed(lambda: fwd_bwd(flash_attention, [q, k, v], cot))}
+    for rank in range(CP):
+
+        def both_chunks(rank=rank) -> None:
+            for start, end in rank_chunks(shape.T, rank):
+                leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+                out = chunk_call(*leaves, start, end)
+                torch.autograd.grad(out, leaves, cot[:, :, start:end])
+
+        results[f"rank{rank}"] = timed(both_chunks)
+    ranks = [results[f"rank{r}"]["median_ms"] for r in range(CP)]
+    results["slowest_over_fastest_rank"] = round(max(ranks) / min(ranks), 3)
+    results["ranks_sum_over_whole"] = round(sum(ranks) / results["whole"]["median_ms"], 3)
     return results
 
 
