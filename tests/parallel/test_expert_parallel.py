@@ -45,6 +45,9 @@ def test_all_to_all_dispatch_handles_empty_experts_and_uneven_splits() -> None:
         (4, {}),  # EP=2 x expert FSDP=2
         (4, {"dp_replicate": 2}),  # HSDP: 2 replicas of EP=2
         (2, {"activation_checkpoint": "full"}),
+        # context parallelism: each cp rank routes its own positions; the experts' gradients
+        # reduce over dp_shard_mod_ep x cp (a forced sum on gloo)
+        (4, {"cp": 2}),
     ],
 )
 def test_expert_parallel_gives_the_gradients_of_ep1(world: int, layout: dict) -> None:

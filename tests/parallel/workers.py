@@ -151,7 +151,8 @@ def gradients(rank: int, model_cfg: ModelConfig, layout: dict[str, Any]) -> dict
 
     _, size = world()
     model = engine_for(model_cfg, layout).model
-    batch = local_batch(global_batches(1, model_cfg.vocab_size)[0])
+    together = layout.get("cp", 1) * layout.get("tp", 1)  # ranks reading the same rows
+    batch = local_batch(global_batches(1, model_cfg.vocab_size)[0], together)
     loss = model(batch.inputs, batch.targets)
     aux = pop_aux_loss(model)
     (loss + aux if aux is not None else loss).backward()

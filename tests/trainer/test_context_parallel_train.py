@@ -90,6 +90,9 @@ def test_a_hybrid_model_on_context_and_tensor_parallel_ranks_equals_one_process(
 SEQ_36 = {"data.seq_len": 36}
 
 
+SEQ_36 = {"data.seq_len": 36}
+
+
 def test_a_moe_model_on_context_and_expert_parallel_ranks_equals_one_process(dataset, tmp_path):
     """dp_shard=2 (ep=2) x cp=2: every cp rank routes its own positions' tokens through the
     experts of its ep group; expert gradients average over the data and context ranks, the
