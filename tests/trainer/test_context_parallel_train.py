@@ -90,32 +90,6 @@ def test_a_hybrid_model_on_context_and_tensor_parallel_ranks_equals_one_process(
 SEQ_36 = {"data.seq_len": 36}
 
 
-SEQ_36 = {"data.seq_len": 36}
-
-
-def test_a_moe_model_on_context_and_expert_parallel_ranks_equals_one_process(dataset, tmp_path):
-    """dp_shard=2 (ep=2) x cp=2: every cp rank routes its own positions' tokens through the
-    experts of its ep group; expert gradients average over the data and context ranks, the
-    aux-loss-free bias moves with the load summed over every rank (the Switch aux loss, a mean
-    per rank's tokens, is off: it is not the whole sequence's under a split, as under DP)."""
-    moe = ["model=tiny_moe", *SMALL_OVERRIDES, "model.moe.expert_hidden=32"]
-    moe += ["model.moe.aux_loss_coef=0.0"]
-    common = [f"data.path={dataset}", *moe, *FP32, "trainer.eval_every=0"]
-    one = tmp_path / "one"
-    result = run_trainer(*common, f"hydra.run.dir={one}", cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-4000:]
-    split = tmp_path / "ep2_cp2"
-    result = torchrun(
-        4, *common, "parallel.cp=2", "parallel.ep=2", f"hydra.run.dir={split}", cwd=tmp_path
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert (
-        "world 4, dp_shard 2, ep 2 (expert weights sharded over 1), cp 2"
-        in (split / "train.log").read_text()
-    )
-    assert_same_losses(losses_of(split), losses_of(one), [1, 2, 3, 4])
-
-
 @pytest.mark.parametrize(
     ("settings", "world", "message"),
     [
