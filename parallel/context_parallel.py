@@ -109,6 +109,14 @@ def visible_keys(
     return allowed
 
 
+def gather_keys_values(k: Tensor, v: Tensor, group: dist.ProcessGroup) -> tuple[Tensor, Tensor]:
+    """Every rank's keys (B, Hkv, T_local, Dq) and values (B, Hkv, T_local, Dv) in one
+    all-gather (two separate ones gave wrong key gradients on gloo) -> (B, Hkv, T, D) each, in
+    global order."""
+    both = gather_sequence(torch.cat([k, v], dim=-1).transpose(1, 2), group).transpose(1, 2)
+    return both.split([k.shape[-1], v.shape[-1]], dim=-1)
+
+
 def attention_over_ranks(
     q: Tensor,
     k: Tensor,
@@ -129,9 +137,7 @@ def attention_over_ranks(
     these arguments when the caller keeps it (layers sharing one). -> ((B, H, T_local, Dv),
     with `want_max` each head's largest logit over this rank's queries (H,), for QK-clip,
     whose hook takes the maximum over the ranks, else None)."""
-    Dq = q.shape[-1]
-    both = gather_sequence(torch.cat([k, v], dim=-1).transpose(1, 2), group).transpose(1, 2)
-    k_all, v_all = both.split([Dq, v.shape[-1]], dim=-1)  # (B, Hkv, T, D) in global order
+    k_all, v_all = gather_keys_values(k, v, group)
     if mask is None:
         mask = visible_keys(q_positions, k_all.shape[2], window, doc_ids)
     new_max = None
@@ -165,9 +171,7 @@ def kernel_attention_over_ranks(
     from model.mixers.masks import document_starts
 
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
-    Dq = q.shape[-1]
-    both = gather_sequence(torch.cat([k, v], dim=-1).transpose(1, 2), group).transpose(1, 2)
-    k_all, v_all = both.split([Dq, v.shape[-1]], dim=-1)  # (B, Hkv, T, D) in global order
+    k_all, v_all = gather_keys_values(k, v, group)
     T, c = k_all.shape[2], q.shape[2] // 2
     starts = document_starts(doc_ids) if doc_ids is not None else None
     outs, maxes = [], []

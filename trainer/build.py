@@ -224,26 +224,29 @@ def check_tensor_parallel_plans(model_cfg: ModelConfig, tp: int) -> None:
     the process group and the data are set up."""
     if tp == 1:
         return
-    from model.transformer import build_model
-
-    vocab = model_cfg.vocab_size or 8192  # 0: the tokenizer's; any size splits by rows
-    model = build_model(dataclasses.replace(model_cfg, vocab_size=vocab), device="meta")
+    model = meta_model(model_cfg)
     for module in model.modules():
         plan = getattr(module, "tensor_parallel_plan", None)
         if plan is not None:
             plan(tp)
 
 
+def meta_model(model_cfg: ModelConfig):
+    """The model on the meta device (no memory), for start-up checks of its layers; vocab_size 0
+    (the tokenizer's) stands in as 8192: any size splits by rows."""
+    from model.transformer import build_model
+
+    vocab = model_cfg.vocab_size or 8192
+    return build_model(dataclasses.replace(model_cfg, vocab_size=vocab), device="meta")
+
+
 def check_context_parallel_layers(model_cfg: ModelConfig, cp: int) -> None:
     """Every layer of the model splits over the sequence (on the meta device, at start-up)."""
     if cp == 1:
         return
-    from model.transformer import build_model
     from parallel.context_parallel import context_parallel_refusal
 
-    vocab = model_cfg.vocab_size or 8192
-    model = build_model(dataclasses.replace(model_cfg, vocab_size=vocab), device="meta")
-    if problem := context_parallel_refusal(model):
+    if problem := context_parallel_refusal(meta_model(model_cfg)):
         raise ConfigError(problem)
 
 
