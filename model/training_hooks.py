@@ -18,6 +18,11 @@ once, after the engine is built, and calls every hook at these points of each st
                              engine gives one (QK-clip does), other in-place edits would be lost
   end_step(applied)          last, whether or not the update was applied
 
+Under pipeline parallelism each stage's ranks hold their layers' hooks and metrics; the stages'
+metrics are merged into one row (`merge_stage_metrics`): per-layer keys are each stage's own, a
+summary key that several stages report is their mean weighted by their layers of that feature,
+unless the hook's `stage_combine` ({key: "sum" | "max"}) says otherwise.
+
 `start(modules)` runs once on a freshly built engine's weight-holding modules (the running model
 first). `after_backward` and `after_update` return metrics ({name: value}) for the log row.
 
@@ -33,7 +38,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 from torch import Tensor, nn
 
@@ -55,6 +60,10 @@ class UpdatedWeights:
 class TrainingHook(Protocol):
     """A feature's part in each training step (see the module docstring). Subclass it for the
     no-op defaults, or implement every method (packages that may not import model/)."""
+
+    # how a summary metric that several pipeline stages report combines ({key: "sum" | "max"};
+    # others: the mean weighted by each stage's layers)
+    stage_combine: ClassVar[dict[str, str]] = {}
 
     def start(self, modules: Sequence[nn.Module]) -> None:
         return None
@@ -90,6 +99,34 @@ def registered_hooks(model: nn.Module) -> list[TrainingHook]:
     """The registered factories' hooks for `model`, in registration order."""
     hooks = (factory(model) for factory in _FACTORIES.values())
     return [hook for hook in hooks if hook is not None]
+
+
+def stage_combines(hooks: Sequence[TrainingHook]) -> dict[str, str]:
+    """Every hook's `stage_combine`, merged."""
+    out: dict[str, str] = {}
+    for hook in hooks:
+        out |= getattr(hook, "stage_combine", {})
+    return out
+
+
+def merge_stage_metrics(parts: Sequence[Metrics], combine: dict[str, str]) -> Metrics:
+    """The metrics of every pipeline stage as one row (see the module docstring)."""
+    merged: dict[str, list[tuple[float, int]]] = {}
+    for part in parts:
+        for key, value in part.items():
+            prefix = key.split("/")[0] + "/layer"
+            layers = sum(1 for k in part if k.startswith(prefix)) or 1
+            merged.setdefault(key, []).append((value, layers))
+    out: Metrics = {}
+    for key, values in merged.items():
+        how = combine.get(key, "mean")
+        if how == "sum":
+            out[key] = sum(v for v, _ in values)
+        elif how == "max":
+            out[key] = max(v for v, _ in values)
+        else:
+            out[key] = sum(v * w for v, w in values) / sum(w for _, w in values)
+    return out
 
 
 def objective_with(hooks: Sequence[TrainingHook]) -> Callable[[Tensor], Tensor]:

@@ -35,7 +35,8 @@ from model.moe import moe_balance_hook
 from model.mtp.heads import MTPHook, MultiTokenPrediction
 from model.norms import build_norm
 from model.registry import RESIDUALS
-from model.residual.stream import StreamStatistics
+from model.residual.stream import State, StreamStatistics
+from model.stages import StageLayout
 from model.training_hooks import TrainingHook
 
 
@@ -71,7 +72,10 @@ class Transformer(nn.Module):
         )
         # multi-token prediction modules (training objective, speculative drafts)
         self.mtp = MultiTokenPrediction(cfg) if cfg.mtp.depth else None
-        self._mtp_objective: Tensor | None = None
+        # pipeline parallelism (model/stages.py): the stages this module holds, and the one
+        # `stage_forward` runs (None: the whole model)
+        self.pipeline_stages: tuple[StageLayout, ...] | None = None
+        self.stage: StageLayout | None = None
         # set by context parallelism (parallel/context_parallel.py): `kept(T, device)` the
         # positions of a training forward this rank computes (None: all), `for_forward(kept,
         # doc_ids)` what its attention layers read (AttentionContext.context_parallel)
@@ -181,7 +185,20 @@ class Transformer(nn.Module):
         kept = None
         if split and cache is None:
             kept = self.context_split.kept(tokens.shape[1], tokens.device)
-        trunk, ctx = self._trunk(tokens, doc_ids, cache, kept)
+        state, ctx = self._trunk(tokens, doc_ids, cache, kept)
+        return self._head(self.stream.collapse(state), tokens, targets, ctx, kept, per_token)
+
+    def _head(
+        self,
+        trunk: Tensor,
+        tokens: Tensor,
+        targets: Tensor | None,
+        ctx: AttentionContext,
+        kept: Tensor | None,
+        per_token: bool = False,
+    ) -> Tensor:
+        """The final norm and the head on the collapsed trunk (B, T, C): logits, per-token
+        log-probabilities or the loss (see `forward`)."""
         h = self.norm(trunk)
         if targets is None:
             return self.logits_fn(h, self.head_weight)
@@ -193,8 +210,31 @@ class Transformer(nn.Module):
         else:
             loss = self.loss_fn(h, self.head_weight, targets, self.cfg.loss_chunk_tokens)
         if self.mtp is not None and torch.is_grad_enabled():  # training forwards only
-            self._mtp_objective = self.mtp.objective(self, trunk, tokens, targets, ctx)
+            self.mtp.pending = self.mtp.objective(self, trunk, tokens, targets, ctx)
+        split = self.context_split is not None
         return self._split_loss(loss, split, kept is not None)
+
+    def stage_forward(
+        self,
+        *received: Tensor,
+        ids: Tensor,
+        targets: Tensor | None = None,
+        doc_ids: Tensor | None = None,
+        per_token: bool = False,
+    ) -> Tensor | tuple[Tensor, ...]:
+        """The forward of pipeline stage `self.stage` (model/stages.py) on one micro-batch: the
+        first stage embeds `ids` (B, T) (what it receives is `ids` again), a later one continues
+        the residual stream's state from the tensors the stage before it sent (`received`). A
+        stage before the last returns the state as tensors; the last returns what `forward`
+        does with `targets` (the loss, or each target's log-probability with `per_token`), or
+        the logits without."""
+        stage = self.stage
+        split = self.context_split is not None and targets is not None and not per_token
+        kept = self.context_split.kept(ids.shape[1], ids.device) if split else None
+        state, ctx = self._trunk(ids, doc_ids, None, kept, None if stage.first else received)
+        if not stage.last:
+            return self.stream.to_tensors(state)
+        return self._head(self.stream.collapse(state), ids, targets, ctx, kept, per_token)
 
     def _split_loss(self, loss: Tensor, split: bool, was_split: bool) -> Tensor:
         """Under context parallelism a training forward returns this rank's weighted mean: the
@@ -208,7 +248,9 @@ class Transformer(nn.Module):
     def pop_mtp_objective(self) -> Tensor | None:
         """The last training forward's weighted MTP losses (to add to the loss before backward),
         and forget them; None without MTP (or with lambda = 0)."""
-        objective, self._mtp_objective = self._mtp_objective, None
+        if self.mtp is None:
+            return None
+        objective, self.mtp.pending = self.mtp.pending, None
         return objective
 
     def last_logits(self, tokens: Tensor, *, cache: Cache | None = None) -> Tensor:
@@ -220,7 +262,7 @@ class Transformer(nn.Module):
         self, tokens: Tensor, *, doc_ids: Tensor | None = None, cache: Cache | None = None
     ) -> Tensor:
         """Final-norm hidden states (B, T, C)."""
-        return self.norm(self._trunk(tokens, doc_ids, cache)[0])
+        return self.norm(self.stream.collapse(self._trunk(tokens, doc_ids, cache)[0]))
 
     def _trunk(
         self,
@@ -228,10 +270,12 @@ class Transformer(nn.Module):
         doc_ids: Tensor | None,
         cache: Cache | None,
         kept: Tensor | None = None,
-    ) -> tuple[Tensor, AttentionContext]:
-        """The last block's output collapsed to (B, T, C), before the final norm, and the
-        context the layers shared; with `kept` (T_local,) (context parallelism) only those
-        positions of the sequence: (B, T_local, C)."""
+        received: tuple[Tensor, ...] | None = None,
+    ) -> tuple[State, AttentionContext]:
+        """The residual stream's state after the last block (`stream.collapse` makes it
+        (B, T, C)) and the context the layers shared; with `kept` (T_local,) (context
+        parallelism) only those positions of the sequence. `received`: a pipeline stage's
+        input state as tensors (model/stages.py), in place of the embedding."""
         B, T = tokens.shape
         start = 0
         if cache is not None:
@@ -245,21 +289,24 @@ class Transformer(nn.Module):
         whole_tokens, whole_positions = tokens, positions
         if kept is not None:
             tokens, positions = tokens[:, kept], positions[:, kept]
-        h = self.embed(tokens)
-        additive = self.pos.additive(positions)
-        if additive is not None:
-            h = h + additive.to(h.dtype)
+        if received is None:
+            h = self.embed(tokens)
+            additive = self.pos.additive(positions)
+            if additive is not None:
+                h = h + additive.to(h.dtype)
+            state, dtype = self.stream.expand(h), h.dtype
+        else:
+            state, dtype = self.stream.from_tensors(received), received[0].dtype
         if kept is not None:
             ctx = self._split_context(whole_tokens, whole_positions, doc_ids, kept)
         else:
-            ctx = self._context(tokens, positions, start, doc_ids, h.dtype)
+            ctx = self._context(tokens, positions, start, doc_ids, dtype)
         caches = cache.layers if cache is not None else [None] * len(self.layers)
-        state = self.stream.expand(h)
         for block, layer_cache in zip(self.layers.values(), caches):
             state = block(state, ctx, layer_cache)
         if cache is not None:
             cache.length += T
-        return self.stream.collapse(state), ctx
+        return state, ctx
 
     def _context(
         self,

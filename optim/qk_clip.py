@@ -19,7 +19,7 @@ above tau get gamma = tau / max_logit, the rest gamma = 1 (their weights untouch
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -112,6 +112,11 @@ class QKClip:
     """MuonClip's QK-clip as a training hook (the protocol of model.training_hooks): recording
     starts with `start`, every step's max logits are reduced with MAX over the ranks after the
     backward and cap the weights after an applied update (qk/... metrics)."""
+
+    stage_combine: ClassVar[dict[str, str]] = {
+        "qk/max_logit": "max",
+        "qk/clipped_heads": "sum",
+    }  # (pipeline stages)
 
     def __init__(self, tau: float) -> None:
         self.tau = tau

@@ -45,9 +45,11 @@ def parallelize(
     param_dtype: torch.dtype,
     compile: bool,
     device_type: str,
+    fsdp: bool = True,
 ) -> None:
     """Rewrite `model` (on the meta device) in place for the mesh (None: one process) and the
-    device it will run on (device_type: "cpu", "cuda")."""
+    device it will run on (device_type: "cpu", "cuda"); `fsdp` False: all but FSDP2 (a
+    pipeline shards each stage on its own)."""
     if meshes is not None and meshes.ep is not None:
         from parallel.expert_parallel import apply_expert_parallel
 
@@ -78,7 +80,7 @@ def parallelize(
     apply_activation_checkpointing(model, cfg.activation_checkpoint)
     if compile:
         compile_model(model, device_type)
-    if meshes is not None:
+    if meshes is not None and fsdp:
         apply_fsdp(
             model,
             meshes,
@@ -138,6 +140,10 @@ def build_model_for(request: EngineRequest) -> tuple[Transformer, MasterWeights 
 
 @ENGINES.register("fsdp2")
 def build_fsdp2(request: EngineRequest) -> FSDP2Engine:
+    if request.dims.pp > 1:  # the same engine per stage, under a pipeline schedule
+        from parallel.pipeline import build_pipeline
+
+        return build_pipeline(request)
     model, master = build_model_for(request)
     optimizer = request.make_optimizer(master.master if master is not None else model)
     return FSDP2Engine(model, optimizer, request.precision, request.device, master)

@@ -74,6 +74,20 @@ class ParallelConfig:
     # attention) or states (Gated DeltaNet, KDA) per layer; for long contexts (parallel/
     # context_parallel.py). data.seq_len must split into 2 x cp chunks
     cp: int = 1
+    # pipeline-parallel ranks (outermost: across nodes): the stack split into stages that pass
+    # the residual stream on, micro-batch by micro-batch, under torch.distributed.pipelining's
+    # schedule `pp_schedule` (parallel/pipeline.py)
+    pp: int = 1
+    # GPipe | 1F1B | Interleaved1F1B | LoopedBFS | InterleavedZeroBubble | ZBVZeroBubble |
+    # DualPipeV (the last five run several stages per rank)
+    pp_schedule: str = "1F1B"
+    # micro-batches each pipeline runs per step (its gradient accumulation); 0 = from
+    # trainer.micro_batch_size, or the number of stages when that is 0 too
+    pp_microbatches: int = 0
+    # blocks per stage, in order (e.g. [3, 5]); [] = balanced by each block's FLOPs, the head's
+    # counted on the last stage
+    pp_layers: list[int] = field(default_factory=list)
+    pp_stages_per_rank: int = 0  # 0 = 1 for GPipe/1F1B, 2 for the multi-stage schedules
     # with tp > 1: the residual stream between sublayers split along the sequence over the tp
     # ranks (norms, residuals, AttnRes/mHC streams take 1 / tp of their activation memory), at
     # one all-gather of the sublayer input more per sublayer (parallel/sequence_parallel.py)
@@ -99,7 +113,7 @@ class ParallelConfig:
             self.dp_shard == -1 or self.dp_shard >= 1,
             f"parallel.dp_shard={self.dp_shard} must be >= 1, or -1 for all remaining ranks",
         )
-        for key in ("dp_replicate", "ep", "tp", "cp"):
+        for key in ("dp_replicate", "ep", "tp", "cp", "pp"):
             value = getattr(self, key)
             _require(value >= 1, f"parallel.{key}={value} must be >= 1")
         _require(
@@ -119,3 +133,10 @@ class ParallelConfig:
             f"ranks: they need parallel.tp > 1 (got parallel.tp={self.tp})",
         )
         _require(self.timeout_s > 0, f"parallel.timeout_s={self.timeout_s} must be > 0")
+        for key in ("pp_microbatches", "pp_stages_per_rank"):
+            value = getattr(self, key)
+            _require(value >= 0, f"parallel.{key}={value} must be >= 0 (0 = automatic)")
+        if self.pp > 1:
+            from parallel.pipeline_split import stages_per_rank
+
+            stages_per_rank(self.pp_schedule, self.pp_stages_per_rank)

@@ -117,6 +117,11 @@ class TrainingEngine(CheckpointFormat):
     # consecutive ranks that run one forward together on the same inputs (tensor parallelism);
     # they hold the same statistics and score the same requests
     ranks_per_forward: int = 1
+    # the ranks whose training hooks hold statistics of the same layers, which they reduce
+    # together (None: every rank; a pipeline: the ranks of one pipeline rank's stages)
+    statistics_group: Any = None
+    samples: bool = True  # whether full_weights() serves sampling and generation
+    samples_missing: str = ""  # why not, when it does not
 
     @property
     def state_module(self) -> nn.Module:
@@ -138,6 +143,33 @@ class TrainingEngine(CheckpointFormat):
         terms added: model.training_hooks.objective_with); returns the detached language-model
         loss. `last`: the step's final micro-batch. The only way the loop reaches the model."""
         raise NotImplementedError
+
+    def forward_backward_step(
+        self,
+        inputs: Tensor,
+        targets: Tensor,
+        doc_ids: Tensor | None,
+        micro_batches: int,
+        objective: Objective,
+    ) -> Tensor:
+        """A step's forwards and backwards over this rank's rows (B, T), split into
+        `micro_batches` equal parts (gradient accumulation); returns the sum of their detached
+        language-model losses. By default `forward_backward` per part; a pipeline engine runs
+        them through its schedule."""
+        total = torch.zeros((), device=inputs.device)
+        parts = [t.chunk(micro_batches) if t is not None else None for t in (inputs, targets)]
+        docs = doc_ids.chunk(micro_batches) if doc_ids is not None else [None] * micro_batches
+        for index, (x, y, d) in enumerate(zip(*parts, docs)):
+            last = index == micro_batches - 1
+            total += self.forward_backward(x, y, d, micro_batches, last, objective)
+        return total
+
+    def gather_metrics(
+        self, metrics: dict[str, float], combine: dict[str, str]
+    ) -> dict[str, float]:
+        """The hooks' metrics of the whole model: a pipeline merges its stages' (`combine`:
+        model.training_hooks.merge_stage_metrics)."""
+        return metrics
 
     def evaluation_loss(self, inputs: Tensor, targets: Tensor, doc_ids: Tensor | None) -> Tensor:
         """One batch's mean language-model loss, without gradients (validation): the loop's
@@ -331,6 +363,7 @@ class EngineRequest:
     grad_clip: float = 0.0  # trainer.grad_clip (engines that clip inside their own step)
     micro_batch_size: int = 1  # sequences per forward on one rank
     micro_batches: int = 1  # forwards accumulated into one step on each rank
+    seq_len: int = 0  # tokens per training sequence (a pipeline's stage shapes and split)
     optimizer_name: str = "adamw"  # optim.name (engines that cannot run every optimizer)
     # the whole weights (names of Transformer.state_dict()) to start from instead of the seeded
     # initialization, in parts (parallel.init.load_weights); called once, on every rank

@@ -27,11 +27,22 @@ def init_like_single_process(model: Transformer, device: torch.device, seed: int
     with torch.device("meta"):
         reference = Transformer(model.cfg)
     for index, (name, init) in enumerate(reference.init_plan()):
+        if not holds_part(model, name):  # a pipeline stage's model holds some parts only
+            continue
         replica = copy.deepcopy(reference.get_submodule(name)).to_empty(device=device)
         with seeded(device, part_seed(seed, index)):
             init(replica)
         _copy_shards(model.get_submodule(name), replica)
         del replica  # before the next part is built: at most one full part at a time
+
+
+def holds_part(model: nn.Module, name: str) -> bool:
+    """Whether `model` holds init part `name` (model/stages.py prunes a stage's model)."""
+    try:
+        model.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
 
 
 class Sliceable(Protocol):

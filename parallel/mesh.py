@@ -45,29 +45,31 @@ class ParallelDims:
     world_size: int
     tp: int = 1  # tensor-parallel ranks (innermost: consecutive ranks)
     cp: int = 1  # context-parallel ranks (next to tp: they exchange keys and values per layer)
+    pp: int = 1  # pipeline-parallel ranks (outermost: each runs its stages of the stack)
 
     @classmethod
     def resolve(cls, cfg: ParallelConfig, world_size: int) -> ParallelDims:
         """Fill in dp_shard=-1 and check that the sizes multiply to the world size."""
-        tp, cp, shard = cfg.tp, cfg.cp, cfg.dp_shard
-        others = [("dp_replicate", cfg.dp_replicate), ("cp", cp), ("tp", tp)]
+        tp, cp, pp, shard = cfg.tp, cfg.cp, cfg.pp, cfg.dp_shard
+        others = [("pp", pp), ("dp_replicate", cfg.dp_replicate), ("cp", cp), ("tp", tp)]
         others = [(name, size) for name, size in others if size > 1 or name == "dp_replicate"]
         if shard == -1:
-            shard, rest = divmod(world_size, cfg.dp_replicate * cp * tp)
+            shard, rest = divmod(world_size, pp * cfg.dp_replicate * cp * tp)
             if rest or shard == 0:
                 sizes = " x ".join(f"parallel.{name}={size}" for name, size in others)
-                product = cfg.dp_replicate * cp * tp
+                product = pp * cfg.dp_replicate * cp * tp
                 sizes += f" = {product}" if len(others) > 1 else ""
                 raise ConfigError(
                     f"{sizes} does not divide the world size {world_size} (WORLD_SIZE from "
                     "torchrun/srun)"
                 )
-        if cfg.dp_replicate * shard * cp * tp != world_size:
-            sizes = [others[0], ("dp_shard", shard), *others[1:]]
+        if pp * cfg.dp_replicate * shard * cp * tp != world_size:
+            at = 1 if pp > 1 else 0  # dp_shard after dp_replicate
+            sizes = [*others[: at + 1], ("dp_shard", shard), *others[at + 1 :]]
             product = " x ".join(f"parallel.{name}={size}" for name, size in sizes)
             raise ConfigError(
-                f"{product} = {cfg.dp_replicate * shard * cp * tp} ranks, but the world size is "
-                f"{world_size}; set parallel.dp_shard=-1 to use all remaining ranks"
+                f"{product} = {pp * cfg.dp_replicate * shard * cp * tp} ranks, but the world "
+                f"size is {world_size}; set parallel.dp_shard=-1 to use all remaining ranks"
             )
         if shard % cfg.ep:
             raise ConfigError(
@@ -81,6 +83,7 @@ class ParallelDims:
             world_size=world_size,
             tp=tp,
             cp=cp,
+            pp=pp,
         )
 
     @property
@@ -93,9 +96,15 @@ class ParallelDims:
         """Consecutive ranks that read the same batch rows (a cp x tp group)."""
         return self.cp * self.tp
 
+    @property
+    def ranks_per_stage(self) -> int:
+        """Ranks that run the same pipeline stages (every rank without pipeline parallelism)."""
+        return self.world_size // self.pp
+
     def dp_rank(self, rank: int) -> int:
-        """The data-parallel index of global `rank` (the cp x tp ranks of a group share it)."""
-        return rank // self.ranks_per_row
+        """The data-parallel index of global `rank` (the cp x tp ranks of a group share it, and
+        the pipeline ranks of a data-parallel index too)."""
+        return (rank % self.ranks_per_stage) // self.ranks_per_row
 
     @property
     def expert_shard(self) -> int:
@@ -103,7 +112,9 @@ class ParallelDims:
         return self.dp_shard // self.ep
 
     def describe(self) -> str:
-        parts = [f"world {self.world_size}", f"dp_shard {self.dp_shard}"]
+        parts = [f"world {self.world_size}"]
+        parts += [f"pp {self.pp}"] if self.pp > 1 else []
+        parts.append(f"dp_shard {self.dp_shard}")
         if self.dp_replicate > 1:
             parts.append(f"dp_replicate {self.dp_replicate} (HSDP)")
         if self.ep > 1:
@@ -123,11 +134,14 @@ class Meshes:
     ep: DeviceMesh | None  # (ep,) when parallel.ep > 1
     tp: DeviceMesh | None = None  # (tp,) when parallel.tp > 1: a sub-mesh of dense's root
     cp: DeviceMesh | None = None  # (cp,) when parallel.cp > 1: a sub-mesh of dense's root
+    pp: DeviceMesh | None = None  # (pp,) when parallel.pp > 1: a sub-mesh of dense's root
+    # the ranks that run the same stages (flatten(dp_replicate, dp_shard, cp, tp)) when pp > 1
+    stage: DeviceMesh | None = None
 
 
 def build_meshes(dims: ParallelDims, device_type: str) -> Meshes:
     """The meshes over all ranks (the default process group must exist)."""
-    if dims.cp > 1:
+    if dims.cp > 1 or dims.pp > 1:
         return _context_parallel_meshes(dims, device_type)
     hsdp = dims.dp_replicate > 1
     if dims.tp > 1:  # one root, tp innermost: FSDP2 composes with TP over its sub-meshes
@@ -166,21 +180,27 @@ def build_meshes(dims: ParallelDims, device_type: str) -> Meshes:
 
 
 def _context_parallel_meshes(dims: ParallelDims, device_type: str) -> Meshes:
-    """Root (dp_replicate, dp_shard, cp, tp); the weights sharded over dp_shard and cp together
-    (the dense ones over flatten(dp_shard, cp), experts over flatten(dp_shard_mod_ep, cp))."""
+    """Root (pp, dp_replicate, dp_shard, cp, tp); the weights sharded over dp_shard and cp
+    together (the dense ones over flatten(dp_shard, cp), experts over flatten(dp_shard_mod_ep,
+    cp)); each pipeline rank's stages over its own sub-meshes."""
     root = init_device_mesh(
         device_type,
-        (dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp),
-        mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"),
+        (dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp),
+        mesh_dim_names=("pp", "dp_replicate", "dp_shard", "cp", "tp"),
     )
     dense = _with_replicas(root, root["dp_shard", "cp"]._flatten("dp_shard_cp"), dims)
     tp = root["tp"] if dims.tp > 1 else None
+    cp = root["cp"] if dims.cp > 1 else None
+    pipeline = {}
+    if dims.pp > 1:
+        stage = root["dp_replicate", "dp_shard", "cp", "tp"]._flatten("stage")
+        pipeline = {"pp": root["pp"], "stage": stage}
     if dims.ep == 1:
-        return Meshes(dims=dims, dense=dense, experts=None, ep=None, tp=tp, cp=root["cp"])
+        return Meshes(dims=dims, dense=dense, experts=None, ep=None, tp=tp, cp=cp, **pipeline)
     split = root._unflatten("dp_shard", (dims.expert_shard, dims.ep), ("dp_shard_mod_ep", "ep"))
     experts = split["dp_shard_mod_ep", "cp"]._flatten("dp_shard_mod_ep_cp")
     experts = _with_replicas(split, experts, dims)
-    return Meshes(dims=dims, dense=dense, experts=experts, ep=split["ep"], tp=tp, cp=root["cp"])
+    return Meshes(dims=dims, dense=dense, experts=experts, ep=split["ep"], tp=tp, cp=cp, **pipeline)
 
 
 def _with_replicas(root: DeviceMesh, shards: DeviceMesh, dims: ParallelDims) -> DeviceMesh:

@@ -81,7 +81,11 @@ def build_training(cfg: RootConfig, run_dir: Path, ranks: Ranks) -> Training:
         torch.set_num_threads(tcfg.threads)
     device = pick_device(tcfg.device, ranks.local_rank)
     choices = EngineChoices(
-        choose_precision(tcfg.precision, device), compiles(tcfg), tcfg.grad_clip, plan
+        choose_precision(tcfg.precision, device),
+        compiles(tcfg),
+        tcfg.grad_clip,
+        plan,
+        cfg.data.seq_len,
     )
     if device.type == "cpu" and tcfg.cpu_malloc == "keep":
         log.info("CPU allocator: %s", keep_freed_memory())

@@ -26,6 +26,7 @@ from parallel import ENGINES, EngineRequest, TrainingEngine, build_engine
 from parallel.collective import from_main
 from parallel.config import ParallelConfig
 from parallel.mesh import ParallelDims
+from parallel.pipeline_split import stages_per_rank
 from parallel.precision import resolve_precision
 from trainer.config import RootConfig, TrainerConfig, compiles
 from trainer.downstream.tasks import check_task_names
@@ -114,6 +115,7 @@ class EngineChoices:
     compile: bool  # trainer.compile, resolved (trainer.config.compiles)
     grad_clip: float  # trainer.grad_clip (engines that clip inside their own step)
     plan: BatchPlan  # the step's micro-batch size and count
+    seq_len: int = 0  # data.seq_len (a pipeline's stage shapes and split)
 
 
 def build_training_engine(
@@ -133,7 +135,7 @@ def build_training_engine(
         precision=resolve_precision(trainer.precision, device),
         compile=compiles(trainer),
         grad_clip=trainer.grad_clip,
-        plan=plan_batches(trainer.batch_size, trainer.micro_batch_size, dims.dp_ranks),
+        plan=batch_plan(trainer, parallel, dims),
     )
     return start_engine(model_cfg, parallel, optim, dims, device, seed, choices, initial_weights)
 
@@ -164,6 +166,7 @@ def start_engine(
         grad_clip=choices.grad_clip,
         micro_batch_size=choices.plan.micro_batch_size,
         micro_batches=choices.plan.micro_batches,
+        seq_len=choices.seq_len,
         optimizer_name=optim.name,
         initial_weights=initial_weights,
     )
@@ -201,12 +204,50 @@ def check_start(cfg: RootConfig, world_size: int) -> tuple[ParallelDims, BatchPl
             f"parallel.cp={dims.cp} runs on parallel.engine=fsdp2 (parallel.engine="
             f"{cfg.parallel.engine} does not split sequences); set parallel.engine=fsdp2"
         )
-    plan = plan_batches(cfg.trainer.batch_size, cfg.trainer.micro_batch_size, dims.dp_ranks)
+    plan = batch_plan(cfg.trainer, cfg.parallel, dims)
+    if dims.pp > 1:
+        check_pipeline(cfg, dims)
     if not is_hf(cfg.init_from):
         check_model_shape(cfg.model, cfg.data, dims)
     if cfg.eval.downstream.tasks:  # names known to the library (and the library installed)
         check_task_names(cfg.eval.downstream.tasks)
     return dims, plan
+
+
+def batch_plan(trainer: TrainerConfig, parallel: ParallelConfig, dims: ParallelDims) -> BatchPlan:
+    """The step's batch arithmetic; under pipeline parallelism the micro-batches are the
+    schedule's (parallel.pp_microbatches, else trainer.micro_batch_size, else one per stage)."""
+    micro = trainer.micro_batch_size
+    if dims.pp > 1 and not micro:
+        local = plan_batches(trainer.batch_size, 0, dims.dp_ranks).local_batch
+        count = parallel.pp_microbatches or dims.pp * stages_per_rank(
+            parallel.pp_schedule, parallel.pp_stages_per_rank
+        )
+        if local % count:
+            raise ConfigError(
+                f"{local} sequences per data-parallel rank (trainer.batch_size="
+                f"{trainer.batch_size}) do not split into {count} pipeline micro-batches; set "
+                "parallel.pp_microbatches to a divisor of it"
+            )
+        micro = local // count
+    plan = plan_batches(trainer.batch_size, micro, dims.dp_ranks)
+    if dims.pp > 1 and parallel.pp_microbatches not in (0, plan.micro_batches):
+        raise ConfigError(
+            f"parallel.pp_microbatches={parallel.pp_microbatches} and trainer.micro_batch_size="
+            f"{trainer.micro_batch_size} disagree ({plan.micro_batches} micro-batches of "
+            f"{plan.micro_batch_size}); set only one of them"
+        )
+    return plan
+
+
+def check_pipeline(cfg: RootConfig, dims: ParallelDims) -> None:
+    """What pipeline parallelism does not run with, refused before any process group exists."""
+    if cfg.parallel.engine != "fsdp2":
+        raise ConfigError(
+            f"parallel.pp={dims.pp} runs on parallel.engine=fsdp2 (parallel.engine="
+            f"{cfg.parallel.engine} has no pipeline stages here); set parallel.engine=fsdp2 or "
+            "parallel.pp=1"
+        )
 
 
 def check_model_shape(model_cfg: ModelConfig, data: LoaderConfig, dims: ParallelDims) -> None:

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from data.loader import Batch
-from model.training_hooks import TrainingHook, UpdatedWeights, objective_with
+from model.training_hooks import TrainingHook, UpdatedWeights, objective_with, stage_combines
 from parallel.collective import several_ranks
 from parallel.engine import TrainingEngine
 
@@ -54,13 +54,6 @@ class LossTracker:
         self.mean, self.seen = float(state["mean"]), int(state["seen"])
 
 
-def split_micro_batches(batch: Batch, count: int) -> list[Batch]:
-    if count == 1:
-        return [batch]
-    parts = [t.chunk(count) for t in batch]
-    return [Batch(*fields) for fields in zip(*parts)]
-
-
 @dataclass(frozen=True)
 class StepSettings:
     """How every step of a run is taken (trainer.*)."""
@@ -87,17 +80,17 @@ def train_step(
     """
     n = settings.micro_batches
     objective = objective_with(hooks)
-    loss_sum = torch.zeros((), device=batch.inputs.device)
-    for index, mb in enumerate(split_micro_batches(batch, n)):
-        doc_ids = mb.doc_ids if settings.doc_mask else None
-        last = index == n - 1
-        loss_sum += engine.forward_backward(mb.inputs, mb.targets, doc_ids, n, last, objective)
+    doc_ids = batch.doc_ids if settings.doc_mask else None
+    loss_sum = engine.forward_backward_step(batch.inputs, batch.targets, doc_ids, n, objective)
     max_norm = settings.grad_clip if settings.grad_clip > 0 else float("inf")
     loss_value = _mean_over_ranks(loss_sum / n)
     kind, reason = _bad_loss_reason(loss_value, tracker)
     stats: dict[str, float] = {}
+    reduce = partial(
+        _reduce_over_ranks, together=engine.ranks_per_forward, group=engine.statistics_group
+    )
     for hook in hooks:  # after the loss's sync: reading the small summaries costs nothing
-        stats |= hook.after_backward(partial(_reduce_over_ranks, together=engine.ranks_per_forward))
+        stats |= hook.after_backward(reduce)
 
     def edit(weights: UpdatedWeights) -> None:
         for hook in hooks:
@@ -112,6 +105,7 @@ def train_step(
     for hook in hooks:
         hook.end_step(applied)
     engine.zero_grad()
+    stats = engine.gather_metrics(stats, stage_combines(hooks))
     return StepResult(loss_value, norm_value, reason, stats, kind)
 
 
@@ -133,11 +127,13 @@ def _mean_over_ranks(value: torch.Tensor) -> float:
     return value.item()
 
 
-def _reduce_over_ranks(value: torch.Tensor, op: str, together: int = 1) -> None:
+def _reduce_over_ranks(value: torch.Tensor, op: str, together: int = 1, group=None) -> None:
     """The hooks' reduction over the data-parallel ranks: `value` summed ("sum") or maximized
     ("max"). `together` ranks run each forward (tensor parallelism) and hold the same
-    statistics, so a sum over every rank counts them `together` times."""
+    statistics, so a sum over every rank counts them `together` times. `group`: the ranks
+    holding the same layers (a pipeline's stage; None: every rank)."""
     if several_ranks():
-        dist.all_reduce(value, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+        op_ = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
+        dist.all_reduce(value, op=op_, group=group)
         if op == "sum" and together > 1:
             value /= together

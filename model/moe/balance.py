@@ -24,6 +24,8 @@ Per optimizer step the trainer's `MoEBalance` hook (model.training_hooks)
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import Tensor, nn
 
@@ -129,6 +131,8 @@ class MoEBalance(TrainingHook):
     after the backward the step's expert loads (all micro-batches) are summed over the ranks in
     one all-reduce and give the moe/ statistics; an applied step updates the aux-loss-free
     biases from them (the same update on every rank); every step clears the counters."""
+
+    stage_combine: ClassVar[dict[str, str]] = {"moe/aux_loss": "sum"}  # (summed over layers)
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model

@@ -104,6 +104,8 @@ class MultiTokenPrediction(nn.Module):
         super().__init__()
         self.depth = cfg.mtp.depth
         self.layers = nn.ModuleList(MTPModule(cfg, k) for k in range(1, self.depth + 1))
+        # the last training forward's weighted depth losses, until the trainer adds them
+        self.pending: Tensor | None = None
         self.weight = cfg.mtp.weight
         # per-depth loss sums over the training forwards since the last `stats` (micro-batches)
         self.register_buffer("loss_sums", torch.zeros(self.depth), persistent=False)

@@ -199,6 +199,20 @@ class AttentionResiduals(ResidualStream):
         completed, partial = state
         return self.head([*completed.tensors, *(() if partial is None else (partial,))])
 
+    def to_tensors(self, state: State) -> tuple[Tensor, ...]:
+        """The completed sources, then the running sum (never None between blocks)."""
+        completed, partial = state
+        return (*completed.tensors, partial)
+
+    def from_tensors(self, tensors: tuple[Tensor, ...]) -> State:
+        return DepthSources(tuple(tensors[:-1])), tensors[-1]
+
+    def boundary_shapes(self, layers: int, B: int, T: int) -> list[tuple[int, ...]]:
+        """After `layers` blocks: the completed sources and the running sum, each (B, T, C)."""
+        counts = self.source_counts()  # a sublayer's count is its inputs: the state before it
+        sources = counts[2 * layers] if layers < self.n_layers else counts[-1]
+        return [(B, T, self.width)] * sources
+
     def init_weights(self) -> None:
         self.head.init_weights()
 
@@ -238,7 +252,7 @@ class AttentionResiduals(ResidualStream):
                 summaries.append(_summary(weights))
         if not summaries:
             return {}
-        head = self.head.last_weights
+        head = self.head.last_weights if self.head is not None else None  # (a first stage)
         if head is not None and head.numel() > 1:
             summaries.append(_summary(head))
         values = torch.stack(summaries).tolist()  # one device sync for all of them

@@ -34,6 +34,8 @@ all the maps in backward (bench/residual_streams.py).
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -206,6 +208,11 @@ class ManifoldHyperConnections(ResidualStream):
 
     def collapse(self, state: State) -> Tensor:
         return state.mean(dim=2) if self.head is None else self.head(state)
+
+    stage_combine: ClassVar[dict[str, str]] = {"mhc/stream_spread": "max"}
+
+    def boundary_shapes(self, layers: int, B: int, T: int) -> list[tuple[int, ...]]:
+        return [(B, T, self.n, self.width)]
 
     def init_weights(self) -> None:
         if self.head is not None:

@@ -105,10 +105,12 @@ class ResidualStream(nn.Module):
     # block to block (a growing number of sources) compiles the sublayers instead, so that one
     # graph serves every block (Dynamo's recompile limit is 8 per code object)
     compile_whole_blocks: ClassVar[bool] = True
+    # how its summary metrics combine over pipeline stages (model.training_hooks)
+    stage_combine: ClassVar[dict[str, str]] = {}
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.n_layers = cfg.n_layers
+        self.n_layers, self.width = cfg.n_layers, cfg.d_model
 
     @classmethod
     def parallel_streams(cls, cfg: ModelConfig) -> int | None:
@@ -133,6 +135,18 @@ class ResidualStream(nn.Module):
     def collapse(self, state: State) -> Tensor:
         return state
 
+    # what crosses a pipeline stage (model/stages.py): the state as tensors and back, and their
+    # shapes after `layers` blocks (B, T: the micro-batch's rows and the positions computed)
+    def to_tensors(self, state: State) -> tuple[Tensor, ...]:
+        return (state,)
+
+    def from_tensors(self, tensors: tuple[Tensor, ...]) -> State:
+        (state,) = tensors
+        return state
+
+    def boundary_shapes(self, layers: int, B: int, T: int) -> list[tuple[int, ...]]:
+        return [(B, T, self.width)]
+
     def init_weights(self) -> None:
         """Parameter-free streams have nothing to initialize."""
 
@@ -151,6 +165,7 @@ class StreamStatistics(TrainingHook):
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model  # the Transformer, whose `stream` this is
+        self.stage_combine = type(model.stream).stage_combine
 
     def after_backward(self, reduce: Reduce) -> dict[str, float]:
         return self.model.stream.stats(self.model)

@@ -49,11 +49,11 @@ def global_batches(steps: int, vocab: int, seed: int = 1) -> list[torch.Tensor]:
     return [torch.randint(0, vocab, (GLOBAL_BATCH, SEQ + 1), generator=gen) for _ in range(steps)]
 
 
-def local_batch(tokens: torch.Tensor, tp: int = 1) -> Batch:
+def local_batch(tokens: torch.Tensor, tp: int = 1, pp: int = 1) -> Batch:
     """This rank's rows of a global batch: its data-parallel share (the `tp` consecutive ranks
-    of a tensor-parallel group take the same rows)."""
+    of a tensor-parallel group take the same rows, as do the `pp` pipeline ranks)."""
     rank, size = world()
-    rank, size = rank // tp, size // tp
+    rank, size = (rank % (size // pp)) // tp, size // pp // tp
     local = tokens.shape[0] // size
     part = tokens[rank * local : (rank + 1) * local]
     return Batch(part[:, :-1].contiguous(), part[:, 1:].contiguous(), torch.zeros_like(part[:, 1:]))
@@ -87,7 +87,8 @@ def train(
     continues on the global batches after its step. save_to: checkpoint root to save into at the
     end."""
     optim_cfg = OptimConfig(name=optimizer_name, lr=3e-3, warmup_steps=0, schedule="constant")
-    engine = engine_for(model_cfg, layout, precision, optim_cfg, compile)
+    pp = layout.get("pp", 1)
+    engine = engine_for(model_cfg, layout, precision, optim_cfg, compile, micro_batches)
     model = engine.model
     initial = full_state(model)
     distributed_muon.work.clear()
@@ -100,7 +101,7 @@ def train(
     losses, norms = [], []
     settings = StepSettings(micro_batches=micro_batches, grad_clip=grad_clip)
     for tokens in global_batches(first + steps, model_cfg.vocab_size)[first:]:
-        batch = local_batch(tokens, engine.ranks_per_forward)
+        batch = local_batch(tokens, engine.ranks_per_forward, pp)
         result = train_step(engine, batch, settings, tracker, hooks)
         stats.append(result.metrics)
         losses.append(result.loss)
@@ -134,12 +135,17 @@ def engine_for(
     precision: str = "fp32",
     optim_cfg: OptimConfig | None = None,
     compile: bool = False,
+    micro_batches: int = 1,
 ) -> TrainingEngine:
-    """The trainer's engine for this layout on this rank's CPU (seed 0)."""
+    """The trainer's engine for this layout on this rank's CPU (seed 0); `micro_batches`: the
+    step's (a pipeline's schedule is built for them)."""
     _, size = world()
     pcfg = ParallelConfig(**layout)
     dims = ParallelDims.resolve(pcfg, size)
-    tcfg = TrainerConfig(precision=precision, batch_size=GLOBAL_BATCH, compile=compile)
+    micro = GLOBAL_BATCH // dims.dp_ranks // micro_batches if micro_batches > 1 else 0
+    tcfg = TrainerConfig(
+        precision=precision, batch_size=GLOBAL_BATCH, compile=compile, micro_batch_size=micro
+    )
     optim_cfg = optim_cfg or OptimConfig()
     return build_training_engine(model_cfg, tcfg, pcfg, optim_cfg, dims, torch.device("cpu"), 0)
 

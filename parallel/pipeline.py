@@ -1,0 +1,402 @@
+"""Pipeline parallelism: the stack split into stages over `parallel.pp` ranks, run by
+torch.distributed.pipelining's schedules, behind the same engine interface as FSDP2.
+
+Build (`build_pipeline`): the whole model on the meta device gives the plan
+(parallel/pipeline_split.py); each rank prunes it to its stages (model/stages.py: the parameter
+names stay the whole model's), applies expert, tensor and context parallelism, activation
+checkpointing and compile to what it holds, makes each stage a module of its own, shards every
+stage with FSDP2 over the data (and context) ranks of its pipeline rank, and only then
+materialises and initialises what it holds, as one process would (parallel/init.py), or reads
+only its layers from `init_from` weights. Each stage gets static input/output shapes (the
+residual stream declares what crosses a stage), so no metadata forward runs with made-up values.
+
+A step (`forward_backward_step`) hands the rank's rows to the schedule, which splits them into
+the micro-batches of the plan (its gradient accumulation). The last stage's loss per micro-batch
+is objective(loss) / micro-batches, as the loop does without a pipeline (the schedule does not
+divide again: scale_grads=False). A stage before the last adds its layers' objective terms (MoE
+balance losses) through its output: `_with_term` gives them gradient 1 in that stage's backward.
+Gradients are reduced by FSDP2 once per step; a shared embedding (tied head, MTP) has a copy on
+the last stage whose gradient is summed with the first stage's before clipping, so both copies
+take the same update. The gradient norm is global over every stage (each parameter counted
+once), the loss is the last stage's, broadcast to the pipeline, so every rank clips, skips and
+logs alike. Validation and scoring forwards pass the stages in order, point to point.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import AbstractContextManager
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti
+
+from model.errors import ConfigError
+from model.stages import StageLayout, holds_embedding, keep_stages, shares_embedding, stage_view
+from model.training_hooks import Metrics, merge_stage_metrics
+from model.transformer import Transformer
+from parallel.compose import fsdp_param_dtype, parallelize
+from parallel.engine import EngineRequest, FSDP2Engine, Objective
+from parallel.fsdp import apply_fsdp, mixed_precision
+from parallel.grad_norm import global_grad_norm
+from parallel.init import init_like_single_process, load_weights
+from parallel.mesh import Meshes, build_meshes
+from parallel.pipeline_split import PipelinePlan, plan_pipeline, schedule_class
+
+log = logging.getLogger("parallel")
+
+
+class _WithTerm(torch.autograd.Function):
+    """output unchanged; in backward the term (a scalar) gets gradient 1: a stage's objective
+    terms join the backward that the next stage's gradient starts (Megatron-LM's
+    MoEAuxLossAutoScaler)."""
+
+    @staticmethod
+    def forward(ctx, output: Tensor, term: Tensor) -> Tensor:
+        ctx.term_shape, ctx.term_dtype = term.shape, term.dtype
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor]:
+        return grad, torch.ones(ctx.term_shape, dtype=ctx.term_dtype, device=grad.device)
+
+
+class PipelineEngine(FSDP2Engine):
+    """FSDP2 per stage under a pipeline schedule (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        views: list[nn.Module],
+        plan: PipelinePlan,
+        meshes: Meshes,
+        optimizer: torch.optim.Optimizer,
+        precision: str,
+        device: torch.device,
+        micro_batches: int,
+        compute_dtype: torch.dtype,
+    ) -> None:
+        super().__init__(model, optimizer, precision, device)
+        self.views, self.plan, self.device = views, plan, device
+        self.micro_batches, self.compute_dtype = micro_batches, compute_dtype
+        self.pp_group = meshes.pp.get_group()
+        self.pp_rank = meshes.pp.get_local_rank()
+        self.statistics_group = meshes.stage.get_group()
+        self._by_index = {view.stage.index: view for view in views}
+        self._objective: Objective | None = None
+        self._losses: list[Tensor] = []
+        self._embedding_group = _embedding_group(model, plan, meshes)
+        self.schedule = None  # built on the first step (its shapes need the micro-batch size)
+        self._schedule_shape: tuple[int, ...] | None = None
+        for view in views:
+            if not view.stage.last:
+                view.register_forward_hook(self._attach_terms)
+
+    # -- training ---------------------------------------------------------------------------
+    def forward_backward(self, inputs, targets, doc_ids, divide_by, last, objective) -> Tensor:
+        raise RuntimeError("a pipeline runs whole steps: forward_backward_step")
+
+    def forward_backward_step(
+        self,
+        inputs: Tensor,
+        targets: Tensor,
+        doc_ids: Tensor | None,
+        micro_batches: int,
+        objective: Objective,
+    ) -> Tensor:
+        if micro_batches != self.micro_batches:
+            raise ValueError(
+                f"the pipeline was built for {self.micro_batches} micro-batches, got {micro_batches}"
+            )
+        schedule = self._schedule_for(inputs.shape)
+        self._objective, self._losses = objective, []
+        kwargs = {"ids": inputs, "targets": targets}
+        if doc_ids is not None:
+            kwargs["doc_ids"] = doc_ids
+        args = (inputs,) if 0 in self._by_index else ()
+        with self._autocast():
+            schedule.step(*args, target=targets, return_outputs=False, **kwargs)
+        total = torch.zeros((), device=self.device)
+        if self._losses:
+            total = torch.stack(self._losses).sum()
+        self._objective, self._losses = None, []
+        return self._from_last_stage(total)
+
+    def _loss(self, output: Tensor, target: Tensor) -> Tensor:
+        """The schedule's loss of one micro-batch on the last stage: the stage returned the
+        language-model loss; the features' terms join it, divided by the micro-batches."""
+        self._losses.append(output.detach().float())
+        return self._objective(output) / self.micro_batches
+
+    def _attach_terms(self, module: nn.Module, args: tuple, output):
+        """After a forward of a stage before the last: its layers' objective terms (popped at
+        once, so each micro-batch gets its own) ride on its first output tensor."""
+        if self._objective is None or not torch.is_grad_enabled():
+            return output
+        zero = torch.zeros((), device=self.device)
+        term = self._objective(zero)
+        if not term.requires_grad:
+            return output
+        first, *rest = output
+        return (_WithTerm.apply(first, term / self.micro_batches), *rest)
+
+    def _schedule_for(self, shape: torch.Size):
+        """The schedule for local batches of `shape` (built once; a new shape builds anew)."""
+        if self.schedule is not None and self._schedule_shape == tuple(shape):
+            return self.schedule
+        rows, length = shape
+        if rows % self.micro_batches:
+            raise ValueError(
+                f"{rows} rows per rank do not split into {self.micro_batches} micro-batches"
+            )
+        stages = [
+            self._pipeline_stage(view, rows // self.micro_batches, length) for view in self.views
+        ]
+        cls = schedule_class(self.plan.schedule)
+        multi = issubclass(cls, PipelineScheduleMulti)
+        try:
+            self.schedule = cls(
+                stages if multi else stages[0],
+                n_microbatches=self.micro_batches,
+                loss_fn=self._loss,
+                scale_grads=False,
+            )
+        except (ValueError, AssertionError) as err:
+            raise ConfigError(
+                f"parallel.pp_schedule={self.plan.schedule} with {self.micro_batches} "
+                f"micro-batches on {len(self.plan.stages)} stages: {err}"
+            ) from err
+        self._schedule_shape = tuple(shape)
+        return self.schedule
+
+    def _pipeline_stage(self, view: nn.Module, rows: int, length: int) -> PipelineStage:
+        layout: StageLayout = view.stage
+        inputs = self._boundary(layout.layers[0] if layout.layers else 0, rows, length)
+        if layout.first:
+            inputs = (torch.zeros(rows, length, dtype=torch.long, device=self.device),)
+        after = layout.layers[-1] + 1 if layout.layers else 0
+        outputs = self._boundary(after, rows, length)
+        if layout.last:
+            outputs = (torch.zeros((), device=self.device),)
+        return PipelineStage(
+            view,
+            layout.index,
+            layout.count,
+            self.device,
+            input_args=inputs,
+            output_args=outputs,
+            group=self.pp_group,
+        )
+
+    def _boundary(self, layers: int, rows: int, length: int) -> tuple[Tensor, ...]:
+        """Empty tensors shaped as the state after `layers` blocks (what crosses a stage)."""
+        split = self.model.context_split
+        local = length // split.cp if split is not None else length
+        shapes = self.model.stream.boundary_shapes(layers, rows, local)
+        return tuple(  # (requiring gradients: the stage before gets them back)
+            torch.empty(shape, dtype=self.compute_dtype, device=self.device, requires_grad=True)
+            for shape in shapes
+        )
+
+    def _from_last_stage(self, value: Tensor) -> Tensor:
+        """`value` as the last stage's rank holds it, on every pipeline rank."""
+        value = value.contiguous()
+        dist.broadcast(value, group=self.pp_group, group_src=self._last_rank)
+        return value
+
+    @property
+    def _last_rank(self) -> int:
+        return self.plan.rank_of(len(self.plan.stages) - 1)
+
+    def clip_gradients(self, max_norm: float) -> Tensor:
+        copy = self._embedding_copy()
+        if self._embedding_group is not None:
+            self._sum_embedding_gradients()
+        params = [p for p in self.model.parameters() if p.grad is not None and p is not copy]
+        norm = global_grad_norm(params, self.ranks_per_forward)
+        if max_norm != float("inf"):
+            scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+            if scale.item() < 1.0:
+                grads = [_local(p.grad) for p in self.model.parameters() if p.grad is not None]
+                torch._foreach_mul_(grads, scale)
+        return norm
+
+    def _embedding_copy(self) -> nn.Parameter | None:
+        """The last stage's copy of a shared embedding (counted in the norm by the first's)."""
+        if self._embedding_group is None or any(v.stage.first for v in self.views):
+            return None
+        return self.model.embed.weight
+
+    def _sum_embedding_gradients(self) -> None:
+        weight = self.model.embed.weight
+        grad = _local(weight.grad) if weight.grad is not None else None
+        if grad is None:  # (an embedding no forward reached: contribute zeros)
+            weight.grad = torch.zeros_like(weight)
+            grad = _local(weight.grad)
+        dist.all_reduce(grad, group=self._embedding_group)
+
+    # -- evaluation -------------------------------------------------------------------------
+    def evaluation_loss(self, inputs: Tensor, targets: Tensor, doc_ids: Tensor | None) -> Tensor:
+        return self._forward_whole(inputs, targets, doc_ids, per_token=False)
+
+    def evaluation_log_probs(
+        self, inputs: Tensor, targets: Tensor, doc_ids: Tensor | None = None
+    ) -> Tensor:
+        return self._forward_whole(inputs, targets, doc_ids, per_token=True)
+
+    @torch.no_grad()
+    def _forward_whole(
+        self, inputs: Tensor, targets: Tensor, doc_ids: Tensor | None, per_token: bool
+    ) -> Tensor:
+        """One forward through every stage in order (point to point between ranks), without
+        gradients: the loss, or each target's log-probability (B, T), on every pipeline rank."""
+        rows, length = inputs.shape
+        kwargs = {"ids": inputs, "targets": targets, "doc_ids": doc_ids, "per_token": per_token}
+        carried: tuple[Tensor, ...] | None = None
+        out = torch.zeros(inputs.shape if per_token else (), device=self.device)
+        with self._autocast():
+            for layout in self.plan.stages:
+                view = self._by_index.get(layout.index)
+                if view is None:
+                    carried = None
+                    continue
+                if layout.first:
+                    carried = (inputs,)
+                elif carried is None:  # from the rank of the stage before
+                    carried = self._receive(layout, rows, length, per_token)
+                result = view(*carried, **kwargs)
+                if layout.last:
+                    out = result.float()
+                    break
+                carried = tuple(result)
+                if self.plan.rank_of(layout.index + 1) != self.pp_rank:
+                    for tensor in carried:
+                        dist.send(
+                            tensor.contiguous(),
+                            group=self.pp_group,
+                            group_dst=self.plan.rank_of(layout.index + 1),
+                        )
+        return self._from_last_stage(out)
+
+    def _receive(
+        self, layout: StageLayout, rows: int, length: int, per_token: bool
+    ) -> tuple[Tensor, ...]:
+        split = self.model.context_split
+        whole = per_token or split is None  # (scoring forwards run whole under cp)
+        local = length if whole else length // split.cp
+        shapes = self.model.stream.boundary_shapes(layout.layers[0], rows, local)
+        tensors = []
+        for shape in shapes:
+            tensor = torch.empty(shape, dtype=self.compute_dtype, device=self.device)
+            dist.recv(tensor, group=self.pp_group, group_src=self.plan.rank_of(layout.index - 1))
+            tensors.append(tensor)
+        return tuple(tensors)
+
+    samples = False
+    samples_missing = (
+        "sampling from a pipeline-parallel model is not built yet (trainer.sample_tokens=0 "
+        "turns this line off; export the checkpoint to sample from it)"
+    )
+
+    def full_weights(self) -> AbstractContextManager[nn.Module]:
+        raise PipelineUnsupported(self.samples_missing)
+
+    def gather_metrics(self, metrics: Metrics, combine: dict[str, str]) -> Metrics:
+        """Every stage's metrics merged on every rank (model.training_hooks.merge_stage_metrics)."""
+        every: list[Metrics | None] = [None] * dist.get_world_size(self.pp_group)
+        dist.all_gather_object(every, metrics, group=self.pp_group)
+        return merge_stage_metrics([m or {} for m in every], combine)
+
+
+class PipelineUnsupported(RuntimeError):
+    """What a pipeline-parallel engine does not do (yet): the trainer skips it with a message."""
+
+
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _embedding_group(model: Transformer, plan: PipelinePlan, meshes: Meshes):
+    """The process group that sums a shared embedding's gradient: for each data/context/tensor
+    position, the ranks of the first and the last stage (None without a shared embedding, or
+    when one rank holds both)."""
+    if not shares_embedding(model.cfg):
+        return None
+    first, last = plan.rank_of(0), plan.rank_of(len(plan.stages) - 1)
+    if first == last:
+        return None
+    pp_ranks = meshes.pp.mesh  # this rank's pp column of the root mesh: global ranks
+    groups = []
+    stage_size = meshes.dims.ranks_per_stage
+    for position in range(stage_size):  # every rank takes part in every new_group, in order
+        ranks = [first * stage_size + position, last * stage_size + position]
+        groups.append(dist.new_group(ranks))
+    mine = int(pp_ranks[0]) % stage_size  # this rank's position within its stage
+    holds = holds_embedding(model.cfg, model.pipeline_stages)
+    return groups[mine] if holds else None
+
+
+def refuse_unsupported(request: EngineRequest, plan: PipelinePlan) -> None:
+    cfg, parallel = request.model_cfg, request.parallel
+    if plan.v_style and shares_embedding(cfg):
+        raise ConfigError(
+            f"parallel.pp_schedule={plan.schedule} puts the first and the last stage on one "
+            "rank; a shared embedding (model.tie_embeddings or MTP) between them is not "
+            "supported there yet: choose 1F1B, GPipe, Interleaved1F1B, LoopedBFS or "
+            "InterleavedZeroBubble"
+        )
+    if parallel.sequence_parallel:
+        raise ConfigError(
+            "parallel.sequence_parallel=true with parallel.pp > 1 is not supported yet: set "
+            "parallel.sequence_parallel=false"
+        )
+    if cfg.engram.enabled and cfg.engram.sharding == "replicated":
+        raise ConfigError(
+            "model.engram.sharding=replicated with parallel.pp > 1 is not supported yet: set "
+            "model.engram.sharding=rows"
+        )
+
+
+def build_pipeline(request: EngineRequest) -> PipelineEngine:
+    dims, device, parallel = request.dims, request.device, request.parallel
+    meshes = build_meshes(dims, device.type)
+    with torch.device("meta"):
+        model = Transformer(request.model_cfg)
+    plan = plan_pipeline(
+        model,
+        request.seq_len,
+        dims.pp,
+        parallel.pp_schedule,
+        parallel.pp_stages_per_rank,
+        parallel.pp_layers,
+    )
+    refuse_unsupported(request, plan)
+    pp_rank = meshes.pp.get_local_rank()
+    layouts = plan.stages_of(pp_rank)
+    keep_stages(model, layouts)
+    param_dtype = fsdp_param_dtype(parallel, request.precision)
+    parallelize(model, meshes, parallel, param_dtype, request.compile, device.type, fsdp=False)
+    views = [stage_view(model, layout) for layout in layouts]
+    recompute = parallel.activation_checkpoint != "none"
+    for view in views:  # gathered weights stay for the step's micro-batches (torchtitan's too)
+        apply_fsdp(view, meshes, mixed_precision(param_dtype), False, recompute=recompute)
+    model.to_empty(device=device)
+    init_like_single_process(model, device, request.seed)
+    if request.initial_weights is not None:
+        load_weights(model, request.initial_weights())
+    optimizer = request.make_optimizer(model)
+    if dist.get_rank() == 0:
+        log.info("%s", plan.describe())
+    return PipelineEngine(
+        model,
+        views,
+        plan,
+        meshes,
+        optimizer,
+        request.precision,
+        device,
+        request.micro_batches,
+        param_dtype,
+    )
