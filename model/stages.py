@@ -100,6 +100,7 @@ def stage_view(model: nn.Module, layout: StageLayout) -> nn.Module:
         view = model
     else:
         view = _shallow_copy(model)
+        view.layers = _shallow_copy(model.layers)  # pruned apart from the model's
         if not layout.last:  # before pruning: the model's own stream keeps its parameters
             view.stream = _drop_children(_shallow_copy(model.stream))
         keep_stages(view, [layout])

@@ -56,7 +56,7 @@ class _WithTerm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, output: Tensor, term: Tensor) -> Tensor:
         ctx.term_shape, ctx.term_dtype = term.shape, term.dtype
-        return output.view_as(output)
+        return output.clone()  # (not a view: the zero-bubble schedules detach outputs in place)
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor]:

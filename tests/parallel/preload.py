@@ -14,6 +14,8 @@ for module in (
     "tests.parallel.checkpoint_workers",
     "tests.parallel.tp_workers",
     "tests.parallel.tp_generation_workers",
+    "tests.parallel.pp_workers",
+    "parallel.pipeline",
     "parallel.tensor_parallel",
     "parallel.tensor_parallel_styles",
     "parallel.sequence_parallel",

@@ -101,7 +101,7 @@ def train(
     losses, norms = [], []
     settings = StepSettings(micro_batches=micro_batches, grad_clip=grad_clip)
     for tokens in global_batches(first + steps, model_cfg.vocab_size)[first:]:
-        batch = local_batch(tokens, engine.ranks_per_forward, pp)
+        batch = local_batch(tokens, engine.ranks_per_forward * layout.get("cp", 1), pp)
         result = train_step(engine, batch, settings, tracker, hooks)
         stats.append(result.metrics)
         losses.append(result.loss)

@@ -1,0 +1,145 @@
+"""Pipeline parallelism (parallel/pipeline.py) on gloo ranks against one process, fp32: every
+schedule of torch.distributed.pipelining (pp=2; the interleaved and V ones with two stages per
+rank) and every family (MoE with its balance terms on both stages, MLA, Gated DeltaNet, mHC,
+Attention Residuals Full and Block, Engram, MTP with its shared embedding on the last stage,
+MuonClip with QK-clip) give one process's losses, gradient norms and final weights (AdamW: each
+step moves a weight by at most lr, so the weights compare to a fraction of that; the losses and
+norms, which show a wrong gradient at once, compare tightly); composed with data, tensor, context
+and expert parallelism and activation checkpointing on 4 ranks; validation and scoring forwards;
+and a run resumed with another pipeline size or schedule."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from model.transformer import build_model
+from tests.parallel.pp_workers import CASES, MB, STEPS, evaluation, run_case, run_cases
+from tests.parallel.ranks import run_ranks
+from tests.parallel.workers import train
+
+pytestmark = pytest.mark.distributed
+RTOL, ATOL = 2e-5, 2e-6
+# AdamW turns rounding in a gradient near 0 into up to lr per step (3e-3); Muon's
+# Newton-Schulz on sharded matrices rounds likewise (tests/parallel/test_muon_fsdp.py)
+WEIGHT_ATOL = 0.05 * STEPS * 3e-3
+
+TWO_RANKS = [
+    ("tiny", {"pp": 2}),
+    ("tiny", {"pp": 2, "pp_schedule": "GPipe"}),
+    ("attnres", {"pp": 2, "pp_schedule": "Interleaved1F1B"}),  # tied embedding on ranks 0, 1
+    ("untied", {"pp": 2, "pp_schedule": "LoopedBFS"}),
+    ("moe_untied", {"pp": 2, "pp_schedule": "InterleavedZeroBubble"}),
+    ("moe_untied", {"pp": 2, "pp_schedule": "ZBVZeroBubble"}),
+    ("untied", {"pp": 2, "pp_schedule": "DualPipeV"}),
+    ("moe", {"pp": 2}),
+    ("mla", {"pp": 2}),
+    ("gdn", {"pp": 2}),
+    ("mhc", {"pp": 2}),
+    ("attnres_block", {"pp": 2}),
+    ("engram", {"pp": 2}),
+    ("mtp", {"pp": 2}),
+    ("muonclip", {"pp": 2}),
+]
+FOUR_RANKS = [
+    ("tiny", {"pp": 2}),  # x dp_shard 2
+    ("mla", {"pp": 2, "tp": 2}),
+    ("gdn", {"pp": 2, "cp": 2}),
+    ("moe_exact", {"pp": 2, "ep": 2}),  # x dp_shard 2 = ep 2
+    ("attnres_block", {"pp": 2, "activation_checkpoint": "full"}),
+    ("tiny8", {"pp": 4, "pp_schedule": "Interleaved1F1B"}),
+]
+
+
+def reference(name: str) -> dict:
+    return run_case(0, name, {})
+
+
+def assert_same_run(got: dict, ref: dict, name: str, label: str) -> None:
+    for key, tensor in got["initial"].items():  # each rank holds its stages' weights
+        assert torch.equal(tensor, ref["initial"][key]), f"{label}: initial {key} differs"
+    torch.testing.assert_close(got["losses"], ref["losses"], rtol=RTOL, atol=ATOL, msg=label)
+    torch.testing.assert_close(got["norms"], ref["norms"], rtol=1e-4, atol=1e-6, msg=label)
+    persistent = build_model(CASES[name][0], device="meta").state_dict().keys()
+    for key, tensor in got["final"].items():
+        if key in persistent:  # (not statistics of the last forward's tokens)
+            torch.testing.assert_close(
+                tensor, ref["final"][key], rtol=0, atol=WEIGHT_ATOL, msg=f"{label} {key}"
+            )
+    moved = [k for k, t in got["final"].items() if not torch.equal(t, got["initial"][k])]
+    assert moved, f"{label}: no weight was updated"  # (the comparison above is not vacuous)
+
+
+def assert_whole_model(results: list[dict], name: str) -> None:
+    """The ranks together hold every weight of the model once per data-parallel copy."""
+    whole = build_model(CASES[name][0], device="meta")
+    names = {n for n, _ in whole.named_parameters()} | {n for n, _ in whole.named_buffers()}
+    held = set().union(*(r["final"] for r in results))
+    assert held == names, name
+
+
+def test_every_schedule_and_family_trains_on_two_stages_as_one_process():
+    results = run_ranks(2, run_cases, TWO_RANKS)
+    refs: dict[str, dict] = {}
+    for index, (name, layout) in enumerate(TWO_RANKS):
+        ref = refs.setdefault(name, reference(name))
+        label = f"{name} {layout}"
+        for rank in (0, 1):
+            assert_same_run(results[rank][index], ref, name, label)
+        assert results[0][index]["losses"] == results[1][index]["losses"], label
+        assert_whole_model([results[0][index], results[1][index]], name)
+        stats = results[0][index]["stats"][-1]
+        if name.startswith("moe"):  # every stage's MoE layers in rank 0's row
+            assert {"moe/layer1/imbalance", "moe/layer3/imbalance"} <= stats.keys(), stats
+            torch.testing.assert_close(
+                stats["moe/aux_loss"], ref["stats"][-1]["moe/aux_loss"], rtol=1e-4, atol=1e-7
+            )
+        if name == "muonclip":
+            assert stats["qk/max_logit"] == pytest.approx(ref["stats"][-1]["qk/max_logit"], 1e-5)
+        if name == "mtp":
+            assert stats["mtp/loss_1"] == pytest.approx(ref["stats"][-1]["mtp/loss_1"], 1e-5)
+
+
+def test_pipeline_composes_with_data_tensor_context_expert_parallelism_on_four_ranks():
+    """(moe_exact: the Switch balance loss is per data rank's tokens, as without a pipeline, so
+    the exact comparison leaves it out; the sequence-wise one and z-loss stay on.)"""
+    results = run_ranks(4, run_cases, FOUR_RANKS)
+    for index, (name, layout) in enumerate(FOUR_RANKS):
+        ref = reference(name)
+        for rank in range(4):
+            assert_same_run(results[rank][index], ref, name, f"{name} {layout}")
+        assert_whole_model([r[index] for r in results], name)
+
+
+def test_validation_and_scoring_forwards_pass_every_stage():
+    got = run_ranks(2, evaluation, "moe_untied", {"pp": 2, "pp_schedule": "Interleaved1F1B"})
+    whole = evaluation(0, "moe_untied", {})
+    for rank in (0, 1):
+        torch.testing.assert_close(got[rank]["loss"], whole["loss"], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(got[rank]["log_probs"], whole["log_probs"], rtol=1e-5, atol=1e-6)
+
+
+def resumed(rank: int, root: str) -> dict:
+    """Two steps on pp=2 (1F1B), saved; then the third step resumed on dp_shard=2 without a
+    pipeline, and on pp=2 under Interleaved1F1B (4 stages)."""
+    cfg, _, _ = CASES["untied"]
+    train(rank, cfg, {"pp": 2}, 2, MB, save_to=f"{root}/pp")
+    (saved,) = (str(path) for path in Path(root, "pp").glob("step_*"))
+    plain = train(rank, cfg, {}, 1, MB, resume_from=saved)
+    interleaved = train(rank, cfg, {"pp": 2, "pp_schedule": "Interleaved1F1B"}, 1, MB, resume_from=saved)  # fmt: skip
+    return {"plain": plain, "interleaved": interleaved}
+
+
+def test_a_pipeline_run_resumes_with_another_pipeline_size_and_schedule(tmp_path: Path):
+    whole = reference("untied")
+    got = run_ranks(2, resumed, str(tmp_path))
+    for rank in (0, 1):
+        for kind in ("plain", "interleaved"):
+            run = got[rank][kind]
+            label = f"resumed {kind}"
+            torch.testing.assert_close(run["losses"], whole["losses"][2:], rtol=RTOL, atol=ATOL, msg=label)  # fmt: skip
+            torch.testing.assert_close(run["norms"], whole["norms"][2:], rtol=1e-4, atol=1e-6, msg=label)  # fmt: skip
+            for key, tensor in run["final"].items():
+                torch.testing.assert_close(tensor, whole["final"][key], rtol=0, atol=WEIGHT_ATOL, msg=f"{label} {key}")  # fmt: skip
