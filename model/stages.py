@@ -12,6 +12,9 @@ pipeline sums with the first stage's (`shares_embedding`), so both copies stay e
 `keep_stages(model, layouts)` prunes a model built on the meta device to this rank's stages (one,
 or two for the interleaved and V schedules), in place: the parameter names stay those of the
 whole model (`layers.5.attn.q_proj.weight`), so checkpoints load across pipeline layouts.
+A rank that holds both the first and the last stage (the V schedules) gives the last stage a
+copy of the embedding of its own (`embedding_copy`): its gradient is added to the first's and the
+update copied back, so it never appears in checkpoints.
 `stage_view(model, layout)` is one stage of a pruned model as a module of its own (sharing its
 blocks) that `torch.distributed.pipelining.PipelineStage` runs; its forward is
 `Transformer.forward` in stage form (`Transformer.stage_forward`).
@@ -103,10 +106,22 @@ def stage_view(model: nn.Module, layout: StageLayout) -> nn.Module:
         view.layers = _shallow_copy(model.layers)  # pruned apart from the model's
         if not layout.last:  # before pruning: the model's own stream keeps its parameters
             view.stream = _drop_children(_shallow_copy(model.stream))
+        elif shares_embedding(model.cfg) and any(s.first for s in model.pipeline_stages):
+            # the first stage is on this rank too (a V schedule): the last gets a copy of the
+            # embedding of its own (`embedding_copy`), which the engine keeps equal
+            view.embed = copy.deepcopy(model.embed)
         keep_stages(view, [layout])
     view.stage = layout
     view.forward = view.stage_forward
     return view
+
+
+def embedding_copy(model: nn.Module, views: Sequence[nn.Module]) -> nn.Module | None:
+    """The last stage's own copy of the embedding, when this rank holds the first stage too."""
+    for view in views:
+        if view is not model and view.embed is not None and view.embed is not model.embed:
+            return view.embed
+    return None
 
 
 def _shallow_copy(module: nn.Module) -> nn.Module:

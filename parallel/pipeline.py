@@ -34,7 +34,14 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
 from model.errors import ConfigError
-from model.stages import StageLayout, holds_embedding, keep_stages, shares_embedding, stage_view
+from model.stages import (
+    StageLayout,
+    embedding_copy,
+    holds_embedding,
+    keep_stages,
+    shares_embedding,
+    stage_view,
+)
 from model.training_hooks import Metrics, merge_stage_metrics
 from model.transformer import Transformer
 from parallel.compose import fsdp_param_dtype, parallelize
@@ -43,7 +50,7 @@ from parallel.fsdp import apply_fsdp, mixed_precision
 from parallel.grad_norm import global_grad_norm
 from parallel.init import init_like_single_process, load_weights
 from parallel.mesh import Meshes, build_meshes
-from parallel.pipeline_split import PipelinePlan, plan_pipeline, schedule_class
+from parallel.pipeline_split import SPLIT_BACKWARD, PipelinePlan, plan_pipeline, schedule_class
 
 log = logging.getLogger("parallel")
 
@@ -88,11 +95,14 @@ class PipelineEngine(FSDP2Engine):
         self._objective: Objective | None = None
         self._losses: list[Tensor] = []
         self._embedding_group = _embedding_group(model, plan, meshes)
+        # the last stage's own copy of the embedding, when this rank holds the first too
+        copy = embedding_copy(model, views)
+        self._copy = copy.weight if copy is not None else None
+        self._copy_embedding()
         self.schedule = None  # built on the first step (its shapes need the micro-batch size)
         self._schedule_shape: tuple[int, ...] | None = None
         for view in views:
-            if not view.stage.last:
-                view.register_forward_hook(self._attach_terms)
+            view.register_forward_hook(self._attach_terms)
 
     # -- training ---------------------------------------------------------------------------
     def forward_backward(self, inputs, targets, doc_ids, divide_by, last, objective) -> Tensor:
@@ -126,19 +136,22 @@ class PipelineEngine(FSDP2Engine):
 
     def _loss(self, output: Tensor, target: Tensor) -> Tensor:
         """The schedule's loss of one micro-batch on the last stage: the stage returned the
-        language-model loss; the features' terms join it, divided by the micro-batches."""
+        language-model loss (the features' terms ride on it), divided by the micro-batches."""
         self._losses.append(output.detach().float())
-        return self._objective(output) / self.micro_batches
+        return output / self.micro_batches
 
     def _attach_terms(self, module: nn.Module, args: tuple, output):
-        """After a forward of a stage before the last: its layers' objective terms (popped at
-        once, so each micro-batch gets its own) ride on its first output tensor."""
+        """After a stage's forward: its layers' objective terms (popped at once, so each
+        micro-batch gets its own; on the last stage MTP's too) ride on its first output tensor,
+        inside the stage's own graph (the zero-bubble schedules split its backward)."""
         if self._objective is None or not torch.is_grad_enabled():
             return output
         zero = torch.zeros((), device=self.device)
         term = self._objective(zero)
         if not term.requires_grad:
             return output
+        if isinstance(output, Tensor):  # the last stage's loss
+            return _WithTerm.apply(output, term / self.micro_batches)
         first, *rest = output
         return (_WithTerm.apply(first, term / self.micro_batches), *rest)
 
@@ -211,9 +224,16 @@ class PipelineEngine(FSDP2Engine):
         return self.plan.rank_of(len(self.plan.stages) - 1)
 
     def clip_gradients(self, max_norm: float) -> Tensor:
-        copy = self._embedding_copy()
+        copy = self._cross_rank_copy()
         if self._embedding_group is not None:
             self._sum_embedding_gradients()
+        if self._copy is not None and self._copy.grad is not None:  # into the first stage's
+            embed = self.model.embed.weight
+            if embed.grad is None:
+                embed.grad = self._copy.grad
+            else:
+                _local(embed.grad).add_(_local(self._copy.grad))
+            self._copy.grad = None
         params = [p for p in self.model.parameters() if p.grad is not None and p is not copy]
         norm = global_grad_norm(params, self.ranks_per_forward)
         if max_norm != float("inf"):
@@ -223,7 +243,26 @@ class PipelineEngine(FSDP2Engine):
                 torch._foreach_mul_(grads, scale)
         return norm
 
-    def _embedding_copy(self) -> nn.Parameter | None:
+    def step(self, edit=None) -> None:
+        super().step(edit)
+        self._copy_embedding()
+
+    def zero_grad(self) -> None:
+        super().zero_grad()
+        if self._copy is not None:
+            self._copy.grad = None
+
+    def load_state_dict(self, state) -> None:
+        super().load_state_dict(state)
+        self._copy_embedding()
+
+    @torch.no_grad()
+    def _copy_embedding(self) -> None:
+        """The first stage's embedding into the last stage's copy on this rank (same layout)."""
+        if self._copy is not None:
+            _local(self._copy).copy_(_local(self.model.embed.weight))
+
+    def _cross_rank_copy(self) -> nn.Parameter | None:
         """The last stage's copy of a shared embedding (counted in the norm by the first's)."""
         if self._embedding_group is None or any(v.stage.first for v in self.views):
             return None
@@ -340,12 +379,14 @@ def _embedding_group(model: Transformer, plan: PipelinePlan, meshes: Meshes):
 
 def refuse_unsupported(request: EngineRequest, plan: PipelinePlan) -> None:
     cfg, parallel = request.model_cfg, request.parallel
-    if plan.v_style and shares_embedding(cfg):
+    if plan.schedule in SPLIT_BACKWARD and cfg.mtp.depth:
+        # their weight pass computes each parameter group's gradients without keeping the
+        # graph; MTP's path from the embedding copy (norm, projection) feeds several groups
         raise ConfigError(
-            f"parallel.pp_schedule={plan.schedule} puts the first and the last stage on one "
-            "rank; a shared embedding (model.tie_embeddings or MTP) between them is not "
-            "supported there yet: choose 1F1B, GPipe, Interleaved1F1B, LoopedBFS or "
-            "InterleavedZeroBubble"
+            f"parallel.pp_schedule={plan.schedule} splits the backward into input and weight "
+            "passes, which torch.distributed.pipelining cannot do through the MTP modules' "
+            "embedding path: with model.mtp.depth > 0 choose GPipe, 1F1B, Interleaved1F1B or "
+            "LoopedBFS"
         )
     if parallel.sequence_parallel:
         raise ConfigError(
@@ -382,6 +423,8 @@ def build_pipeline(request: EngineRequest) -> PipelineEngine:
     recompute = parallel.activation_checkpoint != "none"
     for view in views:  # gathered weights stay for the step's micro-batches (torchtitan's too)
         apply_fsdp(view, meshes, mixed_precision(param_dtype), False, recompute=recompute)
+    for view in views:  # (a V schedule's last stage may hold an embedding copy of its own)
+        view.to_empty(device=device)
     model.to_empty(device=device)
     init_like_single_process(model, device, request.seed)
     if request.initial_weights is not None:

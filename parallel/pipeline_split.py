@@ -27,6 +27,8 @@ from model.errors import ConfigError
 from model.stages import StageLayout
 
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+# the schedules that run a stage's backward as an input pass and a later weight pass
+SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 SCHEDULES = (
     "GPipe",
     "1F1B",

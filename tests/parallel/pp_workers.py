@@ -19,7 +19,7 @@ from tests.parallel.workers import (
 STEPS = 3
 MB = 4  # micro-batches per step (the schedules' accumulation; 2 rows each on one data rank)
 FOUR = {"n_layers": 4}
-UNTIED = FOUR | {"tie_embeddings": False}  # (the V schedules refuse a shared embedding)
+UNTIED = FOUR | {"tie_embeddings": False}  # (no shared embedding: a head of its own)
 # MoE on both stages, with the balance terms that reach the stage's backward through its output
 MOE = FOUR | {"moe.seq_aux_loss_coef": 0.01, "moe.z_loss_coef": 0.001}
 

@@ -33,14 +33,14 @@ TWO_RANKS = [
     ("untied", {"pp": 2, "pp_schedule": "LoopedBFS"}),
     ("moe_untied", {"pp": 2, "pp_schedule": "InterleavedZeroBubble"}),
     ("moe_untied", {"pp": 2, "pp_schedule": "ZBVZeroBubble"}),
-    ("untied", {"pp": 2, "pp_schedule": "DualPipeV"}),
+    ("tiny", {"pp": 2, "pp_schedule": "DualPipeV"}),  # the last stage's embedding copy
     ("moe", {"pp": 2}),
     ("mla", {"pp": 2}),
     ("gdn", {"pp": 2}),
     ("mhc", {"pp": 2}),
     ("attnres_block", {"pp": 2}),
     ("engram", {"pp": 2}),
-    ("mtp", {"pp": 2}),
+    ("mtp", {"pp": 2, "pp_schedule": "Interleaved1F1B"}),
     ("muonclip", {"pp": 2}),
 ]
 FOUR_RANKS = [
