@@ -29,7 +29,23 @@ from dataclasses import dataclass
 from torch import nn
 
 from model.config import ModelConfig
+from model.errors import ConfigError
 from model.mixers.positions import NoPosition
+
+# torch.distributed.pipelining's schedules (parallel/pipeline_split.py runs them)
+SCHEDULES = (
+    "GPipe",
+    "1F1B",
+    "Interleaved1F1B",
+    "LoopedBFS",
+    "InterleavedZeroBubble",
+    "ZBVZeroBubble",
+    "DualPipeV",
+)
+MULTI_STAGE = SCHEDULES[2:]  # several stages per rank (2 by default)
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")  # stages placed in a V: first and last on rank 0
+# the schedules that run a stage's backward as an input pass and a later weight pass
+SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 
 @dataclass(frozen=True)
@@ -131,3 +147,116 @@ def _shallow_copy(module: nn.Module) -> nn.Module:
         if isinstance(value, (dict, set)):
             setattr(copied, key, copy.copy(value))
     return copied
+
+
+def stage_rank(stage: int, pp: int, v_style: bool) -> int:
+    """The pipeline rank that runs `stage`: stage % pp (\"loop\"), or in a V: rank s for s < pp,
+    2 pp - 1 - s after."""
+    if v_style and stage >= pp:
+        return 2 * pp - 1 - stage
+    return stage % pp
+
+
+def layer_costs(model, seq_len: int) -> tuple[list[float], float]:
+    """(each block's training FLOPs per token, the head's and MTP's) of a whole model (meta)."""
+    from model.accounting import matmul_params_per_token  # (it imports the Transformer)
+
+    costs = [
+        2.0 * matmul_params_per_token(block) + block.attn.mixing_flops_per_token(seq_len)
+        for block in model.layers.values()
+    ]
+    heads = 1 + (len(model.mtp.layers) if model.mtp is not None else 0)
+    head = 2.0 * heads * model.head_weight.numel()
+    if model.mtp is not None:
+        head += sum(
+            2.0 * matmul_params_per_token(m) + m.block.attn.mixing_flops_per_token(seq_len)
+            for m in model.mtp.layers
+        )
+    return costs, head
+
+
+def split_layers(costs: list[float], last_extra: float, stages: int) -> list[tuple[int, ...]]:
+    """Contiguous blocks per stage minimising the heaviest stage (the last carries
+    `last_extra` more); every stage gets at least one block when there are enough."""
+    n = len(costs)
+    if stages > n:
+        raise ConfigError(
+            f"{stages} pipeline stages for {n} layers: every stage needs a layer; lower "
+            "parallel.pp or parallel.pp_stages_per_rank"
+        )
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    # best[s][i]: the smallest heaviest stage splitting blocks [0, i) into s stages
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, stages + 1):
+        for i in range(s, n - (stages - s) + 1):
+            extra = last_extra if s == stages else 0.0
+            for j in range(s - 1, i):
+                worst = max(best[s - 1][j], prefix[i] - prefix[j] + extra)
+                if worst < best[s][i]:
+                    best[s][i], cut[s][i] = worst, j
+    bounds, i = [], n
+    for s in range(stages, 0, -1):
+        j = cut[s][i]
+        bounds.append((j, i))
+        i = j
+    return [tuple(range(lo, hi)) for lo, hi in reversed(bounds)]
+
+
+def explicit_layers(counts: list[int], n_layers: int, stages: int) -> list[tuple[int, ...]]:
+    if len(counts) != stages or sum(counts) != n_layers or min(counts) < 0:
+        raise ConfigError(
+            f"parallel.pp_layers={counts} must list the layers of each of the {stages} stages "
+            f"(pp x stages per rank), summing to model.n_layers={n_layers}"
+        )
+    out, start = [], 0
+    for count in counts:
+        out.append(tuple(range(start, start + count)))
+        start += count
+    return out
+
+
+def canonical_schedule(name: str) -> str:
+    """A schedule's name as torch spells it (parallel.pp_schedule is case-insensitive)."""
+    for known in SCHEDULES:
+        if known.lower() == name.lower():
+            return known
+    raise ConfigError(f"parallel.pp_schedule={name!r} is not one of {', '.join(SCHEDULES)}")
+
+
+def stages_per_rank(schedule: str, requested: int) -> int:
+    """Stages each pipeline rank runs (parallel.pp_stages_per_rank; 0 = the schedule's own)."""
+    name = canonical_schedule(schedule)
+    multi = name in MULTI_STAGE
+    if requested == 0:
+        return 2 if multi else 1
+    if not multi and requested != 1:
+        raise ConfigError(
+            f"parallel.pp_schedule={schedule} runs one stage per rank; "
+            f"parallel.pp_stages_per_rank={requested} needs a multi-stage schedule "
+            f"({', '.join(MULTI_STAGE)})"
+        )
+    if name in V_SCHEDULES and requested != 2:
+        raise ConfigError(
+            f"parallel.pp_schedule={schedule} places two stages per rank in a V; "
+            f"parallel.pp_stages_per_rank={requested} must be 2 (or 0)"
+        )
+    return requested
+
+
+def pipeline_layouts(
+    model, seq_len: int, pp: int, schedule: str, per_rank: int, layers: Sequence[int]
+) -> list[StageLayout]:
+    """Every stage of a whole model (built on the meta device) for `pp` pipeline ranks."""
+    count = pp * stages_per_rank(schedule, per_rank)
+    n_layers = len(model.layers)
+    if layers:
+        split = explicit_layers(list(layers), n_layers, count)
+    else:
+        costs, head = layer_costs(model, seq_len)
+        split = split_layers(costs, head, count)
+    return [StageLayout(i, count, blocks) for i, blocks in enumerate(split)]

@@ -137,6 +137,6 @@ class ParallelConfig:
             value = getattr(self, key)
             _require(value >= 0, f"parallel.{key}={value} must be >= 0 (0 = automatic)")
         if self.pp > 1:
-            from parallel.pipeline_split import stages_per_rank
+            from model.stages import stages_per_rank
 
             stages_per_rank(self.pp_schedule, self.pp_stages_per_rank)

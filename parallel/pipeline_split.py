@@ -1,4 +1,5 @@
-"""Pipeline parallelism's plan: the schedule, the stages and which rank runs each.
+"""Pipeline parallelism's plan: the schedule, the stages and which rank runs each (the split
+itself is model/stages.py's `pipeline_layouts`, which the planner reads too).
 
 The stack is split into contiguous stages. By default each block weighs its training FLOPs per
 token (model/accounting.py: its matmuls, plus its mixer's attention over the sequence), the last
@@ -22,22 +23,19 @@ from torch.distributed.pipelining.schedules import (
     get_schedule_class,
 )
 
-from model.accounting import matmul_params_per_token
-from model.errors import ConfigError
-from model.stages import StageLayout
-
-V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
-# the schedules that run a stage's backward as an input pass and a later weight pass
-SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
-SCHEDULES = (
-    "GPipe",
-    "1F1B",
-    "Interleaved1F1B",
-    "LoopedBFS",
-    "InterleavedZeroBubble",
-    "ZBVZeroBubble",
-    "DualPipeV",
+from model.stages import (
+    MULTI_STAGE,
+    SCHEDULES,
+    SPLIT_BACKWARD,
+    V_SCHEDULES,
+    StageLayout,
+    canonical_schedule,
+    pipeline_layouts,
+    stage_rank,
+    stages_per_rank,
 )
+
+__all__ = ["SCHEDULES", "SPLIT_BACKWARD", "PipelinePlan", "stages_per_rank"]
 
 
 @dataclass(frozen=True)
@@ -49,9 +47,7 @@ class PipelinePlan:
 
     def rank_of(self, stage: int) -> int:
         """The pipeline rank that runs `stage`."""
-        if self.v_style and stage >= self.pp:
-            return 2 * self.pp - 1 - stage
-        return stage % self.pp
+        return stage_rank(stage, self.pp, self.v_style)
 
     def stages_of(self, pp_rank: int) -> list[StageLayout]:
         return [s for s in self.stages if self.rank_of(s.index) == pp_rank]
@@ -65,94 +61,7 @@ class PipelinePlan:
 
 def schedule_class(name: str) -> type:
     """The torch.distributed.pipelining schedule called `name` (case-insensitive)."""
-    for known in SCHEDULES:
-        if known.lower() == name.lower():
-            return get_schedule_class(known)
-    raise ConfigError(f"parallel.pp_schedule={name!r} is not one of {', '.join(SCHEDULES)}")
-
-
-def canonical_schedule(name: str) -> str:
-    schedule_class(name)
-    return next(known for known in SCHEDULES if known.lower() == name.lower())
-
-
-def stages_per_rank(schedule: str, requested: int) -> int:
-    multi = issubclass(schedule_class(schedule), PipelineScheduleMulti)
-    if requested == 0:
-        return 2 if multi else 1
-    if not multi and requested != 1:
-        raise ConfigError(
-            f"parallel.pp_schedule={schedule} runs one stage per rank; "
-            f"parallel.pp_stages_per_rank={requested} needs a multi-stage schedule "
-            "(Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV)"
-        )
-    if canonical_schedule(schedule) in V_SCHEDULES and requested != 2:
-        raise ConfigError(
-            f"parallel.pp_schedule={schedule} places two stages per rank in a V; "
-            f"parallel.pp_stages_per_rank={requested} must be 2 (or 0)"
-        )
-    return requested
-
-
-def layer_costs(model, seq_len: int) -> tuple[list[float], float]:
-    """(each block's training FLOPs per token, the head's and MTP's) of a whole model (meta)."""
-    costs = [
-        2.0 * matmul_params_per_token(block) + block.attn.mixing_flops_per_token(seq_len)
-        for block in model.layers.values()
-    ]
-    heads = 1 + (len(model.mtp.layers) if model.mtp is not None else 0)
-    head = 2.0 * heads * model.head_weight.numel()
-    if model.mtp is not None:
-        head += sum(
-            2.0 * matmul_params_per_token(m) + m.block.attn.mixing_flops_per_token(seq_len)
-            for m in model.mtp.layers
-        )
-    return costs, head
-
-
-def split_layers(costs: list[float], last_extra: float, stages: int) -> list[tuple[int, ...]]:
-    """Contiguous blocks per stage minimising the heaviest stage (the last carries
-    `last_extra` more); every stage gets at least one block when there are enough."""
-    n = len(costs)
-    if stages > n:
-        raise ConfigError(
-            f"{stages} pipeline stages for {n} layers: every stage needs a layer; lower "
-            "parallel.pp or parallel.pp_stages_per_rank"
-        )
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-    inf = float("inf")
-    # best[s][i]: the smallest heaviest stage splitting blocks [0, i) into s stages
-    best = [[inf] * (n + 1) for _ in range(stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(stages + 1)]
-    best[0][0] = 0.0
-    for s in range(1, stages + 1):
-        for i in range(s, n - (stages - s) + 1):
-            extra = last_extra if s == stages else 0.0
-            for j in range(s - 1, i):
-                worst = max(best[s - 1][j], prefix[i] - prefix[j] + extra)
-                if worst < best[s][i]:
-                    best[s][i], cut[s][i] = worst, j
-    bounds, i = [], n
-    for s in range(stages, 0, -1):
-        j = cut[s][i]
-        bounds.append((j, i))
-        i = j
-    return [tuple(range(lo, hi)) for lo, hi in reversed(bounds)]
-
-
-def explicit_layers(counts: list[int], n_layers: int, stages: int) -> list[tuple[int, ...]]:
-    if len(counts) != stages or sum(counts) != n_layers or min(counts) < 0:
-        raise ConfigError(
-            f"parallel.pp_layers={counts} must list the layers of each of the {stages} stages "
-            f"(pp x stages per rank), summing to model.n_layers={n_layers}"
-        )
-    out, start = [], 0
-    for count in counts:
-        out.append(tuple(range(start, start + count)))
-        start += count
-    return out
+    return get_schedule_class(canonical_schedule(name))
 
 
 def plan_pipeline(
@@ -160,12 +69,7 @@ def plan_pipeline(
 ) -> PipelinePlan:
     """The pipeline of a whole model (built on the meta device) for `pp` ranks."""
     name = canonical_schedule(schedule)
-    count = pp * stages_per_rank(name, per_rank)
-    n_layers = len(model.layers)
-    if layers:
-        split = explicit_layers(list(layers), n_layers, count)
-    else:
-        costs, head = layer_costs(model, seq_len)
-        split = split_layers(costs, head, count)
-    stages = [StageLayout(i, count, blocks) for i, blocks in enumerate(split)]
+    multi = issubclass(schedule_class(name), PipelineScheduleMulti)
+    assert multi == (name in MULTI_STAGE), name  # model/stages.py's list agrees with torch's
+    stages = pipeline_layouts(model, seq_len, pp, name, per_rank, layers)
     return PipelinePlan(name, pp, stages, v_style=name in V_SCHEDULES)

@@ -20,13 +20,13 @@ from data.manifest import Manifest
 from data.prepare import prepare
 from model.config import ModelConfig
 from model.errors import ConfigError
+from model.stages import stages_per_rank
 from optim.builder import build_optimizer
 from optim.config import OptimConfig
 from parallel import ENGINES, EngineRequest, TrainingEngine, build_engine
 from parallel.collective import from_main
 from parallel.config import ParallelConfig
 from parallel.mesh import ParallelDims
-from parallel.pipeline_split import stages_per_rank
 from parallel.precision import resolve_precision
 from trainer.config import RootConfig, TrainerConfig, compiles
 from trainer.downstream.tasks import check_task_names
