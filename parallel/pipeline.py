@@ -50,7 +50,12 @@ from parallel.fsdp import apply_fsdp, mixed_precision
 from parallel.grad_norm import global_grad_norm
 from parallel.init import init_like_single_process, load_weights
 from parallel.mesh import Meshes, build_meshes
-from parallel.pipeline_split import SPLIT_BACKWARD, PipelinePlan, plan_pipeline, schedule_class
+from parallel.pipeline_split import (
+    PipelinePlan,
+    check_pipeline_model,
+    plan_pipeline,
+    schedule_class,
+)
 
 log = logging.getLogger("parallel")
 
@@ -377,29 +382,6 @@ def _embedding_group(model: Transformer, plan: PipelinePlan, meshes: Meshes):
     return groups[mine] if holds else None
 
 
-def refuse_unsupported(request: EngineRequest, plan: PipelinePlan) -> None:
-    cfg, parallel = request.model_cfg, request.parallel
-    if plan.schedule in SPLIT_BACKWARD and cfg.mtp.depth:
-        # their weight pass computes each parameter group's gradients without keeping the
-        # graph; MTP's path from the embedding copy (norm, projection) feeds several groups
-        raise ConfigError(
-            f"parallel.pp_schedule={plan.schedule} splits the backward into input and weight "
-            "passes, which torch.distributed.pipelining cannot do through the MTP modules' "
-            "embedding path: with model.mtp.depth > 0 choose GPipe, 1F1B, Interleaved1F1B or "
-            "LoopedBFS"
-        )
-    if parallel.sequence_parallel:
-        raise ConfigError(
-            "parallel.sequence_parallel=true with parallel.pp > 1 is not supported yet: set "
-            "parallel.sequence_parallel=false"
-        )
-    if cfg.engram.enabled and cfg.engram.sharding == "replicated":
-        raise ConfigError(
-            "model.engram.sharding=replicated with parallel.pp > 1 is not supported yet: set "
-            "model.engram.sharding=rows"
-        )
-
-
 def build_pipeline(request: EngineRequest) -> PipelineEngine:
     dims, device, parallel = request.dims, request.device, request.parallel
     meshes = build_meshes(dims, device.type)
@@ -413,7 +395,7 @@ def build_pipeline(request: EngineRequest) -> PipelineEngine:
         parallel.pp_stages_per_rank,
         parallel.pp_layers,
     )
-    refuse_unsupported(request, plan)
+    check_pipeline_model(request.model_cfg, parallel)
     pp_rank = meshes.pp.get_local_rank()
     layouts = plan.stages_of(pp_rank)
     keep_stages(model, layouts)

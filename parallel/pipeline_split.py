@@ -17,12 +17,15 @@ stage share rank 0).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from torch.distributed.pipelining.schedules import (
     PipelineScheduleMulti,
     get_schedule_class,
 )
 
+from model.config import ModelConfig
+from model.errors import ConfigError
 from model.stages import (
     MULTI_STAGE,
     SCHEDULES,
@@ -34,6 +37,9 @@ from model.stages import (
     stage_rank,
     stages_per_rank,
 )
+
+if TYPE_CHECKING:
+    from parallel.config import ParallelConfig
 
 __all__ = ["SCHEDULES", "SPLIT_BACKWARD", "PipelinePlan", "stages_per_rank"]
 
@@ -73,3 +79,27 @@ def plan_pipeline(
     assert multi == (name in MULTI_STAGE), name  # model/stages.py's list agrees with torch's
     stages = pipeline_layouts(model, seq_len, pp, name, per_rank, layers)
     return PipelinePlan(name, pp, stages, v_style=name in V_SCHEDULES)
+
+
+def check_pipeline_model(cfg: ModelConfig, parallel: ParallelConfig) -> None:
+    """What a pipeline does not run with (yet), refused in one line at start-up."""
+    schedule = canonical_schedule(parallel.pp_schedule)
+    if schedule in SPLIT_BACKWARD and cfg.mtp.depth:
+        # their weight pass computes each parameter group's gradients without keeping the
+        # graph; MTP's path from the embedding copy (norm, projection) feeds several groups
+        raise ConfigError(
+            f"parallel.pp_schedule={schedule} splits the backward into input and weight "
+            "passes, which torch.distributed.pipelining cannot do through the MTP modules' "
+            "embedding path: with model.mtp.depth > 0 choose GPipe, 1F1B, Interleaved1F1B or "
+            "LoopedBFS"
+        )
+    if parallel.sequence_parallel:
+        raise ConfigError(
+            "parallel.sequence_parallel=true with parallel.pp > 1 is not supported yet: set "
+            "parallel.sequence_parallel=false"
+        )
+    if cfg.engram.enabled and cfg.engram.sharding == "replicated":
+        raise ConfigError(
+            "model.engram.sharding=replicated with parallel.pp > 1 is not supported yet: set "
+            "model.engram.sharding=rows"
+        )

@@ -248,6 +248,9 @@ def check_pipeline(cfg: RootConfig, dims: ParallelDims) -> None:
             f"{cfg.parallel.engine} has no pipeline stages here); set parallel.engine=fsdp2 or "
             "parallel.pp=1"
         )
+    from parallel.pipeline_split import check_pipeline_model
+
+    check_pipeline_model(cfg.model, cfg.parallel)
 
 
 def check_model_shape(model_cfg: ModelConfig, data: LoaderConfig, dims: ParallelDims) -> None:

@@ -1,7 +1,7 @@
 """`torchrun -m trainer parallel.cp=2` end to end on CPU (gloo, fp32): cp=2 trains the loss curve
 of one process (packed documents crossing the ranks' chunks, a sample generated under the split,
 validation whole), checkpoints move between context-parallel sizes (cp=2 -> one process, one
-process -> dp_shard=2 x cp=2 with activation checkpointing) and continue it exactly, a hybrid
+process -> a pipeline of 2 stages x cp=2 with activation checkpointing) and continue it exactly, a hybrid
 Gated DeltaNet model on cp=2 x tp=2 with MuonClip trains one process's curve; what context
 parallelism does not take is refused at start in one line."""
 
@@ -46,20 +46,28 @@ def test_context_parallel_runs_equal_one_process_and_resume_across_cp_sizes(data
     assert result.returncode == 0, result.stderr[-4000:]
     assert_same_losses(losses_of(resumed), whole, [3, 4])
 
-    resumed = tmp_path / "one_to_dp2_cp2"
+    # into a pipeline of 2 stages, each split over cp=2 (the pipeline's own schedule runs the
+    # step's 2 micro-batches; validation passes the stages in order)
+    resumed = tmp_path / "one_to_pp2_cp2"
     checkpoint = one / "checkpoints" / "step_00000002"
     result = torchrun(
         4,
         *common,
         "parallel.cp=2",
+        "parallel.pp=2",
         "parallel.activation_checkpoint=full",  # recomputed blocks: the same numbers
         f"resume={checkpoint}",
         f"hydra.run.dir={resumed}",
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-4000:]
-    assert "world 4, dp_shard 2, cp 2" in (resumed / "train.log").read_text()
+    log = (resumed / "train.log").read_text()
+    assert "world 4, pp 2, dp_shard 1, cp 2" in log
+    assert "pipeline: 1F1B, 2 stages on 2 ranks" in log
+    assert "rank 1: stage 1: layer 1, head + loss" in log
+    assert "no samples: sampling from a pipeline-parallel model is not built yet" in log
     assert_same_losses(losses_of(resumed), whole, [3, 4])
+    assert validation_losses(resumed)[-1] == pytest.approx(validation_losses(one)[-1], rel=1e-5)
 
 
 def validation_losses(run_dir) -> list[float]:
@@ -134,3 +142,43 @@ def test_capacity_dropping_is_refused_with_context_parallelism(tmp_path):
     cfg.parallel.cp = 2
     with pytest.raises(ConfigError, match="model.moe.capacity_factor=1.25 with parallel.cp > 1"):
         check_start(cfg, 2)
+
+
+@pytest.mark.parametrize(
+    ("settings", "world", "message"),
+    [
+        ({"parallel.pp": 3}, 4, "parallel.pp=3 x parallel.dp_replicate=1 = 3 does not divide"),
+        (
+            {"parallel.pp": 2, "parallel.engine": "deepspeed"},
+            2,
+            "parallel.pp=2 runs on parallel.engine=fsdp2",
+        ),
+        (
+            {"parallel.pp": 2, "parallel.pp_schedule": "ZBVZeroBubble", "model.mtp.depth": 1},
+            2,
+            "parallel.pp_schedule=ZBVZeroBubble splits the backward into input and weight",
+        ),
+        (
+            {"parallel.pp": 2, "parallel.pp_microbatches": 3},
+            2,
+            r"4 sequences per data-parallel rank \(trainer.batch_size=4\) do not split into 3",
+        ),
+        (
+            {"parallel.pp": 2, "parallel.pp_layers": [1, 2]},
+            2,
+            r"parallel.pp_layers=\[1, 2\] must list the layers of each of the 2 stages",
+        ),
+    ],
+)
+def test_what_pipeline_parallelism_does_not_take_is_refused_at_start(
+    tmp_path, settings, world, message
+):
+    cfg = small_config(tmp_path)
+    for key, value in settings.items():
+        *path, name = key.split(".")
+        target = cfg
+        for part in path:
+            target = getattr(target, part)
+        setattr(target, name, value)
+    with pytest.raises(ConfigError, match=message):
+        check_start(cfg, world)
