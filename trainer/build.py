@@ -20,7 +20,7 @@ from data.manifest import Manifest
 from data.prepare import prepare
 from model.config import ModelConfig
 from model.errors import ConfigError
-from model.stages import stages_per_rank
+from model.stages import pipeline_layouts, stages_per_rank
 from optim.builder import build_optimizer
 from optim.config import OptimConfig
 from parallel import ENGINES, EngineRequest, TrainingEngine, build_engine
@@ -251,6 +251,10 @@ def check_pipeline(cfg: RootConfig, dims: ParallelDims) -> None:
     from parallel.pipeline_split import check_pipeline_model
 
     check_pipeline_model(cfg.model, cfg.parallel)
+    if not is_hf(cfg.init_from):  # the stages (an explicit split that does not fit, ...)
+        p = cfg.parallel
+        layers = p.pp_layers
+        pipeline_layouts(meta_model(cfg.model), cfg.data.seq_len, dims.pp, p.pp_schedule, p.pp_stages_per_rank, layers)  # fmt: skip
 
 
 def check_model_shape(model_cfg: ModelConfig, data: LoaderConfig, dims: ParallelDims) -> None:
