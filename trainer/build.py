@@ -251,10 +251,10 @@ def check_pipeline(cfg: RootConfig, dims: ParallelDims) -> None:
     from parallel.pipeline_split import check_pipeline_model
 
     check_pipeline_model(cfg.model, cfg.parallel)
-    if not is_hf(cfg.init_from):  # the stages (an explicit split that does not fit, ...)
-        p = cfg.parallel
-        layers = p.pp_layers
-        pipeline_layouts(meta_model(cfg.model), cfg.data.seq_len, dims.pp, p.pp_schedule, p.pp_stages_per_rank, layers)  # fmt: skip
+    if not is_hf(cfg.init_from):  # the stages: an explicit split that does not fit, ...
+        p, model = cfg.parallel, meta_model(cfg.model)
+        per_rank, layers = p.pp_stages_per_rank, p.pp_layers
+        pipeline_layouts(model, cfg.data.seq_len, dims.pp, p.pp_schedule, per_rank, layers)
 
 
 def check_model_shape(model_cfg: ModelConfig, data: LoaderConfig, dims: ParallelDims) -> None:
