@@ -403,8 +403,8 @@ class Transformer(nn.Module):
     def new_cache(self, batch: int, capacity: int, dtype: torch.dtype | None = None) -> Cache:
         """Empty generation state (each layer's own kind: KV cache, latent cache, ...) for
         `batch` sequences of up to `capacity` tokens."""
-        dtype = dtype or self.embed.weight.dtype
-        device = self.embed.weight.device
+        weight = self.embed.weight if self.embed is not None else next(self.parameters())
+        dtype, device = dtype or weight.dtype, weight.device  # (a later pipeline stage: its own)
         layers = [block.new_state(batch, capacity, dtype, device) for block in self.layers.values()]
         return Cache(layers, capacity)
 

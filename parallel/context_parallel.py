@@ -246,6 +246,10 @@ class ContextSplit:
             return None
         return kept_positions(length, self.cp, self.rank, device)
 
+    def local_length(self, length: int) -> int:
+        """The positions this rank computes of a training forward of `length` (`kept`)."""
+        return length if length % (2 * self.cp) else length // self.cp
+
     def total(self, loss: Tensor) -> Tensor:
         """The mean of the ranks' weighted means (0-d, no gradient): the whole sequence's."""
         whole = loss.detach().clone()

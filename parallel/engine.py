@@ -120,8 +120,6 @@ class TrainingEngine(CheckpointFormat):
     # the ranks whose training hooks hold statistics of the same layers, which they reduce
     # together (None: every rank; a pipeline: the ranks of one pipeline rank's stages)
     statistics_group: Any = None
-    samples: bool = True  # whether full_weights() serves sampling and generation
-    samples_missing: str = ""  # why not, when it does not
 
     @property
     def state_module(self) -> nn.Module:

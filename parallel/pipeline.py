@@ -25,7 +25,8 @@ logs alike. Validation and scoring forwards pass the stages in order, point to p
 from __future__ import annotations
 
 import logging
-from contextlib import AbstractContextManager
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -50,6 +51,7 @@ from parallel.fsdp import apply_fsdp, mixed_precision
 from parallel.grad_norm import global_grad_norm
 from parallel.init import init_like_single_process, load_weights
 from parallel.mesh import Meshes, build_meshes
+from parallel.pipeline_generate import PipelinedModel
 from parallel.pipeline_split import (
     PipelinePlan,
     check_pipeline_model,
@@ -137,7 +139,7 @@ class PipelineEngine(FSDP2Engine):
         if self._losses:
             total = torch.stack(self._losses).sum()
         self._objective, self._losses = None, []
-        return self._from_last_stage(total)
+        return self.from_last_stage(total)
 
     def _loss(self, output: Tensor, target: Tensor) -> Tensor:
         """The schedule's loss of one micro-batch on the last stage: the stage returned the
@@ -211,14 +213,14 @@ class PipelineEngine(FSDP2Engine):
     def _boundary(self, layers: int, rows: int, length: int) -> tuple[Tensor, ...]:
         """Empty tensors shaped as the state after `layers` blocks (what crosses a stage)."""
         split = self.model.context_split
-        local = length // split.cp if split is not None else length
+        local = split.local_length(length) if split is not None else length
         shapes = self.model.stream.boundary_shapes(layers, rows, local)
         return tuple(  # (requiring gradients: the stage before gets them back)
             torch.empty(shape, dtype=self.compute_dtype, device=self.device, requires_grad=True)
             for shape in shapes
         )
 
-    def _from_last_stage(self, value: Tensor) -> Tensor:
+    def from_last_stage(self, value: Tensor) -> Tensor:
         """`value` as the last stage's rank holds it, on every pipeline rank."""
         value = value.contiguous()
         dist.broadcast(value, group=self.pp_group, group_src=self._last_rank)
@@ -297,6 +299,9 @@ class PipelineEngine(FSDP2Engine):
         """One forward through every stage in order (point to point between ranks), without
         gradients: the loss, or each target's log-probability (B, T), on every pipeline rank."""
         rows, length = inputs.shape
+        split = self.model.context_split
+        if split is not None and not per_token:  # (scoring forwards run whole under cp)
+            length = split.local_length(length)
         kwargs = {"ids": inputs, "targets": targets, "doc_ids": doc_ids, "per_token": per_token}
         carried: tuple[Tensor, ...] | None = None
         out = torch.zeros(inputs.shape if per_token else (), device=self.device)
@@ -309,53 +314,56 @@ class PipelineEngine(FSDP2Engine):
                 if layout.first:
                     carried = (inputs,)
                 elif carried is None:  # from the rank of the stage before
-                    carried = self._receive(layout, rows, length, per_token)
+                    carried = self.receive_state(layout, rows, length)
                 result = view(*carried, **kwargs)
                 if layout.last:
                     out = result.float()
                     break
                 carried = tuple(result)
-                if self.plan.rank_of(layout.index + 1) != self.pp_rank:
-                    for tensor in carried:
-                        dist.send(
-                            tensor.contiguous(),
-                            group=self.pp_group,
-                            group_dst=self.plan.rank_of(layout.index + 1),
-                        )
-        return self._from_last_stage(out)
+                self.send_state(layout, carried)
+        return self.from_last_stage(out)
 
-    def _receive(
-        self, layout: StageLayout, rows: int, length: int, per_token: bool
-    ) -> tuple[Tensor, ...]:
-        split = self.model.context_split
-        whole = per_token or split is None  # (scoring forwards run whole under cp)
-        local = length if whole else length // split.cp
-        shapes = self.model.stream.boundary_shapes(layout.layers[0], rows, local)
+    def stage_views(self) -> dict[int, nn.Module]:
+        """This rank's stages by index."""
+        return self._by_index
+
+    def send_state(self, layout: StageLayout, tensors: tuple[Tensor, ...]) -> None:
+        """What stage `layout` sent on, to the next stage's rank when that is another."""
+        rank = self.plan.rank_of(layout.index + 1)
+        if rank != self.pp_rank:
+            for tensor in tensors:
+                dist.send(tensor.contiguous(), group=self.pp_group, group_dst=rank)
+
+    def receive_state(self, layout: StageLayout, rows: int, length: int) -> tuple[Tensor, ...]:
+        """The stream's state entering stage `layout`, from the previous stage's rank: the
+        shapes the stream declares for `rows` x `length` positions."""
+        first = layout.layers[0] if layout.layers else 0
         tensors = []
-        for shape in shapes:
+        for shape in self.model.stream.boundary_shapes(first, rows, length):
             tensor = torch.empty(shape, dtype=self.compute_dtype, device=self.device)
             dist.recv(tensor, group=self.pp_group, group_src=self.plan.rank_of(layout.index - 1))
             tensors.append(tensor)
         return tuple(tensors)
 
-    samples = False
-    samples_missing = (
-        "sampling from a pipeline-parallel model is not built yet (trainer.sample_tokens=0 "
-        "turns this line off; export the checkpoint to sample from it)"
-    )
-
-    def full_weights(self) -> AbstractContextManager[nn.Module]:
-        raise PipelineUnsupported(self.samples_missing)
+    @contextmanager
+    def full_weights(self) -> Iterator[PipelinedModel]:
+        """Sampling and generation through the stages (parallel/pipeline_generate.py): each
+        stage's root weights gathered meanwhile (a first forward initializes FSDP2)."""
+        ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+        self._forward_whole(ids, ids, None, per_token=False)
+        for view in self.views:
+            view.unshard()
+        try:
+            yield PipelinedModel(self)
+        finally:
+            for view in self.views:
+                view.reshard()
 
     def gather_metrics(self, metrics: Metrics, combine: dict[str, str]) -> Metrics:
         """Every stage's metrics merged on every rank (model.training_hooks.merge_stage_metrics)."""
         every: list[Metrics | None] = [None] * dist.get_world_size(self.pp_group)
         dist.all_gather_object(every, metrics, group=self.pp_group)
         return merge_stage_metrics([m or {} for m in every], combine)
-
-
-class PipelineUnsupported(RuntimeError):
-    """What a pipeline-parallel engine does not do (yet): the trainer skips it with a message."""
 
 
 def _local(t: Tensor) -> Tensor:

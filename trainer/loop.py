@@ -76,7 +76,6 @@ class Training:
     val_loss: float | None = None  # the last validation loss
     clock: RunClock | None = None  # this process's training time (trainer.progress)
     mfu_warned: bool = False  # an MFU above 100% was reported (once)
-    samples_told: bool = False  # why the engine gives no samples was said (once)
     sample_prompt: str = ""  # the evaluation sample's prompt (trainer.sample_prompt or the data's)
     # the features' part in each step (model.training_hooks), assembled once by trainer.hooks
     hooks: list[TrainingHook] = field(default_factory=list)
@@ -377,11 +376,7 @@ class Training:
                     return False
             # every rank samples (the same tokens, from the same seed): under FSDP or expert
             # parallelism each forward is collective, so rank 0 cannot run it alone
-            if self.loop.sample_tokens and not self.engine.samples:
-                if not self.samples_told:
-                    log.info("no samples: %s", self.engine.samples_missing)
-                self.samples_told = True
-            elif self.loop.sample_tokens:
+            if self.loop.sample_tokens:
                 with self._eager_stance(validation=False):
                     text = sample_text(
                         self.engine,

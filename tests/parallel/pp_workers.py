@@ -64,3 +64,18 @@ def evaluation(rank: int, name: str, layout: dict[str, Any]) -> dict[str, torch.
         loss = engine.evaluation_loss(batch.inputs, batch.targets, None)
         log_probs = engine.evaluation_log_probs(batch.inputs, batch.targets)
     return {"loss": loss, "log_probs": log_probs, "rows": GLOBAL_BATCH}
+
+
+def generated(rank: int, name: str, layout: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Greedy and sampled continuations (8 tokens) of two prompts through the engine's
+    full_weights (a pipeline's stages in order, each keeping its blocks' generation state)."""
+    from model.generate import generate
+
+    model_cfg, _, _ = CASES[name]
+    engine = engine_for(model_cfg, layout, micro_batches=MB)
+    prompt = global_batches(1, model_cfg.vocab_size)[0][:2, :5]
+    with engine.evaluating(), engine.full_weights() as model:
+        greedy = generate(model, prompt, 8, temperature=0.0)
+        gen = torch.Generator().manual_seed(7)
+        sampled = generate(model, prompt, 8, temperature=0.8, top_k=50, generator=gen)
+    return {"greedy": greedy, "sampled": sampled}

@@ -16,7 +16,15 @@ import pytest
 import torch
 
 from model.transformer import build_model
-from tests.parallel.pp_workers import CASES, MB, STEPS, evaluation, run_case, run_cases
+from tests.parallel.pp_workers import (
+    CASES,
+    MB,
+    STEPS,
+    evaluation,
+    generated,
+    run_case,
+    run_cases,
+)
 from tests.parallel.ranks import run_ranks
 from tests.parallel.workers import train
 
@@ -113,12 +121,27 @@ def test_pipeline_composes_with_data_tensor_context_expert_parallelism_on_four_r
         assert_whole_model([r[index] for r in results], name)
 
 
-def test_validation_and_scoring_forwards_pass_every_stage():
-    got = run_ranks(2, evaluation, "moe_untied", {"pp": 2, "pp_schedule": "Interleaved1F1B"})
+def evaluation_and_generation(rank: int) -> dict:
+    layout = {"pp": 2, "pp_schedule": "Interleaved1F1B"}
+    return {
+        "evaluation": evaluation(rank, "moe_untied", layout),
+        "attnres": generated(rank, "attnres", layout),  # its sources cross the stages
+        "mhc": generated(rank, "mhc", {"pp": 2}),
+    }
+
+
+def test_validation_scoring_and_generation_pass_every_stage():
+    got = run_ranks(2, evaluation_and_generation)
     whole = evaluation(0, "moe_untied", {})
     for rank in (0, 1):
-        torch.testing.assert_close(got[rank]["loss"], whole["loss"], rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(got[rank]["log_probs"], whole["log_probs"], rtol=1e-5, atol=1e-6)
+        result = got[rank]["evaluation"]
+        torch.testing.assert_close(result["loss"], whole["loss"], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(result["log_probs"], whole["log_probs"], rtol=1e-5, atol=1e-6)
+    for name in ("attnres", "mhc"):
+        one = generated(0, name, {})
+        for rank in (0, 1):  # the same tokens on every rank, as one process draws them
+            assert torch.equal(got[rank][name]["greedy"], one["greedy"]), name
+            assert torch.equal(got[rank][name]["sampled"], one["sampled"]), name
 
 
 def resumed(rank: int, root: str) -> dict:
