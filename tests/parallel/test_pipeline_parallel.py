@@ -26,7 +26,7 @@ from tests.parallel.pp_workers import (
     run_cases,
 )
 from tests.parallel.ranks import run_ranks
-from tests.parallel.workers import train
+from tests.parallel.workers import started_from_counted_reads, train
 
 pytestmark = pytest.mark.distributed
 RTOL, ATOL = 2e-5, 2e-6
@@ -127,6 +127,7 @@ def evaluation_and_generation(rank: int) -> dict:
         "evaluation": evaluation(rank, "moe_untied", layout),
         "attnres": generated(rank, "attnres", layout),  # its sources cross the stages
         "mhc": generated(rank, "mhc", {"pp": 2}),
+        "init_from": started_from_counted_reads(rank, CASES["untied"][0], {"pp": 2}),
     }
 
 
@@ -142,6 +143,13 @@ def test_validation_scoring_and_generation_pass_every_stage():
         for rank in (0, 1):  # the same tokens on every rank, as one process draws them
             assert torch.equal(got[rank][name]["greedy"], one["greedy"]), name
             assert torch.equal(got[rank][name]["sampled"], one["sampled"]), name
+    # init_from's whole weights: each stage reads only the tensors it holds, and gets them
+    weights = build_model(CASES["untied"][0], device="cpu", seed=7).state_dict()
+    for rank in (0, 1):
+        loaded, reads, held = got[rank]["init_from"]
+        assert set(reads) == set(held) != set(weights), rank
+        for name, tensor in loaded.items():
+            assert torch.equal(tensor, weights[name]), name
 
 
 def resumed(rank: int, root: str) -> dict:
