@@ -6,6 +6,7 @@
     python -m model.inspect model=llama3_70b model.attention.n_kv_heads=64 dp_shard=64 format=json
     python -m model.inspect model=llama3_70b dp_shard=8 tp=8 seq_len=8192 param_dtype=bf16
     python -m model.inspect model=llama3_8b dp_shard=8 cp=4 seq_len=131072 memory_gib=80
+    python -m model.inspect model=llama3_70b pp=4 pp_schedule=Interleaved1F1B dp_shard=4 tp=8
 
 Options: model=<preset>[,<preset>...], model.<key>=<value> (any ModelConfig field), seq_len=<T>
 (default: 8192, or the model's max_seq_len when shorter), dtype=bf16|fp32|fp8 (the KV cache),
@@ -21,6 +22,13 @@ sequence_parallel=true|false (with tp > 1: the residual stream split along the s
 tp ranks, as parallel.sequence_parallel). cp: context parallelism (parallel.cp), each rank
 computing seq_len / cp positions of every sequence; memory_gib=<G>: also the longest seq_len
 whose per-rank total fits G GiB under that layout (how to choose cp for a context).
+
+Pipeline parallelism (parallel.pp...): pp=<P> (world P x the rest), pp_schedule=GPipe|1F1B|
+Interleaved1F1B|LoopedBFS|InterleavedZeroBubble|ZBVZeroBubble|DualPipeV, pp_microbatches=<m>
+(0: one per stage), pp_stages_per_rank=<v> (0: the schedule's), pp_layers=<n>,<n>,... (blocks per
+stage; default FLOP-balanced). The table then prints the stage split (each stage's pipeline rank
+and blocks), each pipeline rank's total and traffic, and in the per-rank rows the heaviest
+pipeline rank, per step of m micro-batches.
 """
 
 from __future__ import annotations
@@ -40,7 +48,9 @@ from model.accounting import (
 )
 from model.config import ConfigError, ModelConfig
 from model.planner import Layout, largest_seq_len, rank_plan
+from model.planner_pipeline import pipeline_rank_plans, pipeline_stages, stage_ranks
 from model.presets import load_preset, parse_value, preset_names
+from model.stages import canonical_schedule
 from model.transformer import build_model
 
 # The README's tables use it; a preset's full context (163,840 for DeepSeek-V3) would make the
@@ -61,7 +71,8 @@ class InspectArgs:
 
 
 INT_OPTIONS = ("dp_replicate", "dp_shard", "cp", "tp", "ep", "micro_batch_size")
-TEXT_OPTIONS = ("optimizer", "activation_checkpoint")
+INT_OPTIONS += ("pp", "pp_microbatches", "pp_stages_per_rank")
+TEXT_OPTIONS = ("optimizer", "activation_checkpoint", "pp_schedule")
 BOOL_OPTIONS = ("reshard_after_forward", "sequence_parallel")
 
 
@@ -93,6 +104,8 @@ def parse_args(argv: list[str]) -> InspectArgs:
                 raise ConfigError(f"memory_gib={text!r} must be a number") from None
             if args.memory_gib <= 0:
                 raise ConfigError(f"memory_gib={text} must be > 0")
+        elif key == "pp_layers":
+            args.layout[key] = _int_list(key, text)
         elif key in ("dtype", "param_dtype", "format"):
             setattr(args, key, text)
         elif key in TEXT_OPTIONS:
@@ -104,7 +117,8 @@ def parse_args(argv: list[str]) -> InspectArgs:
         else:
             raise ConfigError(
                 f"unknown option {key!r}; options: model, model.<key>, seq_len, dtype, param_dtype, "
-                f"format, memory_gib, {', '.join(INT_OPTIONS + TEXT_OPTIONS + BOOL_OPTIONS)}"
+                f"format, memory_gib, pp_layers, "
+                f"{', '.join(INT_OPTIONS + TEXT_OPTIONS + BOOL_OPTIONS)}"
             )
     if args.dtype not in DTYPE_BYTES:
         raise ConfigError(f"dtype={args.dtype!r}; choose one of: {', '.join(DTYPE_BYTES)}")
@@ -115,6 +129,14 @@ def parse_args(argv: list[str]) -> InspectArgs:
     if args.seq_len < 0:
         raise ConfigError(f"seq_len={args.seq_len} must be >= 0")
     return args
+
+
+def _int_list(key: str, text: str) -> tuple[int, ...]:
+    """`3,5` or `[3,5]` as (3, 5)."""
+    try:
+        return tuple(int(part) for part in text.strip("[]").split(",") if part.strip())
+    except ValueError:
+        raise ConfigError(f"{key}={text!r} must be integers separated by commas") from None
 
 
 def layout_of(args: InspectArgs, seq_len: int) -> Layout:
@@ -133,7 +155,9 @@ def describe(cfg: ModelConfig, seq_len: int, args: InspectArgs) -> dict[str, Any
     flops = training_flops_per_token(model, seq_len)
     kv = kv_cache_size(model, args.dtype)
     layout = layout_of(args, seq_len)
-    plan = rank_plan(model, layout)  # checks the layout first (ConfigError)
+    # (each checks the layout first: ConfigError)
+    plans = pipeline_rank_plans(model, layout) if layout.pp > 1 else [rank_plan(model, layout)]
+    plan = max(plans, key=lambda p: p.total)  # the heaviest pipeline rank (rank_plan's)
     memory = training_memory(params.total, args.param_dtype, layout.dp_shard)
     fits = largest_seq_len(model, layout, args.memory_gib * 2**30) if args.memory_gib else None
     return {
@@ -173,13 +197,32 @@ def describe(cfg: ModelConfig, seq_len: int, args: InspectArgs) -> dict[str, Any
         "param_dtype": args.param_dtype,
         **{key: getattr(layout, key) for key in LAYOUT_KEYS},
         **plan.as_dict(),
+        "pp_rank": plan.pp_rank,
+        **(_pipeline_rows(model, layout, plans) if layout.pp > 1 else {}),
         "rank_largest_seq_len": fits,
         "memory_gib": args.memory_gib or None,
     }
 
 
 LAYOUT_KEYS = ("dp_replicate", "dp_shard", "cp", "tp", "ep", "micro_batch_size", "optimizer")
-LAYOUT_KEYS += ("sequence_parallel",)
+LAYOUT_KEYS += ("sequence_parallel", "pp")
+
+
+def _pipeline_rows(model: Any, layout: Layout, plans: list[Any]) -> dict[str, Any]:
+    """The schedule, each stage's rank and blocks (`pp_stage_<i>`), and each pipeline rank's
+    total and traffic (`pp_rank_<r>_total`, `pp_rank_<r>_comm`)."""
+    stages = pipeline_stages(model, layout)
+    rows: dict[str, Any] = {
+        "pp_schedule": canonical_schedule(layout.pp_schedule),
+        "pp_microbatches": layout.micro_batches,
+        "pp_stages": len(stages),
+    }
+    for stage, rank in zip(stages, stage_ranks(layout, stages), strict=True):
+        rows[f"pp_stage_{stage.index}"] = f"rank {rank}: " + stage.describe().split(": ", 1)[1]
+    for plan in plans:
+        rows[f"pp_rank_{plan.pp_rank}_total"] = plan.total
+        rows[f"pp_rank_{plan.pp_rank}_comm"] = plan.comm
+    return rows
 
 
 def _layers(first: int, last: int) -> str:
@@ -286,7 +329,7 @@ RANK_MEMORY = (
     "total",
 )
 RANK_COMM = ("comm_all_gather", "comm_reduce_scatter", "comm_hsdp_all_reduce", "comm_tp")
-RANK_COMM += ("comm_ep", "comm_cp", "comm")
+RANK_COMM += ("comm_ep", "comm_cp", "comm_pp", "comm")
 
 ROWS: list[tuple[str, str, Any]] = [
     ("Shape", "layers", str),
@@ -365,9 +408,36 @@ LABELS = {
     "rank_comm_tp": "TP all-reduce/gather (tp)",
     "rank_comm_ep": "EP all-to-all (ep)",
     "rank_comm_cp": "CP K/V all-gather, states (cp)",
+    "rank_comm_pp": "PP stage boundaries, embedding (pp)",
+    "pp_rank": "pipeline rank in the rows above",
     "rank_largest_seq_len": "seq_len whose total fits memory_gib",
     "rank_comm": "total",
 }
+
+
+def _pipeline_table_rows(result: dict[str, Any]) -> list[tuple[str, str, Any]]:
+    """The stage split and each pipeline rank's total and traffic (the same count of stages and
+    ranks for every preset: the layout sets them)."""
+    group = "Pipeline (pp)"
+    rows = [(group, "pp_rank", str)]
+    rows += [(group, f"pp_stage_{i}", str) for i in range(result["pp_stages"])]
+    ranks = sum(1 for key in result if key.startswith("pp_rank_") and key.endswith("_total"))
+    for r in range(ranks):
+        rows += [
+            (group, f"pp_rank_{r}_total", format_bytes),
+            (group, f"pp_rank_{r}_comm", format_bytes),
+        ]
+    return rows
+
+
+def _pipeline_label(key: str) -> str | None:
+    """`stage 3`, `rank 1 total`, `rank 1 sent per step` for the pipeline rows."""
+    if key.startswith("pp_stage_"):
+        return f"stage {key.removeprefix('pp_stage_')}"
+    if key.startswith("pp_rank_") and key.count("_") == 3:
+        rank, what = key.removeprefix("pp_rank_").split("_")
+        return f"rank {rank} " + ("total" if what == "total" else "sent per step")
+    return None
 
 
 def render_table(results: dict[str, dict[str, Any]], args: InspectArgs) -> None:
@@ -376,9 +446,16 @@ def render_table(results: dict[str, dict[str, Any]], args: InspectArgs) -> None:
 
     seq_len = args.seq_len or f"min({DEFAULT_SEQ_LEN}, context)"
     layout = layout_of(args, 1)
+    first = next(iter(results.values()))
+    pipeline = ""
+    if layout.pp > 1:
+        pipeline = (
+            f"pp {layout.pp} ({first['pp_schedule']}, {first['pp_stages']} stages, "
+            f"{first['pp_microbatches']} micro-batches per step) x "
+        )
     table = Table(
         title=f"Model inspection (seq_len {seq_len}, KV cache {args.dtype}, "
-        f"weights {args.param_dtype}); per rank of dp_replicate {layout.dp_replicate} x "
+        f"weights {args.param_dtype}); per rank of {pipeline}dp_replicate {layout.dp_replicate} x "
         f"dp_shard {layout.dp_shard} x cp {layout.cp} x tp {layout.tp} ({layout.world} ranks"
         f"{', sequence parallel' if layout.sequence_parallel else ''}), ep {layout.ep}, "
         f"micro-batch {layout.micro_batch_size}, {layout.optimizer}, "
@@ -389,13 +466,14 @@ def render_table(results: dict[str, dict[str, Any]], args: InspectArgs) -> None:
     for name in results:
         table.add_column(name, justify="right")
     section = None
-    for group, key, fmt in ROWS:
+    rows = ROWS + (_pipeline_table_rows(first) if layout.pp > 1 else [])
+    for group, key, fmt in rows:
         if group != section:
             table.add_section()
             section = group
-        label = LABELS.get(key, key.replace("_", " "))
+        label = LABELS.get(key) or _pipeline_label(key) or key.replace("_", " ")
         table.add_row(
-            group if key == next(k for g, k, _ in ROWS if g == group) else "",
+            group if key == next(k for g, k, _ in rows if g == group) else "",
             label,
             *(fmt(r[key]) for r in results.values()),
         )

@@ -60,6 +60,29 @@ reduce-scatter over P ranks sends (P - 1) / P of the whole, an all-reduce twice 
   forward and backward: 4 k B T C x (ep - 1) / ep (6 with full checkpointing), of 1 / tp of
   the tokens under tensor parallelism (each tp rank routes its own positions' tokens; all of
   them with a capacity factor).
+
+Pipeline parallelism (pp > 1; parallel/pipeline.py): the stack split as the trainer splits it
+(model/stages.py `pipeline_layouts`: FLOP-balanced, or `pp_layers`), each pipeline rank's stages
+(`stage_rank`) pruned from a copy of the meta model (`keep_stages`) and planned as above: its
+weights, gradients and optimizer state, FSDP2 over its data and context ranks. Its figures are
+per step of m micro-batches (pp_microbatches; 0 = one per stage, the trainer's default):
+- the engine keeps FSDP2's gathered weights for the whole step (reshard_after_forward=false):
+  one all-gather, one reduce-scatter, and every gathered unit of the rank's stages in
+  `transient`;
+- activations: each stage keeps what one micro-batch keeps (its blocks; the first stage the
+  token ids, the last the final norm and the loss's; a stage before the last also the output it
+  sent, kept by the schedule for its backward) for each micro-batch in flight, as many as the
+  schedule holds (model/planner_activations.py `in_flight`: GPipe all m, 1F1B min(m, pp - r) on
+  pipeline rank r, the multi-stage schedules from their action lists); full checkpointing keeps
+  the block inputs per micro-batch and one block's recompute;
+- tp, ep and cp traffic per micro-batch, m times; comm_pp: for each stage, the boundary tensors
+  (the residual stream's `boundary_shapes`, compute dtype, T / cp positions) of its output in
+  forward and of its input's gradient in backward, m times each, unless the next (previous)
+  stage runs on the same rank; with a shared embedding (tied head, MTP) on two ranks, the
+  all-reduce of its fp32 gradient shard between them (a ring of 2: its size); a V schedule's
+  rank holding both ends keeps a copy of the embedding for the last stage instead (weights and
+  gradients, no optimizer state).
+`rank_plan` reports the heaviest pipeline rank (`pp_rank`), `pipeline_rank_plans` every one.
 """
 
 from __future__ import annotations
@@ -69,10 +92,17 @@ from dataclasses import asdict, dataclass, replace
 from torch import nn
 
 from model.config import ConfigError, ModelConfig
-from model.planner_activations import block_saved, loss_fixed_elements, outside_blocks
+from model.planner_activations import (
+    block_saved,
+    loss_fixed_elements,
+    outside_blocks,
+)
 from model.planner_context import context_activations, context_comm
 from model.registry import RESIDUALS
 from model.roles import EXPERT_STACK, MATRIX, MEMORY, param_roles, role_owners
+from model.stages import (
+    stages_per_rank,
+)
 from model.transformer import Transformer
 
 WIDTH = {"fp32": 4, "bf16": 2}
@@ -95,10 +125,27 @@ class Layout:
     reshard_after_forward: bool = True
     sequence_parallel: bool = False  # tp > 1: the stream between sublayers split over tp
     cp: int = 1  # context-parallel ranks: each computes T / cp positions of every sequence
+    pp: int = 1  # pipeline ranks (outermost): each runs its stages of the stack
+    pp_schedule: str = "1F1B"  # one of model/stages.py SCHEDULES (case-insensitive)
+    pp_microbatches: int = 0  # micro-batches per step; 0 = one per stage (the trainer's default)
+    pp_stages_per_rank: int = 0  # 0 = the schedule's: 1 for GPipe/1F1B, 2 for the others
+    pp_layers: tuple[int, ...] = ()  # blocks per stage, in order; () = FLOP-balanced
 
     @property
     def world(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.cp * self.tp
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches of a pipeline step (1 without a pipeline)."""
+        if self.pp == 1:
+            return 1
+        return self.pp_microbatches or self.stages
+
+    @property
+    def stages(self) -> int:
+        """Pipeline stages: pp x stages per rank."""
+        return self.pp * stages_per_rank(self.pp_schedule, self.pp_stages_per_rank)
 
     @property
     def local_tokens(self) -> int:
@@ -108,9 +155,12 @@ class Layout:
 
 def check_layout(layout: Layout, cfg: ModelConfig) -> None:
     """One ConfigError line per rule (the trainer's: parallel/mesh.py, expert_parallel.py)."""
-    for key in ("dp_replicate", "dp_shard", "tp", "ep", "cp", "micro_batch_size", "seq_len"):
+    for key in ("dp_replicate", "dp_shard", "tp", "ep", "cp", "pp", "micro_batch_size", "seq_len"):
         if getattr(layout, key) < 1:
             raise ConfigError(f"{key}={getattr(layout, key)} must be >= 1")
+    for key in ("pp_microbatches", "pp_stages_per_rank"):
+        if getattr(layout, key) < 0:
+            raise ConfigError(f"{key}={getattr(layout, key)} must be >= 0 (0 = automatic)")
     if layout.seq_len % (2 * layout.cp):
         raise ConfigError(
             f"cp={layout.cp} splits seq_len={layout.seq_len} into 2 x cp chunks: make seq_len a "
@@ -137,6 +187,10 @@ def check_layout(layout: Layout, cfg: ModelConfig) -> None:
         raise ConfigError(
             f"activation_checkpoint={layout.activation_checkpoint!r}; choose none or full"
         )
+    if layout.pp > 1:
+        from model.planner_pipeline import check_pipeline  # (it imports this module)
+
+        check_pipeline(layout, cfg)
 
 
 @dataclass(frozen=True)
@@ -158,6 +212,8 @@ class RankPlan:
     comm_ep: float
     comm_cp: float  # keys/values and delta-rule states over the context-parallel ranks
     ac: str
+    comm_pp: float = 0.0  # stage boundaries and the shared embedding's gradient (pp > 1)
+    pp_rank: int = 0  # the pipeline rank planned
 
     @property
     def state(self) -> float:
@@ -177,10 +233,11 @@ class RankPlan:
             + self.comm_tp
             + self.comm_ep
             + self.comm_cp
+            + self.comm_pp
         )
 
     def as_dict(self) -> dict[str, float]:
-        fields = {k: v for k, v in asdict(self).items() if k != "ac"}
+        fields = {k: v for k, v in asdict(self).items() if k not in ("ac", "pp_rank")}
         fields |= {"state": self.state, "total": self.total, "comm": self.comm}
         return {f"rank_{k}": v for k, v in fields.items()}
 
@@ -241,8 +298,28 @@ def _units(model: Transformer, experts_apart: bool) -> list[tuple[str, list[nn.P
 
 
 def rank_plan(model: Transformer, layout: Layout) -> RankPlan:
-    """The per-rank plan of `model` (meta-device) under `layout` (checked here too)."""
+    """The per-rank plan of `model` (meta-device) under `layout` (checked here too); with
+    pp > 1 the heaviest pipeline rank's (by total; the first of equals)."""
     check_layout(layout, model.cfg)
+    if layout.pp > 1:
+        from model.planner_pipeline import pipeline_rank_plans  # (it imports this module)
+
+        return max(pipeline_rank_plans(model, layout), key=lambda plan: plan.total)
+    return _rank_plan(model, layout)
+
+
+def _ends(model: Transformer) -> tuple[bool, bool]:
+    """(holds the first stage, holds the last) of a model pruned to pipeline stages; a whole
+    model holds both."""
+    stages = model.pipeline_stages or ()
+    if not stages:
+        return True, True
+    return any(s.first for s in stages), any(s.last for s in stages)
+
+
+def _rank_plan(model: Transformer, layout: Layout) -> RankPlan:
+    """One rank's plan of `model` (whole, or pruned to a pipeline rank's stages) per step of
+    one micro-batch."""
     # FSDP2 shards over the data and context ranks together (dp_shard x cp)
     tp, ep, S, R = layout.tp, layout.ep, layout.dp_shard * layout.cp, layout.dp_replicate
     width = WIDTH[layout.param_dtype]
@@ -257,7 +334,8 @@ def rank_plan(model: Transformer, layout: Layout) -> RankPlan:
     names = {id(p): n for n, p in model.named_parameters()}
     elements = optimizer = 0.0
     gather = scatter = hsdp = 0.0
-    largest_block = root = 0.0
+    root = 0.0
+    gathered = []  # each block's (and routed experts') gathered bytes
     for kind, params in _units(model, experts_apart=ep > 1):
         unit = 0.0  # this unit's elements on a tp rank before FSDP2 shards them
         for p in params:
@@ -283,12 +361,17 @@ def rank_plan(model: Transformer, layout: Layout) -> RankPlan:
             if kind == "root":
                 root = unit * width
             elif kind in ("block", "experts"):
-                largest_block = max(largest_block, unit * width)
+                gathered.append(unit * width)
+    # the one running and the one prefetched; without resharding, all stay gathered
+    if layout.reshard_after_forward:
+        blocks_gathered = 2 * max(gathered, default=0.0)
+    else:
+        blocks_gathered = sum(gathered)
     master = elements * 4 if width < 4 else 0.0
     activations = _activations(model, layout, children)
     tokens = layout.local_tokens
     chunk = min(model.cfg.loss_chunk_tokens or tokens, tokens)
-    logits = chunk * model.cfg.vocab_size / tp * (4 + width)
+    logits = chunk * model.cfg.vocab_size / tp * (4 + width) if _ends(model)[1] else 0.0
     return RankPlan(
         weights=elements * width,
         grads=elements * width,
@@ -297,7 +380,7 @@ def rank_plan(model: Transformer, layout: Layout) -> RankPlan:
         activations=activations[0],
         activations_checkpointed=activations[1],
         recompute=activations[2],
-        transient=root + 2 * largest_block + logits,
+        transient=root + blocks_gathered + logits,
         comm_all_gather=gather,
         comm_reduce_scatter=scatter,
         comm_hsdp_all_reduce=hsdp,
@@ -329,8 +412,11 @@ def _activations(model: Transformer, layout: Layout, children: list) -> tuple[fl
         saved.bytes(width) * tokens + context_activations(b, shares.get(id(b.attn), 1.0), layout)
         for saved, b in zip(main + mtp, model.blocks(), strict=True)
     ]
-    outside = outside_blocks(model).bytes(width) * tokens
-    outside += loss_fixed_elements(model, layout.tp) * width
+    first, last = _ends(model)
+    outside = 8.0 * tokens if first else 0.0  # the token ids the embedding keeps
+    if last:  # (the ids among them)
+        outside = outside_blocks(model).bytes(width) * tokens
+        outside += loss_fixed_elements(model, layout.tp) * width
     streams = RESIDUALS.get(model.cfg.residual).parallel_streams(model.cfg) or 1
     inputs = (len(main) * stream + len(mtp)) * streams * model.cfg.d_model * width * tokens
     recompute = max(blocks)
@@ -369,8 +455,9 @@ def _tp_comm(model: Transformer, layout: Layout, children: list) -> float:
         if style in ("head_shared", "head_rows", "colwise_replicated"):  # weights' gradients
             params = [target] if isinstance(target, nn.Parameter) else target.parameters()
             backward += sum(p.numel() for p in params) * width
-    losses = 1 + (len(model.mtp.layers) if model.mtp is not None else 0)
-    outside = tokens * C * width  # the embedding's output
+    first, last = _ends(model)
+    losses = 1 + (len(model.mtp.layers) if model.mtp is not None else 0) if last else 0
+    outside = tokens * C * width if first else 0.0  # the embedding's output
     outside += losses * tokens * C * 4  # the loss's grad_h, fp32
     stats = losses * (tp - 1) * tokens * 3 * 4  # the loss's all-gather
     sharing = _sharing_moe(model, layout)  # MoE layers summing their output (routed_work)

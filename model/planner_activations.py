@@ -47,6 +47,25 @@ whole.
 
 Not modelled (their kinds fall back to the nearest one above): AttnRes' growing list of sources,
 mHC's stream maps, Engram's lookups, selective checkpointing.
+
+Pipeline parallelism (`in_flight`): a stage keeps the activations of each micro-batch from its
+forward until its backward is done (the weight pass, for the schedules that split the backward
+into input and weight passes). With m micro-batches, pp ranks, v stages per rank and pipeline rank
+r, the most micro-batches each stage of rank r holds at once (`caps`, in stage order) and the most
+of all its stages together (`total`), read off torch.distributed.pipelining's schedules (the
+warm-up counts of the single-stage ones' code; the multi-stage ones' `pipeline_order` action
+lists, which tests/model/test_planner.py replays for pp 2-4 and every m they take up to 4 pp):
+- GPipe: all m; 1F1B: min(m, pp - r) (its warm-up);
+- LoopedBFS: all m of every stage (each stage's forwards before any backward);
+- Interleaved1F1B and InterleavedZeroBubble, in rounds of R = m // max(1, m // pp) micro-batches,
+  with d = 2 (pp - 1 - r) + 1 (Interleaved1F1B's warm-up, Megatron's formula for R = pp) or pp
+  (InterleavedZeroBubble: its weight passes trail by r): total min(v m, (v - 1) R + d); with
+  v = 2 the first stage at most min(m, R + min(R, d)), the second min(R, d);
+- ZBVZeroBubble and DualPipeV (2 stages in a V): rank r's first stage at most min(m, 2 pp - r),
+  its second min(m, r + 1), together at most 2 pp (DualPipeV 2 pp + 1).
+The rank's peak (`pipeline_peak`) fills the caps heaviest stage first, up to `total`: for two
+stages per rank that is the schedules' own peak whatever each stage keeps per micro-batch
+(checked on the action lists); with more, each cap is taken as min(m, total): an upper bound.
 """
 
 from __future__ import annotations
@@ -56,6 +75,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from model.stages import V_SCHEDULES
 from model.transformer import Transformer
 
 
@@ -178,3 +198,34 @@ def loss_fixed_elements(model: Transformer, tp: int) -> float:
     """grad_w of the head, once per loss (the main one and each MTP module's), per tp rank."""
     losses = 1 + (len(model.mtp.layers) if model.mtp is not None else 0)
     return losses * model.head_weight.numel() / tp
+
+
+def in_flight(schedule: str, pp: int, m: int, per_rank: int, rank: int) -> tuple[list[int], int]:
+    """(the most micro-batches each of pipeline rank `rank`'s stages holds at once, in stage order;
+    the most of all of them together) under `schedule` (module docstring)."""
+    if schedule == "GPipe":
+        return [m], m
+    if schedule == "1F1B":
+        return [min(m, pp - rank)], min(m, pp - rank)
+    if schedule == "LoopedBFS":
+        return [m] * per_rank, m * per_rank
+    if schedule in V_SCHEDULES:
+        caps = [min(m, 2 * pp - rank), min(m, rank + 1)]
+        return caps, min(sum(caps), 2 * pp + (schedule == "DualPipeV"))
+    per_round = m // max(1, m // pp)  # (Interleaved1F1B, InterleavedZeroBubble)
+    d = 2 * (pp - 1 - rank) + 1 if schedule == "Interleaved1F1B" else pp
+    total = min(per_rank * m, (per_rank - 1) * per_round + d)
+    if per_rank > 2:  # (an upper bound: see the module docstring)
+        return [min(m, total)] * per_rank, total
+    caps = [min(m, (per_rank - 1 - j) * per_round + min(per_round, d)) for j in range(per_rank)]
+    return caps, total
+
+
+def pipeline_peak(per_micro_batch: list[float], caps: list[int], total: int) -> float:
+    """The most bytes a pipeline rank keeps at once: n_j micro-batches of its stage j, each
+    `per_micro_batch[j]` bytes, with n_j <= caps[j] and sum n_j <= total (heaviest first)."""
+    left, peak = total, 0.0
+    for size, cap in sorted(zip(per_micro_batch, caps, strict=True), reverse=True):
+        n = min(cap, left)
+        peak, left = peak + n * size, left - n
+    return peak

@@ -171,6 +171,7 @@ RING = {
     "c10d._reduce_scatter_base_": (1, lambda p: (p - 1) / p),
     "c10d.reduce_scatter_tensor_coalesced_": (1, lambda p: (p - 1) / p),
     "c10d.alltoall_base_": (1, lambda p: (p - 1) / p),
+    "c10d.send": (0, lambda p: 1),  # point to point (pipeline stages): all of it
 }
 
 
@@ -212,3 +213,30 @@ def measured_process(preset: str, overrides: dict[str, Any], ac: str, B: int, T:
         0, cfg.vocab_size, (B, T + 1), generator=torch.Generator().manual_seed(0)
     )
     return saved_bytes(model, lambda: model(tokens[:, :-1], tokens[:, 1:]))
+
+
+def measured_pipeline(
+    rank: int, overrides: dict[str, Any], layout: dict[str, Any], micro_batches: int
+) -> dict[str, float]:
+    """Bytes this rank sends in one step of the trainer's pipeline engine (fp32, tests/parallel/
+    workers.py's model and batches; overrides["preset"], default tiny), in the planner's ring
+    model: "pp", the stages' point-to-point sends and the shared embedding's gradient
+    all-reduce; "fsdp", FSDP2's all-gathers and reduce-scatters. Scalars (the schedule's warm-up
+    votes, the gradient norm's all-reduce) are left out."""
+    from parallel.engine import plain_loss
+    from tests.parallel.workers import engine_for, global_batches, local_batch, small_model
+
+    overrides = dict(overrides)
+    cfg = small_model(overrides.pop("preset", "tiny"), **overrides)
+    engine = engine_for(cfg, layout, micro_batches=micro_batches)
+    batch = local_batch(global_batches(1, cfg.vocab_size)[0], 1, layout["pp"])
+    with SentBytes() as sent:
+        engine.forward_backward_step(batch.inputs, batch.targets, None, micro_batches, plain_loss)
+        engine.clip_gradients(1.0)
+    kinds = {"c10d.send": "pp", "c10d.allreduce_": "pp", "c10d._allgather_base_": "fsdp"}
+    kinds["c10d._reduce_scatter_base_"] = "fsdp"
+    out = {"pp": 0.0, "fsdp": 0.0}
+    for _, name, nbytes in sent.ops:
+        if nbytes > 8:
+            out[kinds[name]] += nbytes
+    return out
