@@ -53,6 +53,7 @@ from parallel.init import init_like_single_process, load_weights
 from parallel.mesh import Meshes, build_meshes
 from parallel.pipeline_generate import PipelinedModel
 from parallel.pipeline_split import (
+    SPLIT_BACKWARD,
     PipelinePlan,
     check_pipeline_model,
     plan_pipeline,
@@ -404,6 +405,10 @@ def build_pipeline(request: EngineRequest) -> PipelineEngine:
         parallel.pp_layers,
     )
     check_pipeline_model(request.model_cfg, parallel)
+    if request.compile and plan.schedule in SPLIT_BACKWARD:
+        # their input pass keeps the graph for the weight pass (retain_graph), which compiled
+        # graphs whose saved buffers AOTAutograd donates refuse (torchtitan does the same)
+        torch._functorch.config.donated_buffer = False
     pp_rank = meshes.pp.get_local_rank()
     layouts = plan.stages_of(pp_rank)
     keep_stages(model, layouts)
