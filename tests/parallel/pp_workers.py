@@ -79,3 +79,24 @@ def generated(rank: int, name: str, layout: dict[str, Any]) -> dict[str, torch.T
         gen = torch.Generator().manual_seed(7)
         sampled = generate(model, prompt, 8, temperature=0.8, top_k=50, generator=gen)
     return {"greedy": greedy, "sampled": sampled}
+
+
+def skipped_step(rank: int, layout: dict[str, Any]) -> dict[str, Any]:
+    """A step whose gradient is not finite on the last stage's rank only: the global norm says so
+    on every rank, and no rank updates its weights."""
+    from parallel.engine import plain_loss
+    from tests.parallel.workers import full_state
+
+    engine = engine_for(CASES["tiny"][0], layout, micro_batches=MB)
+    before = full_state(engine.model)
+    batch = local_batch(global_batches(1, CASES["tiny"][0].vocab_size)[0], 1, layout["pp"])
+    engine.forward_backward_step(batch.inputs, batch.targets, None, MB, plain_loss)
+    if rank == 1:
+        param = next(p for p in engine.model.parameters() if p.grad is not None)
+        grad = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
+        grad.view(-1)[0] = float("nan")
+    norm, applied = engine.finish_step(1.0, True)
+    engine.zero_grad()
+    after = full_state(engine.model)
+    unchanged = all(torch.equal(after[k], v) for k, v in before.items())
+    return {"norm": norm, "applied": applied, "unchanged": unchanged}

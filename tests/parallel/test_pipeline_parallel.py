@@ -5,7 +5,8 @@ Attention Residuals Full and Block, Engram, MTP with its shared embedding on the
 MuonClip with QK-clip) give one process's losses, gradient norms and final weights (AdamW: each
 step moves a weight by at most lr, so the weights compare to a fraction of that; the losses and
 norms, which show a wrong gradient at once, compare tightly); composed with data, tensor, context
-and expert parallelism and activation checkpointing on 4 ranks; validation and scoring forwards;
+and expert parallelism and activation checkpointing on 4 ranks (pp=4 interleaved and V too);
+validation and scoring forwards, generation, init_from weights read per stage, a skipped step;
 and a run resumed with another pipeline size or schedule."""
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from tests.parallel.pp_workers import (
     generated,
     run_case,
     run_cases,
+    skipped_step,
 )
 from tests.parallel.ranks import run_ranks
 from tests.parallel.workers import started_from_counted_reads, train
@@ -58,6 +60,7 @@ FOUR_RANKS = [
     ("moe_exact", {"pp": 2, "ep": 2}),  # x dp_shard 2 = ep 2
     ("attnres_block", {"pp": 2, "activation_checkpoint": "full"}),
     ("tiny8", {"pp": 4, "pp_schedule": "Interleaved1F1B"}),
+    ("tiny8", {"pp": 4, "pp_schedule": "ZBVZeroBubble"}),
 ]
 
 
@@ -128,10 +131,11 @@ def evaluation_and_generation(rank: int) -> dict:
         "attnres": generated(rank, "attnres", layout),  # its sources cross the stages
         "mhc": generated(rank, "mhc", {"pp": 2}),
         "init_from": started_from_counted_reads(rank, CASES["untied"][0], {"pp": 2}),
+        "skipped": skipped_step(rank, {"pp": 2}),
     }
 
 
-def test_validation_scoring_and_generation_pass_every_stage():
+def test_validation_scoring_generation_and_skipped_steps_cover_every_stage():
     got = run_ranks(2, evaluation_and_generation)
     whole = evaluation(0, "moe_untied", {})
     for rank in (0, 1):
@@ -150,24 +154,29 @@ def test_validation_scoring_and_generation_pass_every_stage():
         assert set(reads) == set(held) != set(weights), rank
         for name, tensor in loaded.items():
             assert torch.equal(tensor, weights[name]), name
+    for rank in (0, 1):  # a NaN gradient on the last stage's rank stops every rank's update
+        skipped = got[rank]["skipped"]
+        assert skipped["norm"] != skipped["norm"] and not skipped["applied"], rank
+        assert skipped["unchanged"], rank
 
 
 def resumed(rank: int, root: str) -> dict:
-    """Two steps on pp=2 (1F1B), saved; then the third step resumed on dp_shard=2 without a
-    pipeline, and on pp=2 under Interleaved1F1B (4 stages)."""
-    cfg, _, _ = CASES["untied"]
+    """Two steps of a tied-head model on pp=2 (1F1B: both ranks hold embed.weight), saved; then
+    the third step resumed on dp_shard=2 without a pipeline, and on pp=2 under ZBVZeroBubble
+    (4 stages in a V: rank 0's last stage keeps its own copy of the embedding)."""
+    cfg, _, _ = CASES["tiny"]
     train(rank, cfg, {"pp": 2}, 2, MB, save_to=f"{root}/pp")
     (saved,) = (str(path) for path in Path(root, "pp").glob("step_*"))
     plain = train(rank, cfg, {}, 1, MB, resume_from=saved)
-    interleaved = train(rank, cfg, {"pp": 2, "pp_schedule": "Interleaved1F1B"}, 1, MB, resume_from=saved)  # fmt: skip
-    return {"plain": plain, "interleaved": interleaved}
+    v_shape = train(rank, cfg, {"pp": 2, "pp_schedule": "ZBVZeroBubble"}, 1, MB, resume_from=saved)  # fmt: skip
+    return {"plain": plain, "v": v_shape}
 
 
 def test_a_pipeline_run_resumes_with_another_pipeline_size_and_schedule(tmp_path: Path):
-    whole = reference("untied")
+    whole = reference("tiny")
     got = run_ranks(2, resumed, str(tmp_path))
     for rank in (0, 1):
-        for kind in ("plain", "interleaved"):
+        for kind in ("plain", "v"):
             run = got[rank][kind]
             label = f"resumed {kind}"
             torch.testing.assert_close(run["losses"], whole["losses"][2:], rtol=RTOL, atol=ATOL, msg=label)  # fmt: skip
