@@ -55,6 +55,7 @@ TWO_RANKS = [
 ]
 FOUR_RANKS = [
     ("tiny", {"pp": 2}),  # x dp_shard 2
+    ("untied", {"pp": 2, "dp_replicate": 2}),  # HSDP per stage (replicas of 1 shard)
     ("mla", {"pp": 2, "tp": 2}),
     ("gdn", {"pp": 2, "cp": 2}),
     ("moe_exact", {"pp": 2, "ep": 2}),  # x dp_shard 2 = ep 2
