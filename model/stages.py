@@ -208,10 +208,10 @@ def split_layers(costs: list[float], last_extra: float, stages: int) -> list[tup
 
 
 def explicit_layers(counts: list[int], n_layers: int, stages: int) -> list[tuple[int, ...]]:
-    if len(counts) != stages or sum(counts) != n_layers or min(counts) < 0:
+    if len(counts) != stages or sum(counts) != n_layers or min(counts) < 1:
         raise ConfigError(
             f"parallel.pp_layers={counts} must list the layers of each of the {stages} stages "
-            f"(pp x stages per rank), summing to model.n_layers={n_layers}"
+            f"(pp x stages per rank; at least 1 each), summing to model.n_layers={n_layers}"
         )
     out, start = [], 0
     for count in counts:

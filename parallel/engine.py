@@ -61,6 +61,7 @@ from model.config import ModelConfig
 from model.registry import Registry
 from model.training_hooks import RowScaler, UpdatedWeights
 from parallel.checkpoint_format import CheckpointFormat
+from parallel.collective import rank_and_size
 from parallel.config import ParallelConfig
 from parallel.fsdp import replicated_tables
 from parallel.grad_norm import clip_grad_norm, tp_size
@@ -161,6 +162,13 @@ class TrainingEngine(CheckpointFormat):
             last = index == micro_batches - 1
             total += self.forward_backward(x, y, d, micro_batches, last, objective)
         return total
+
+    def scoring_share(self) -> tuple[int, int, bool]:
+        """(this rank's scoring group, how many groups, whether it reports the group's scores):
+        the `ranks_per_forward` consecutive ranks of a group score the same batches."""
+        rank, size = rank_and_size()
+        together = self.ranks_per_forward
+        return rank // together, size // together, rank % together == 0
 
     def gather_metrics(
         self, metrics: dict[str, float], combine: dict[str, str]

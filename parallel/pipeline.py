@@ -31,6 +31,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
@@ -96,6 +97,8 @@ class PipelineEngine(FSDP2Engine):
         super().__init__(model, optimizer, precision, device)
         self.views, self.plan, self.device = views, plan, device
         self.micro_batches, self.compute_dtype = micro_batches, compute_dtype
+        # what crosses a stage is in the stream's dtype (mHC's n streams stay fp32)
+        self.boundary_dtype = model.stream.boundary_dtype(compute_dtype)
         self.pp_group = meshes.pp.get_group()
         self.pp_rank = meshes.pp.get_local_rank()
         self.statistics_group = meshes.stage.get_group()
@@ -107,8 +110,9 @@ class PipelineEngine(FSDP2Engine):
         copy = embedding_copy(model, views)
         self._copy = copy.weight if copy is not None else None
         self._copy_embedding()
-        self.schedule = None  # built on the first step (its shapes need the micro-batch size)
-        self._schedule_shape: tuple[int, ...] | None = None
+        # the schedule for each local batch shape (built on first use: its stage shapes are the
+        # micro-batches')
+        self._schedules: dict[tuple[int, ...], object] = {}
         for view in views:
             view.register_forward_hook(self._attach_terms)
 
@@ -152,6 +156,8 @@ class PipelineEngine(FSDP2Engine):
         """After a stage's forward: its layers' objective terms (popped at once, so each
         micro-batch gets its own; on the last stage MTP's too) ride on its first output tensor,
         inside the stage's own graph (the zero-bubble schedules split its backward)."""
+        if not isinstance(output, Tensor):  # the stream's state, in its declared dtype
+            output = tuple(self._own(t.to(self.boundary_dtype), args) for t in output)
         if self._objective is None or not torch.is_grad_enabled():
             return output
         zero = torch.zeros((), device=self.device)
@@ -163,10 +169,19 @@ class PipelineEngine(FSDP2Engine):
         first, *rest = output
         return (_WithTerm.apply(first, term / self.micro_batches), *rest)
 
+    @staticmethod
+    def _own(tensor: Tensor, inputs: tuple) -> Tensor:
+        """`tensor` as an output of the stage's own: a copy where it is a view or one of the
+        stage's inputs passed on (AttnRes' earlier sources), which torch's split-backward
+        schedules would detach in place."""
+        if tensor._is_view() or any(tensor is given for given in inputs):
+            return tensor.clone()
+        return tensor
+
     def _schedule_for(self, shape: torch.Size):
         """The schedule for local batches of `shape` (built once; a new shape builds anew)."""
-        if self.schedule is not None and self._schedule_shape == tuple(shape):
-            return self.schedule
+        if tuple(shape) in self._schedules:
+            return self._schedules[tuple(shape)]
         rows, length = shape
         if rows % self.micro_batches:
             raise ValueError(
@@ -178,7 +193,7 @@ class PipelineEngine(FSDP2Engine):
         cls = schedule_class(self.plan.schedule)
         multi = issubclass(cls, PipelineScheduleMulti)
         try:
-            self.schedule = cls(
+            schedule = cls(
                 stages if multi else stages[0],
                 n_microbatches=self.micro_batches,
                 loss_fn=self._loss,
@@ -189,15 +204,15 @@ class PipelineEngine(FSDP2Engine):
                 f"parallel.pp_schedule={self.plan.schedule} with {self.micro_batches} "
                 f"micro-batches on {len(self.plan.stages)} stages: {err}"
             ) from err
-        self._schedule_shape = tuple(shape)
-        return self.schedule
+        self._schedules[tuple(shape)] = schedule
+        return schedule
 
     def _pipeline_stage(self, view: nn.Module, rows: int, length: int) -> PipelineStage:
         layout: StageLayout = view.stage
-        inputs = self._boundary(layout.layers[0] if layout.layers else 0, rows, length)
+        inputs = self._boundary(layout.layers[0], rows, length)  # (every stage has a block)
         if layout.first:
             inputs = (torch.zeros(rows, length, dtype=torch.long, device=self.device),)
-        after = layout.layers[-1] + 1 if layout.layers else 0
+        after = layout.layers[-1] + 1
         outputs = self._boundary(after, rows, length)
         if layout.last:
             outputs = (torch.zeros((), device=self.device),)
@@ -217,7 +232,7 @@ class PipelineEngine(FSDP2Engine):
         local = split.local_length(length) if split is not None else length
         shapes = self.model.stream.boundary_shapes(layers, rows, local)
         return tuple(  # (requiring gradients: the stage before gets them back)
-            torch.empty(shape, dtype=self.compute_dtype, device=self.device, requires_grad=True)
+            torch.empty(shape, dtype=self.boundary_dtype, device=self.device, requires_grad=True)
             for shape in shapes
         )
 
@@ -232,7 +247,7 @@ class PipelineEngine(FSDP2Engine):
         return self.plan.rank_of(len(self.plan.stages) - 1)
 
     def clip_gradients(self, max_norm: float) -> Tensor:
-        copy = self._cross_rank_copy()
+        copy = self._norm_excluded()
         if self._embedding_group is not None:
             self._sum_embedding_gradients()
         if self._copy is not None and self._copy.grad is not None:  # into the first stage's
@@ -270,7 +285,7 @@ class PipelineEngine(FSDP2Engine):
         if self._copy is not None:
             _local(self._copy).copy_(_local(self.model.embed.weight))
 
-    def _cross_rank_copy(self) -> nn.Parameter | None:
+    def _norm_excluded(self) -> nn.Parameter | None:
         """The last stage's copy of a shared embedding (counted in the norm by the first's)."""
         if self._embedding_group is None or any(v.stage.first for v in self.views):
             return None
@@ -338,10 +353,10 @@ class PipelineEngine(FSDP2Engine):
     def receive_state(self, layout: StageLayout, rows: int, length: int) -> tuple[Tensor, ...]:
         """The stream's state entering stage `layout`, from the previous stage's rank: the
         shapes the stream declares for `rows` x `length` positions."""
-        first = layout.layers[0] if layout.layers else 0
+        first = layout.layers[0]
         tensors = []
         for shape in self.model.stream.boundary_shapes(first, rows, length):
-            tensor = torch.empty(shape, dtype=self.compute_dtype, device=self.device)
+            tensor = torch.empty(shape, dtype=self.boundary_dtype, device=self.device)
             dist.recv(tensor, group=self.pp_group, group_src=self.plan.rank_of(layout.index - 1))
             tensors.append(tensor)
         return tuple(tensors)
@@ -360,11 +375,41 @@ class PipelineEngine(FSDP2Engine):
             for view in self.views:
                 view.reshard()
 
+    def scoring_share(self) -> tuple[int, int, bool]:
+        """The pipeline ranks of a data index score the same batches (every stage's forward),
+        as do the tp ranks within a stage; one of them reports."""
+        rank, stage = dist.get_rank(), dist.get_world_size() // self.plan.pp
+        at, tp = rank % stage, self.ranks_per_forward
+        return at // tp, stage // tp, at % tp == 0 and self.pp_rank == 0
+
     def gather_metrics(self, metrics: Metrics, combine: dict[str, str]) -> Metrics:
-        """Every stage's metrics merged on every rank (model.training_hooks.merge_stage_metrics)."""
-        every: list[Metrics | None] = [None] * dist.get_world_size(self.pp_group)
-        dist.all_gather_object(every, metrics, group=self.pp_group)
-        return merge_stage_metrics([m or {} for m in every], combine)
+        """Every stage's metrics merged on every rank (model.training_hooks.merge_stage_metrics),
+        with every stage's combine rules (a rank without MoE layers has no MoE hook)."""
+        every: list[tuple[Metrics, dict[str, str]] | None] = [None] * self.plan.pp
+        dist.all_gather_object(every, (metrics, combine), group=self.pp_group)
+        rules = {key: how for _, theirs in every for key, how in theirs.items()}
+        return merge_stage_metrics([mine for mine, _ in every], rules)
+
+    @contextmanager
+    def evaluating(self) -> Iterator[None]:
+        """Every stage module (and the rank's model) in evaluation mode inside."""
+        modules = [self.model, *self.views]
+        for module in modules:
+            module.eval()
+        try:
+            yield
+        finally:
+            for module in modules:
+                module.train()
+            self._reshard()
+
+    def _reshard(self) -> None:
+        """Free the weights that evaluation forwards gathered (kept gathered through a
+        training step's micro-batches, they would stay until the next backward)."""
+        for view in self.views:
+            for module in view.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
 
 
 def _local(t: Tensor) -> Tensor:
@@ -380,15 +425,10 @@ def _embedding_group(model: Transformer, plan: PipelinePlan, meshes: Meshes):
     first, last = plan.rank_of(0), plan.rank_of(len(plan.stages) - 1)
     if first == last:
         return None
-    pp_ranks = meshes.pp.mesh  # this rank's pp column of the root mesh: global ranks
-    groups = []
-    stage_size = meshes.dims.ranks_per_stage
-    for position in range(stage_size):  # every rank takes part in every new_group, in order
-        ranks = [first * stage_size + position, last * stage_size + position]
-        groups.append(dist.new_group(ranks))
-    mine = int(pp_ranks[0]) % stage_size  # this rank's position within its stage
-    holds = holds_embedding(model.cfg, model.pipeline_stages)
-    return groups[mine] if holds else None
+    size = meshes.dims.ranks_per_stage  # pp is outermost: rank = pp_rank x size + position
+    pairs = [[first * size + at, last * size + at] for at in range(size)]
+    group, _ = dist.new_subgroups_by_enumeration(pairs)  # (every rank takes part)
+    return group if holds_embedding(model.cfg, model.pipeline_stages) else None
 
 
 def build_pipeline(request: EngineRequest) -> PipelineEngine:
@@ -398,7 +438,7 @@ def build_pipeline(request: EngineRequest) -> PipelineEngine:
         model = Transformer(request.model_cfg)
     plan = plan_pipeline(
         model,
-        request.seq_len,
+        request.seq_len or request.model_cfg.max_seq_len,  # (callers that give no seq_len)
         dims.pp,
         parallel.pp_schedule,
         parallel.pp_stages_per_rank,

@@ -64,7 +64,7 @@ class PipelinedModel:
                 h = view.norm(view.stream.collapse(state))[:, -1]
                 logits = view.logits_fn(h, view.head_weight).float()
                 break
-            carried = tuple(view.stream.to_tensors(state))
+            carried = tuple(t.to(engine.boundary_dtype) for t in view.stream.to_tensors(state))
             engine.send_state(layout, carried)
         cache.length += length
         return engine.from_last_stage(logits)

@@ -427,7 +427,7 @@ class Training:
                 self.engine.evaluation_log_probs,
                 self.device,
                 self.stop.requested,
-                together=self.engine.ranks_per_forward,
+                together=self.engine.scoring_share(),
             )
         if results is None:
             return False

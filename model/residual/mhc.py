@@ -214,6 +214,11 @@ class ManifoldHyperConnections(ResidualStream):
     def boundary_shapes(self, layers: int, B: int, T: int) -> list[tuple[int, ...]]:
         return [(B, T, self.n, self.width)]
 
+    def boundary_dtype(self, compute: torch.dtype) -> torch.dtype:
+        """fp32: the connections compute in fp32 (Fp32Parameters; FSDP2 casts their inputs), so
+        the n streams between blocks stay fp32 whatever the sublayers compute in."""
+        return torch.float32
+
     def init_weights(self) -> None:
         if self.head is not None:
             self.head.init_weights()

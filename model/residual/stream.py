@@ -147,6 +147,10 @@ class ResidualStream(nn.Module):
     def boundary_shapes(self, layers: int, B: int, T: int) -> list[tuple[int, ...]]:
         return [(B, T, self.width)]
 
+    def boundary_dtype(self, compute: torch.dtype) -> torch.dtype:
+        """The dtype of the state between blocks when the sublayers compute in `compute`."""
+        return compute
+
     def init_weights(self) -> None:
         """Parameter-free streams have nothing to initialize."""
 

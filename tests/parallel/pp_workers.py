@@ -33,6 +33,7 @@ CASES: dict[str, tuple[ModelConfig, str, float]] = {
     "gdn": (small_model("tiny_hybrid", **FOUR), "adamw", 0.0),
     "mhc": (small_model("tiny_mhc", **FOUR), "adamw", 0.0),
     "attnres": (small_model("tiny_attnres", **FOUR), "adamw", 0.0),
+    "attnres_untied": (small_model("tiny_attnres", **UNTIED), "adamw", 0.0),
     "attnres_block": (small_model("tiny_attnres", **FOUR, **{"attnres.block_layers": 2}), "adamw", 0.0),
     "engram": (small_model("tiny_engram", **FOUR), "adamw", 0.0),
     "mtp": (small_model("tiny", **FOUR, **{"mtp.depth": 1}), "adamw", 0.0),
@@ -100,3 +101,9 @@ def skipped_step(rank: int, layout: dict[str, Any]) -> dict[str, Any]:
     after = full_state(engine.model)
     unchanged = all(torch.equal(after[k], v) for k, v in before.items())
     return {"norm": norm, "applied": applied, "unchanged": unchanged}
+
+
+def bf16_losses(rank: int, name: str, layout: dict[str, Any]) -> list[float]:
+    """Two bf16 steps (FSDP2's bf16 compute; one process: autocast): the losses."""
+    model_cfg, _, _ = CASES[name]
+    return train(rank, model_cfg, layout, 2, MB, precision="bf16")["losses"]

@@ -21,6 +21,7 @@ from tests.parallel.pp_workers import (
     CASES,
     MB,
     STEPS,
+    bf16_losses,
     evaluation,
     generated,
     run_case,
@@ -42,7 +43,7 @@ TWO_RANKS = [
     ("attnres", {"pp": 2, "pp_schedule": "Interleaved1F1B"}),  # tied embedding on ranks 0, 1
     ("untied", {"pp": 2, "pp_schedule": "LoopedBFS"}),
     ("moe_untied", {"pp": 2, "pp_schedule": "InterleavedZeroBubble"}),
-    ("moe_untied", {"pp": 2, "pp_schedule": "ZBVZeroBubble"}),
+    ("attnres_untied", {"pp": 2, "pp_schedule": "ZBVZeroBubble"}),  # inputs passed on, split
     ("tiny", {"pp": 2, "pp_schedule": "DualPipeV"}),  # the last stage's embedding copy
     ("moe", {"pp": 2}),
     ("mla", {"pp": 2}),
@@ -133,6 +134,8 @@ def evaluation_and_generation(rank: int) -> dict:
         "mhc": generated(rank, "mhc", {"pp": 2}),
         "init_from": started_from_counted_reads(rank, CASES["untied"][0], {"pp": 2}),
         "skipped": skipped_step(rank, {"pp": 2}),
+        # bf16: mHC's n streams cross the stages in fp32 (its connections compute in fp32)
+        "bf16": {name: bf16_losses(rank, name, {"pp": 2}) for name in ("mhc", "attnres")},
     }
 
 
@@ -155,6 +158,10 @@ def test_validation_scoring_generation_and_skipped_steps_cover_every_stage():
         assert set(reads) == set(held) != set(weights), rank
         for name, tensor in loaded.items():
             assert torch.equal(tensor, weights[name]), name
+    for name in ("mhc", "attnres"):  # bf16 rounding apart, one process's losses
+        one = bf16_losses(0, name, {})
+        for rank in (0, 1):
+            torch.testing.assert_close(got[rank]["bf16"][name], one, rtol=1e-2, atol=0, msg=name)
     for rank in (0, 1):  # a NaN gradient on the last stage's rank stops every rank's update
         skipped = got[rank]["skipped"]
         assert skipped["norm"] != skipped["norm"] and not skipped["applied"], rank

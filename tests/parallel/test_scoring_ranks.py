@@ -52,8 +52,14 @@ def assert_same_scores(got: tuple, whole: tuple) -> None:
 
 @pytest.mark.parametrize(
     ("preset", "layout"),
-    [("tiny", {}), ("tiny_moe", {"ep": 2}), ("tiny", {"tp": 2}), ("tiny", {"cp": 2})],
-    ids=["fsdp2", "expert_parallel", "tensor_parallel", "context_parallel"],
+    [
+        ("tiny", {}),
+        ("tiny_moe", {"ep": 2}),
+        ("tiny", {"tp": 2}),
+        ("tiny", {"cp": 2}),
+        ("tiny", {"pp": 2}),  # both pipeline ranks score the same batches, stage by stage
+    ],
+    ids=["fsdp2", "expert_parallel", "tensor_parallel", "context_parallel", "pipeline"],
 )
 def test_two_ranks_score_tasks_as_one_process_does(preset, layout, tasks):
     from trainer.downstream.evaluator import DownstreamEvaluator

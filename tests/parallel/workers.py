@@ -356,6 +356,6 @@ def score_tasks(engine: TrainingEngine, tasks: list, batch_tokens: int, pad_id: 
     evaluator = DownstreamEvaluator(tasks, batch_tokens, pad_id)
     cpu = torch.device("cpu")
     with engine.evaluating():
-        together = engine.ranks_per_forward  # tp ranks score one batch together
+        together = engine.scoring_share()  # tp (and pipeline) ranks score one batch together
         sums = evaluator.log_likelihoods(engine.evaluation_log_probs, cpu, together=together)
         return sums, evaluator.evaluate(engine.evaluation_log_probs, cpu, together=together)

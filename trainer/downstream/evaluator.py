@@ -75,7 +75,7 @@ class DownstreamEvaluator:
         device: torch.device,
         stop: Callable[[], bool] = lambda: False,
         progress: Callable[[int], None] | None = None,
-        together: int = 1,
+        together: int | tuple[int, int, bool] = 1,
     ) -> Results | None:
         """Every task's metrics (the same on every rank); None when `stop` interrupted it.
         `together`: ranks that run one forward together (scoring.log_likelihoods)."""
@@ -99,7 +99,7 @@ class DownstreamEvaluator:
         device: torch.device,
         stop: Callable[[], bool] = lambda: False,
         progress: Callable[[int], None] | None = None,
-        together: int = 1,
+        together: int | tuple[int, int, bool] = 1,
     ) -> torch.Tensor | None:
         """Every request's summed continuation log-probability (trainer.downstream.scoring)."""
         return log_likelihoods(

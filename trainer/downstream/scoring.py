@@ -28,16 +28,16 @@ def log_likelihoods(
     device: torch.device,
     stop: Callable[[], bool] = lambda: False,
     progress: Callable[[int], None] | None = None,
-    together: int = 1,
+    together: int | tuple[int, int, bool] = 1,
 ) -> Tensor | None:
     """(len(requests),) float64 on the CPU, the same on every rank; None when `stop` (which
     every rank must agree on) interrupted it. Every rank must call it (collective forwards).
     `batches`: trainer.downstream.batches.pack's; `progress(n)`: n more requests were scored
     on this rank; `together`: consecutive ranks that run one forward on the same batch (tensor
     parallelism, TrainingEngine.ranks_per_forward; context-parallel ranks score forwards whole,
-    each its own batches)."""
-    rank, world = (dist.get_rank(), dist.get_world_size()) if several_ranks() else (0, 1)
-    rank, world = rank // together, world // together  # data-parallel index and count
+    each its own batches), or (this rank's group, the groups, whether it reports the group's
+    scores) as TrainingEngine.scoring_share gives it (a pipeline's ranks are not consecutive)."""
+    rank, world, leader = _share(together)
     mine = batches[rank::world]
     sums = torch.zeros(len(requests), dtype=torch.float64, device=device)
     for turn in range(math.ceil(len(batches) / world)):
@@ -54,6 +54,15 @@ def log_likelihoods(
             if progress is not None:
                 progress(len(rows))
     if several_ranks():
-        dist.all_reduce(sums)  # each request was scored by one group of `together` ranks
-        sums /= together  # (a power of two when tp is: exact)
+        if not leader:  # each request was scored by one group: its leader reports it
+            sums.zero_()
+        dist.all_reduce(sums)
     return sums.cpu()
+
+
+def _share(together: int | tuple[int, int, bool]) -> tuple[int, int, bool]:
+    """(this rank's scoring group, how many groups, whether it reports its group's scores)."""
+    if isinstance(together, tuple):
+        return together
+    rank, world = (dist.get_rank(), dist.get_world_size()) if several_ranks() else (0, 1)
+    return rank // together, world // together, rank % together == 0
