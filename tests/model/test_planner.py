@@ -480,7 +480,11 @@ def test_in_flight_counts_are_the_schedules_own(schedule):
     ("overrides", "layout", "message"),
     [
         ({}, {"pp_layers": (1, 2)}, r"parallel.pp_layers=\[1, 2\] must list the layers of each"),
-        ({}, {"pp_layers": (3, 3, 0)}, r"of the 2 stages \(pp x stages per rank\), summing to"),
+        (
+            {},
+            {"pp_layers": (3, 3, 0)},
+            r"of the 2 stages \(pp x stages per rank; at least 1 each\), summing to",
+        ),
         ({}, {"pp_schedule": "zero"}, "parallel.pp_schedule='zero' is not one of GPipe"),
         ({}, {"pp_schedule": "GPipe", "pp_stages_per_rank": 2}, "runs one stage per rank"),
         ({}, {"pp": 4, "pp_schedule": "Interleaved1F1B"}, "8 pipeline stages for 6 layers"),
