@@ -49,17 +49,9 @@ sys.path.insert(0, str(ROOT))
 
 from bench.machine import save_result
 from bench.ranks import run_on_ranks
+from model.stages import MULTI_STAGE, SCHEDULES
 
-SCHEDULES = (
-    "GPipe",
-    "1F1B",
-    "Interleaved1F1B",
-    "LoopedBFS",
-    "InterleavedZeroBubble",
-    "ZBVZeroBubble",
-    "DualPipeV",
-)
-MULTI = set(SCHEDULES[2:])  # 2 stages per rank (parallel.pp_stages_per_rank's default)
+MULTI = set(MULTI_STAGE)  # 2 stages per rank (parallel.pp_stages_per_rank's default)
 # tiny with 8 blocks, a small vocabulary so the head adds little to the last stage (equal stages)
 MODEL = {"n_layers": 8, "vocab_size": 512, "max_seq_len": 128}
 SEQ, ROWS = 128, 2  # each micro-batch: 2 sequences of 128 tokens
