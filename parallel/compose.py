@@ -1,5 +1,5 @@
 """The one composition path: a plain model built on the meta device, rewritten in a fixed order
-(expert parallelism -> tensor parallelism -> context parallelism -> activation checkpointing ->
+(float8 matmuls -> expert parallelism -> tensor parallelism -> context parallelism -> activation checkpointing ->
 compile per block -> FSDP2), then allocated
 and filled with the weights a single process would have started from.
 
@@ -17,12 +17,14 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.distributed as dist
 
 from model.errors import ConfigError
 from model.transformer import Transformer
 from parallel.activation import apply_activation_checkpointing, compile_model
-from parallel.config import ParallelConfig
+from parallel.config import Float8Config, ParallelConfig
 from parallel.engine import ENGINES, EngineRequest, FSDP2Engine
+from parallel.float8 import Float8Plan, convert_to_float8, gather_float8_as_bytes
 from parallel.fsdp import apply_fsdp, mixed_precision
 from parallel.init import init_like_single_process, load_weights
 from parallel.mesh import Meshes, build_meshes
@@ -46,10 +48,17 @@ def parallelize(
     compile: bool,
     device_type: str,
     fsdp: bool = True,
-) -> None:
+    float8: Float8Config | None = None,
+) -> Float8Plan | None:
     """Rewrite `model` (on the meta device) in place for the mesh (None: one process) and the
     device it will run on (device_type: "cpu", "cuda"); `fsdp` False: all but FSDP2 (a
-    pipeline shards each stage on its own)."""
+    pipeline shards each stage on its own). `float8` (trainer.precision=float8): its matmuls
+    converted first; returns what was converted (None without float8)."""
+    plan = None
+    if float8 is not None:
+        plan = convert_to_float8(model, float8, torch.device(device_type), meshes is not None)
+        if meshes is None or dist.get_rank() == 0:
+            log.info("%s", plan.summary())
     if meshes is not None and meshes.ep is not None:
         from parallel.expert_parallel import apply_expert_parallel
 
@@ -88,6 +97,9 @@ def parallelize(
             cfg.reshard_after_forward,
             recompute=cfg.activation_checkpoint != "none",
         )
+        if plan is not None and plan.all_gather:
+            gather_float8_as_bytes(model)
+    return plan
 
 
 def enable_async_tp(compile: bool, device_type: str, tp_mesh: object = None) -> None:
@@ -114,15 +126,26 @@ def _shorten(names: list[str], shown: int = 6) -> list[str]:
     return names[:shown] + ([f"... {len(names) - shown} more"] if len(names) > shown else [])
 
 
-def build_model_for(request: EngineRequest) -> tuple[Transformer, MasterWeights | None]:
-    """The model to train (sharded when there are several ranks) and, with
-    trainer.precision=bf16_master in one process, its fp32 master copy."""
+def build_model_for(
+    request: EngineRequest,
+) -> tuple[Transformer, MasterWeights | None, Float8Plan | None]:
+    """The model to train (sharded when there are several ranks), with
+    trainer.precision=bf16_master in one process its fp32 master copy, and with float8 what
+    was converted."""
     dims, device = request.dims, request.device
     meshes = build_meshes(dims, device.type) if dims.world_size > 1 else None
     with torch.device("meta"):
         model = Transformer(request.model_cfg)
     param_dtype = fsdp_param_dtype(request.parallel, request.precision)
-    parallelize(model, meshes, request.parallel, param_dtype, request.compile, device.type)
+    float8 = parallelize(
+        model,
+        meshes,
+        request.parallel,
+        param_dtype,
+        request.compile,
+        device.type,
+        float8=request.float8_config,
+    )
     model.to_empty(device=device)
     init_like_single_process(model, device, request.seed)
     if request.initial_weights is not None:
@@ -135,7 +158,7 @@ def build_model_for(request: EngineRequest) -> tuple[Transformer, MasterWeights 
         for buffer in copy.buffers():  # the non-persistent ones (statistics) are not loaded
             buffer.zero_()
         master = MasterWeights(model, copy)
-    return model, master
+    return model, master, float8
 
 
 @ENGINES.register("fsdp2")
@@ -144,6 +167,8 @@ def build_fsdp2(request: EngineRequest) -> FSDP2Engine:
         from parallel.pipeline import build_pipeline
 
         return build_pipeline(request)
-    model, master = build_model_for(request)
+    model, master, float8 = build_model_for(request)
     optimizer = request.make_optimizer(master.master if master is not None else model)
-    return FSDP2Engine(model, optimizer, request.precision, request.device, master)
+    engine = FSDP2Engine(model, optimizer, request.precision, request.device, master)
+    engine.float8 = float8
+    return engine

@@ -61,6 +61,40 @@ class DeepSpeedConfig:
         )
 
 
+FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8")
+FLOAT8_FILTERS = ("auto", "all")
+
+
+@dataclass(kw_only=True)
+class Float8Config:
+    """`trainer.float8.*`: how `trainer.precision=float8` runs (parallel/float8.py, torchao)."""
+
+    # tensorwise (one scale per tensor; float8 FSDP2 all-gathers and TP styles; the fastest on
+    # H100/H200) | rowwise (a scale per row: more accurate, SM89+) | rowwise_with_gw_hp (rowwise,
+    # weight gradients in bf16) | mxfp8 (a scale per 32 values; SM100 / B200, emulated on CPU)
+    recipe: str = "tensorwise"
+    # which qualifying matmuls run in float8: auto (torchao's size thresholds, measured on H100:
+    # smaller GEMMs are faster in bf16) | all (every one whose dims the kernels accept)
+    filter: str = "auto"
+    skip: list[str] = field(default_factory=list)  # module names (or name parts) kept in bf16
+    # tensorwise with several data-parallel ranks: FSDP2 gathers float8 weights (half the bytes
+    # of bf16), their scales computed once after each optimizer step
+    fsdp_all_gather: bool = True
+    # routed experts' grouped GEMMs in float8 too: rowwise on SM90/SM100 (torch._scaled_grouped_mm),
+    # MXFP8 on SM100 or emulated on CPU; else they stay in the compute dtype
+    experts: bool = True
+
+    def __post_init__(self) -> None:
+        _require(
+            self.recipe in FLOAT8_RECIPES,
+            f"trainer.float8.recipe={self.recipe!r} is not one of {FLOAT8_RECIPES}",
+        )
+        _require(
+            self.filter in FLOAT8_FILTERS,
+            f"trainer.float8.filter={self.filter!r} is not one of {FLOAT8_FILTERS}",
+        )
+
+
 @dataclass(kw_only=True)
 class ParallelConfig:
     dp_shard: int = -1  # ranks that shard dense weights (FSDP2); -1 = all that remain

@@ -47,7 +47,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +62,7 @@ from model.registry import Registry
 from model.training_hooks import RowScaler, UpdatedWeights
 from parallel.checkpoint_format import CheckpointFormat
 from parallel.collective import rank_and_size
-from parallel.config import ParallelConfig
+from parallel.config import Float8Config, ParallelConfig
 from parallel.fsdp import replicated_tables
 from parallel.grad_norm import clip_grad_norm, tp_size
 from parallel.mesh import ParallelDims
@@ -278,6 +278,7 @@ class FSDP2Engine(TrainingEngine):
         self._autocast = autocast_factory(precision, device)
         self._replicated = replicated_tables(model)
         self.ranks_per_forward = tp_size(model)
+        self.float8 = None  # trainer.precision=float8: the conversion (parallel/float8.py)
 
     @property
     def state_module(self) -> nn.Module:
@@ -323,6 +324,8 @@ class FSDP2Engine(TrainingEngine):
             edit(self.updated_weights())
         if self.master is not None:
             self.master.master_to_model()
+        if self.float8 is not None:  # the float8 weights' scales for the next gathers
+            self.float8.after_step()
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -360,7 +363,7 @@ class EngineRequest:
 
     model_cfg: ModelConfig
     parallel: ParallelConfig
-    precision: str  # trainer.precision, resolved (fp32 | bf16 | bf16_master)
+    precision: str  # trainer.precision, resolved (fp32 | bf16 | bf16_master | float8)
     compile: bool  # trainer.compile, resolved
     dims: ParallelDims
     device: torch.device
@@ -375,6 +378,12 @@ class EngineRequest:
     # initialization, in parts (parallel.init.load_weights); called once, on every rank
     # (init_from)
     initial_weights: Callable[[], Iterable[dict[str, Tensor]]] | None = None
+    float8: Float8Config = field(default_factory=Float8Config)  # trainer.float8 (precision float8)
+
+    @property
+    def float8_config(self) -> Float8Config | None:
+        """trainer.float8 when the run trains in float8, else None."""
+        return self.float8 if self.precision == "float8" else None
 
 
 EngineBuilder = Callable[[EngineRequest], TrainingEngine]

@@ -48,6 +48,7 @@ from model.training_hooks import Metrics, merge_stage_metrics
 from model.transformer import Transformer
 from parallel.compose import fsdp_param_dtype, parallelize
 from parallel.engine import EngineRequest, FSDP2Engine, Objective
+from parallel.float8 import gather_float8_as_bytes
 from parallel.fsdp import apply_fsdp, mixed_precision
 from parallel.grad_norm import global_grad_norm
 from parallel.init import init_like_single_process, load_weights
@@ -453,11 +454,22 @@ def build_pipeline(request: EngineRequest) -> PipelineEngine:
     layouts = plan.stages_of(pp_rank)
     keep_stages(model, layouts)
     param_dtype = fsdp_param_dtype(parallel, request.precision)
-    parallelize(model, meshes, parallel, param_dtype, request.compile, device.type, fsdp=False)
+    float8 = parallelize(
+        model,
+        meshes,
+        parallel,
+        param_dtype,
+        request.compile,
+        device.type,
+        fsdp=False,
+        float8=request.float8_config,
+    )
     views = [stage_view(model, layout) for layout in layouts]
     recompute = parallel.activation_checkpoint != "none"
     for view in views:  # gathered weights stay for the step's micro-batches (torchtitan's too)
         apply_fsdp(view, meshes, mixed_precision(param_dtype), False, recompute=recompute)
+        if float8 is not None and float8.all_gather:
+            gather_float8_as_bytes(view)
     for view in views:  # (a V schedule's last stage may hold an embedding copy of its own)
         view.to_empty(device=device)
     model.to_empty(device=device)
@@ -467,7 +479,7 @@ def build_pipeline(request: EngineRequest) -> PipelineEngine:
     optimizer = request.make_optimizer(model)
     if dist.get_rank() == 0:
         log.info("%s", plan.describe())
-    return PipelineEngine(
+    engine = PipelineEngine(
         model,
         views,
         plan,
@@ -478,3 +490,5 @@ def build_pipeline(request: EngineRequest) -> PipelineEngine:
         request.micro_batches,
         param_dtype,
     )
+    engine.float8 = float8
+    return engine

@@ -1,5 +1,6 @@
 """Mixed precision: `trainer.precision=bf16` (autocast over fp32 weights), `bf16_master` (bf16
-weights for compute, fp32 master weights that the optimizer updates), `fp32`, or `auto` (the
+weights for compute, fp32 master weights that the optimizer updates), `float8` (bf16 with the
+qualifying matmuls in float8: parallel/float8.py), `fp32`, or `auto` (the
 default: bf16 where the device multiplies bf16 natively, else fp32; `resolve_precision`).
 
 Why auto: a CPU without bf16 instructions (measured on an AVX2-only AMD EPYC, Zen 3) runs bf16
@@ -62,7 +63,7 @@ def cpu_has_bf16() -> bool:
 
 def autocast_factory(precision: str, device: torch.device) -> Callable[[], AbstractContextManager]:
     _require_resolved(precision)
-    if precision == "bf16":
+    if precision in ("bf16", "float8"):  # float8: the matmuls torchao converts, bf16 elsewhere
         return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext  # fp32, and bf16_master (the weights are bf16 already)
 

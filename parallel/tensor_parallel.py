@@ -40,6 +40,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from model.transformer import Transformer
+from parallel.float8 import float8_tp_style
 from parallel.tensor_parallel_styles import PARAMETER_STYLES, STYLES
 from parallel.vocab_parallel import (
     vocab_parallel_cross_entropy,
@@ -93,8 +94,9 @@ def _apply_plan(module: nn.Module, plan: dict[str, object], tp_mesh: DeviceMesh)
             if STYLES[name] not in PARAMETER_STYLES:
                 raise ValueError(f"the plan gives parameter {target!r} a module style {name!r}")
             parallelize_module(module, tp_mesh, STYLES[name](*args, params=(target,)))
-        else:
-            parallelize_module(module, tp_mesh, {target: STYLES[name](*args)})
+        else:  # a float8 linear takes the style's float8 version (parallel/float8.py)
+            style = float8_tp_style(STYLES[name], module.get_submodule(target))
+            parallelize_module(module, tp_mesh, {target: style(*args)})
 
 
 def _swap_head_functions(model: Transformer, tp_mesh: DeviceMesh) -> None:

@@ -86,6 +86,7 @@ def build_training(cfg: RootConfig, run_dir: Path, ranks: Ranks) -> Training:
         tcfg.grad_clip,
         plan,
         cfg.data.seq_len,
+        tcfg.float8,
     )
     if device.type == "cpu" and tcfg.cpu_malloc == "keep":
         log.info("CPU allocator: %s", keep_freed_memory())

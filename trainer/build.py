@@ -25,7 +25,8 @@ from optim.builder import build_optimizer
 from optim.config import OptimConfig
 from parallel import ENGINES, EngineRequest, TrainingEngine, build_engine
 from parallel.collective import from_main
-from parallel.config import ParallelConfig
+from parallel.config import Float8Config, ParallelConfig
+from parallel.float8 import require_torchao
 from parallel.mesh import ParallelDims
 from parallel.precision import resolve_precision
 from trainer.config import RootConfig, TrainerConfig, compiles
@@ -116,6 +117,7 @@ class EngineChoices:
     grad_clip: float  # trainer.grad_clip (engines that clip inside their own step)
     plan: BatchPlan  # the step's micro-batch size and count
     seq_len: int = 0  # data.seq_len (a pipeline's stage shapes and split)
+    float8: Float8Config = dataclasses.field(default_factory=Float8Config)  # trainer.float8
 
 
 def build_training_engine(
@@ -136,6 +138,7 @@ def build_training_engine(
         compile=compiles(trainer),
         grad_clip=trainer.grad_clip,
         plan=batch_plan(trainer, parallel, dims),
+        float8=trainer.float8,
     )
     return start_engine(model_cfg, parallel, optim, dims, device, seed, choices, initial_weights)
 
@@ -154,6 +157,7 @@ def start_engine(
     ranks) starting from the weights one process would have (seeded by `seed`), or from
     `initial_weights()`, and the optimizer of `optim` over the weights it updates (the fp32
     masters under bf16_master)."""
+    check_float8_engine(choices.precision, parallel.engine)
     request = EngineRequest(
         model_cfg=model_cfg,
         parallel=parallel,
@@ -169,8 +173,20 @@ def start_engine(
         seq_len=choices.seq_len,
         optimizer_name=optim.name,
         initial_weights=initial_weights,
+        float8=choices.float8,
     )
     return build_engine(parallel.engine, request)
+
+
+def check_float8_engine(precision: str, engine: str) -> None:
+    """trainer.precision=float8 runs in the fsdp2 engine (torchao's float8 modules, FSDP2's
+    float8 all-gather); DeepSpeed's own FP8 path is not wired here."""
+    if precision == "float8" and engine != "fsdp2":
+        raise ConfigError(
+            f"trainer.precision=float8 is not available with parallel.engine={engine} (torchao's "
+            "float8 training is wired into the fsdp2 engine only); use parallel.engine=fsdp2 or "
+            "trainer.precision=bf16"
+        )
 
 
 def check_expert_parallel(cfg: ModelConfig, dims: ParallelDims, checkpointing: str) -> None:
@@ -188,6 +204,9 @@ def check_start(cfg: RootConfig, world_size: int) -> tuple[ParallelDims, BatchPl
     launch.torchrun before starting a worker."""
     dims = ParallelDims.resolve(cfg.parallel, world_size)
     ENGINES.get(cfg.parallel.engine)  # an unknown parallel.engine names the known ones
+    check_float8_engine(cfg.trainer.precision, cfg.parallel.engine)
+    if cfg.trainer.precision == "float8":
+        require_torchao()
     check_expert_layout(dims, cfg.parallel.activation_checkpoint)
     check_sequence_split(cfg.parallel.sequence_parallel, cfg.data.seq_len, dims)
     check_context_split(cfg.parallel.sequence_parallel, cfg.data.seq_len, dims)

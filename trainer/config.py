@@ -22,11 +22,11 @@ from model.config import ModelConfig
 from model.errors import ConfigError
 from optim.bounds import AT_LEAST_ONE, NON_NEGATIVE, Bounds, broken_rule
 from optim.config import OptimConfig
-from parallel.config import ParallelConfig
+from parallel.config import Float8Config, ParallelConfig
 from trainer.downstream.config import EvalConfig
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
-PRECISIONS = ("auto", "bf16", "bf16_master", "fp32")
+PRECISIONS = ("auto", "bf16", "bf16_master", "float8", "fp32")
 WANDB_MODES = ("disabled", "offline", "online")
 DEVICES = ("auto", "cpu", "cuda")
 CPU_MALLOC_CHOICES = ("keep", "system")  # trainer/cpu_malloc.py
@@ -92,8 +92,10 @@ class TrainerConfig:
     grad_clip: float = 1.0  # global gradient-norm clip; 0 = off
     # auto (bf16 where the device multiplies bf16 natively: GPUs from Ampere, CPUs with
     # AVX512-BF16 / AMX; else fp32: parallel/precision.py) | bf16 (autocast over fp32 weights) |
-    # bf16_master (bf16 weights, fp32 masters in the optimizer) | fp32
+    # bf16_master (bf16 weights, fp32 masters in the optimizer) | float8 (bf16, with the large
+    # matmuls in float8 through torchao: trainer.float8, parallel/float8.py) | fp32
     precision: str = "auto"
+    float8: Float8Config = field(default_factory=Float8Config)  # trainer.precision=float8 only
     # torch.compile every block and the fused head + loss (tiny on the README's 2-core CPU:
     # 22-28 s on a fresh machine, 2.5-4 s from the cache on disk, bench/compile_cost.py):
     # true | false | auto (compile runs of at least COMPILE_MIN_STEPS steps, bench/default_speed.py;

@@ -129,6 +129,14 @@ class DeltaRuleMixer(TokenMixer):
     def param_roles(self) -> dict[str, str]:
         return {"A_log": roles.DECAY, "dt_bias": roles.DECAY}
 
+    def float8_exclusions(self) -> dict[str, str]:
+        """The gate projections that stay in the compute dtype under trainer.precision=float8
+        (model/float8_filter.py): the decay's (Gated DeltaNet's a_proj, KDA's low-rank forget gate)
+        and the write strength beta (b_proj), whose errors compound over the recurrence."""
+        gates = ("a_proj", "f_a_proj", "f_b_proj", "b_proj")
+        reason = "recurrent decay / write-strength gate (error compounds over time)"
+        return {name: reason for name in gates if hasattr(self, name)}
+
     def init_conv_and_decay(self, a_min: float, a_max: float) -> None:
         """Conv taps std 1/sqrt(K); exp(A_log) ~ U(a_min, a_max); softplus(dt_bias) log-uniform
         in [DT_MIN, DT_MAX]."""

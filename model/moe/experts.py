@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -160,6 +161,38 @@ def small_groups(n_rows: int, n_groups: int, fused: bool) -> bool:
     return threads > 1 and n_groups >= GROUPS_PER_THREAD * threads and n_rows < limit * n_groups
 
 
+@dataclass(frozen=True)
+class ScaledGroupedMM:
+    """A low-precision grouped GEMM installed on the experts by trainer.precision=float8
+    (parallel/float8.py: torchao's fp8 rowwise or MXFP8 ones): fn(x (M, K) grouped by expert,
+    w (G, K, N) column-major per group, ends (G,) int32 cumulative row counts) -> (M, N) bf16,
+    each group's rows a multiple of `alignment` (the quantization block)."""
+
+    fn: Callable[[Tensor, Tensor, Tensor], Tensor]
+    alignment: int
+    name: str
+
+
+def aligned_rows(counts: Tensor, n_rows: int, alignment: int) -> tuple[Tensor, Tensor]:
+    """Each expert's rows padded to a multiple of `alignment`, in a static layout of at least
+    n_rows + E x (alignment - 1) rows (no host sync): ((M,) the row of each sorted row in it,
+    (E,) int32 end of each padded group)."""
+    padded = (counts + alignment - 1) // alignment * alignment
+    E = counts.numel()
+    expert = torch.repeat_interleave(
+        torch.arange(E, device=counts.device), counts, output_size=n_rows
+    )
+    offset = (padded.cumsum(0) - padded) - (counts.cumsum(0) - counts)  # (E,) shift per expert
+    rows = torch.arange(n_rows, device=counts.device) + offset[expert]
+    return rows, padded.cumsum(0).to(torch.int32)
+
+
+def column_major(w: Tensor) -> Tensor:
+    """(G, K, N) with each group's matrix stored column-major (strides (K N, 1, K)): the right
+    operand layout of the scaled grouped GEMMs."""
+    return w.mT.contiguous().mT
+
+
 class GroupedExperts(nn.Module):
     def __init__(
         self, n_experts: int, d_model: int, hidden: int, activation: Callable[[Tensor], Tensor]
@@ -170,6 +203,7 @@ class GroupedExperts(nn.Module):
         self.w_down = nn.Parameter(torch.empty(n_experts, hidden, d_model))
         self.activation = activation
         self.impl = "auto"  # one of IMPLS (tests and benchmarks force one)
+        self.scaled_mm: ScaledGroupedMM | None = None  # trainer.precision=float8's grouped GEMM
 
     def param_roles(self) -> dict[str, str]:
         return dict.fromkeys(("w_gate", "w_up", "w_down"), roles.EXPERT_STACK)
@@ -195,6 +229,8 @@ class GroupedExperts(nn.Module):
         if len(counts) != n_local:
             raise ValueError(f"{len(counts)} expert counts for {n_local} local experts")
         x = x.to(self.compute_dtype(x)).contiguous()
+        if self.scaled_mm is not None:
+            return self._scaled_forward(x, counts)
         w_gate, w_up, w_down = self._weights(x.dtype)
         impl = self.choose(x.device.type, x.dtype, x.shape[0], counts)
         if impl == "grouped_mm" and not _aligned(x, w_gate, w_down):
@@ -212,6 +248,19 @@ class GroupedExperts(nn.Module):
         h = self.activation(mm(x, w_gate)) * mm(x, w_up)  # (M, F)
         return mm(h, w_down)
 
+    def _scaled_forward(self, x: Tensor, counts: Tensor) -> Tensor:
+        """The three projections through `scaled_mm` (bf16 out): x (M, C) -> (M, C), each
+        expert's rows zero-padded to the alignment and gathered back after."""
+        scaled = self.scaled_mm
+        M, C = x.shape
+        rows, ends = aligned_rows(counts, M, scaled.alignment)
+        a = scaled.alignment  # every group padded to a multiple; the whole too (MXFP8's wgrad
+        capacity = -(-(M + counts.numel() * (a - 1)) // a) * a  # quantizes along the rows)
+        padded = x.new_zeros(capacity, C).index_copy(0, rows, x)
+        w_gate, w_up, w_down = (column_major(w) for w in self._weights(x.dtype))
+        h = self.activation(scaled.fn(padded, w_gate, ends)) * scaled.fn(padded, w_up, ends)
+        return scaled.fn(h, w_down, ends).index_select(0, rows)
+
     def padded_forward(self, padded: Tensor) -> Tensor:
         """padded (E_local, capacity, C) in the compute dtype, each expert's rows first and any
         rows after them ignored -> (E_local, capacity, C), one batched GEMM per projection."""
@@ -228,7 +277,10 @@ class GroupedExperts(nn.Module):
 
     def choose(self, device_type: str, dtype: torch.dtype, n_rows: int, counts: Tensor) -> str:
         """The impl for `n_rows` rows of `dtype` (the compute dtype) with these per-expert counts
-        ("grouped_mm" also needs 16-byte aligned rows, which `forward` checks, else it loops)."""
+        ("grouped_mm" also needs 16-byte aligned rows, which `forward` checks, else it loops);
+        "scaled" when a float8 grouped GEMM is installed (`scaled_mm`)."""
+        if self.scaled_mm is not None:
+            return "scaled"
         if self.impl not in IMPLS:
             raise ValueError(
                 f"GroupedExperts.impl={self.impl!r}; choose one of: {', '.join(IMPLS)}"

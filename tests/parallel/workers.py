@@ -18,7 +18,7 @@ from model.config import ModelConfig
 from model.presets import load_preset
 from optim import distributed_muon
 from optim.config import OptimConfig
-from parallel.config import ParallelConfig
+from parallel.config import Float8Config, ParallelConfig
 from parallel.engine import TrainingEngine
 from parallel.mesh import ParallelDims
 from trainer.build import build_training_engine
@@ -80,6 +80,7 @@ def train(
     optimizer_name: str = "adamw",
     qk_clip_tau: float = 0.0,
     compile: bool = False,
+    float8: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Train `steps` steps; returns losses, grad norms, the initial and final full weights.
 
@@ -88,7 +89,7 @@ def train(
     end."""
     optim_cfg = OptimConfig(name=optimizer_name, lr=3e-3, warmup_steps=0, schedule="constant")
     pp = layout.get("pp", 1)
-    engine = engine_for(model_cfg, layout, precision, optim_cfg, compile, micro_batches)
+    engine = engine_for(model_cfg, layout, precision, optim_cfg, compile, micro_batches, float8)
     model = engine.model
     initial = full_state(model)
     distributed_muon.work.clear()
@@ -96,8 +97,10 @@ def train(
     stats = []
     tracker = LossTracker(0.0)
     first = 0
+    loaded = None
     if resume_from:
         first = load_checkpoint(Path(resume_from), engine, rank)["step"]
+        loaded = full_state(model)
     losses, norms = [], []
     settings = StepSettings(micro_batches=micro_batches, grad_clip=grad_clip)
     for tokens in global_batches(first + steps, model_cfg.vocab_size)[first:]:
@@ -119,8 +122,19 @@ def train(
         "stats": stats,
         "norms": norms,
         "initial": initial,
+        "loaded": loaded,  # the weights as resumed (None without resume_from)
         "final": full_state(model),
         "placements": placements,
+        "modules": {name: type(module).__name__ for name, module in model.named_modules()},
+        "weight_types": {  # the local tensors' classes (torchao's float8 all-gather wrapper)
+            name: type(p.to_local() if isinstance(p, DTensor) else p.data).__name__
+            for name, p in model.named_parameters()
+        },
+        "float8_scaled": sum(  # float8 weights whose scale was precomputed for the all-gather
+            getattr(p._local_tensor if isinstance(p, DTensor) else p, "_precomputed_scale", None)
+            is not None
+            for p in model.parameters()
+        ),
         "newton_schulz": dict(distributed_muon.work),
         "local": {
             name: (p.to_local() if isinstance(p, DTensor) else p).detach().clone()
@@ -136,15 +150,22 @@ def engine_for(
     optim_cfg: OptimConfig | None = None,
     compile: bool = False,
     micro_batches: int = 1,
+    float8: dict[str, Any] | None = None,
 ) -> TrainingEngine:
     """The trainer's engine for this layout on this rank's CPU (seed 0); `micro_batches`: the
-    step's (a pipeline's schedule is built for them)."""
+    step's (a pipeline's schedule is built for them); `float8`: trainer.float8 settings (with
+    precision "float8"; filter "all" unless given: the small models' GEMMs are below torchao's
+    size thresholds)."""
     _, size = world()
     pcfg = ParallelConfig(**layout)
     dims = ParallelDims.resolve(pcfg, size)
     micro = GLOBAL_BATCH // dims.dp_ranks // micro_batches if micro_batches > 1 else 0
     tcfg = TrainerConfig(
-        precision=precision, batch_size=GLOBAL_BATCH, compile=compile, micro_batch_size=micro
+        precision=precision,
+        batch_size=GLOBAL_BATCH,
+        compile=compile,
+        micro_batch_size=micro,
+        float8=Float8Config(**({"filter": "all"} | (float8 or {}))),
     )
     optim_cfg = optim_cfg or OptimConfig()
     return build_training_engine(model_cfg, tcfg, pcfg, optim_cfg, dims, torch.device("cpu"), 0)
