@@ -8,7 +8,8 @@ Checks (in this order, sharing one time budget):
       (bench/gpu_attention.py)
   train_mfu  MFU of a ~1B dense and a MoE model through the trainer's step (compiled blocks),
       the step's split, the profiler's top kernels; MuonClip with the kernel's max logits vs
-      SDPA + recomputation (bench/gpu_train.py)
+      SDPA + recomputation; trainer.precision=float8 (tensorwise, rowwise, mxfp8 where the GPU
+      has it) against bf16: tokens/s and the losses of the same steps (bench/gpu_train.py)
   fused_kernels  RMSNorm (+ add), RoPE (both pairings), SwiGLU kernels vs torch eager and
       torch.compile (bench/gpu_kernels.py)
   fused_cross_entropy_memory  the head + cross-entropy at vocab 128k: logits materialized vs
@@ -163,17 +164,54 @@ def train_mfu(budget: Budget) -> dict:
         # the MoE step without compiled blocks: a number even where compilation fails
         "moe_eager": (lambda: train_case("moe", DRY_RUN, dev, sync, False, profile=True), 90),
     }
+    for name, recipe in FLOAT8_CASES.items():  # against dense_1b / moe of the same run
+        model = name.split("_float8_")[0]
+        cases[name] = (float8_case(model, recipe, dev, compile_blocks), 120)
     for backend in ("triton", "sdpa"):
         extra = {"attention.backend": backend}
         cases[f"dense_1b_muonclip_{backend}"] = (case("dense_1b", extra=extra), 90)
     for name in TRAIN_CASES or [c for c in cases if c != "moe_eager"]:
         run(results, name, *cases[name])
+    for name in FLOAT8_CASES:  # speed-up and loss gap against the bf16 case
+        base = results.get(name.split("_float8_")[0], {})
+        got = results.get(name, {})
+        if "tokens_per_s" in base and "tokens_per_s" in got:
+            got["speedup_vs_bf16"] = round(got["tokens_per_s"] / base["tokens_per_s"], 3)
+            gaps = [abs(a - b) for a, b in zip(got["losses"], base["losses"])]
+            got["max_loss_gap_vs_bf16"] = round(max(gaps), 4) if gaps else None
     return results
+
+
+# trainer.precision=float8 sub-cases (issue 59), in the order they run after dense_1b and moe
+FLOAT8_CASES = {
+    "dense_1b_float8_tensorwise": "tensorwise",
+    "moe_float8_rowwise": "rowwise",
+    "dense_1b_float8_rowwise": "rowwise",
+    "dense_1b_float8_mxfp8": "mxfp8",
+}
+
+
+def float8_case(model: str, recipe: str, dev: torch.device, compile_blocks: bool) -> Callable:
+    """A float8 training sub-case, or why this GPU cannot run the recipe."""
+    from bench.gpu_train import train_case
+
+    def run_case() -> dict:
+        from model.errors import ConfigError
+        from parallel.float8 import check_float8_device, require_torchao
+
+        try:
+            require_torchao()
+            check_float8_device(recipe, dev)
+        except ConfigError as error:  # its one line: why this GPU cannot run the recipe
+            return {"skipped": str(error)}
+        return train_case(model, DRY_RUN, dev, sync, compile_blocks, profile=True, float8=recipe)
+
+    return run_case
 
 
 TRAIN_CASES: list[str] | None = None  # --train-cases: these sub-cases of train_mfu, in order
 TRAIN_CASE_NAMES = ["dense_1b", "moe", "moe_eager"]
-TRAIN_CASE_NAMES += ["dense_1b_muonclip_triton", "dense_1b_muonclip_sdpa"]
+TRAIN_CASE_NAMES += [*FLOAT8_CASES, "dense_1b_muonclip_triton", "dense_1b_muonclip_sdpa"]
 
 
 @check("fused_kernels")

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU session's run (device machine: torch and triton preinstalled, nothing else): the wheels
-# in .whl/ (fla-core, liger-kernel, pytest and its dependencies; `pip download --no-deps -d .whl
-# fla-core==0.6.0 liger-kernel==0.8.5 pytest pluggy iniconfig pygments`) into /tmp/site, then the
+# in .whl/ (fla-core, liger-kernel, torchao for the float8 cases, pytest and its dependencies;
+# `pip download --no-deps -d .whl fla-core==0.6.0 liger-kernel==0.8.5 torchao==0.18.0 pytest
+# pluggy iniconfig pygments`) into /tmp/site, then the
 # prepared checks (arguments passed on to bench/gpu_check.py) and the `gpu` test tier.
 # Writes $OUT/gpu_check.json, $OUT/gpu_check.log and $OUT/pytest_gpu.log. Cold, the gpu tier takes
 # minutes (Triton compiles and autotunes its kernels): PYTEST_TIMEOUT_S (default 300) bounds it.

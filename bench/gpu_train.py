@@ -15,6 +15,10 @@ The issue's target: >= 45% MFU for the dense model on an H100/H200-class GPU.
              16 / 4 heads of 64, vocab 32768; B 8 x T 2048
   dense_1b_muonclip_triton / _sdpa   the dense model under MuonClip with attention.backend
              triton (max logits from the kernel) and sdpa (recomputed): the QK-clip cost
+  dense_1b_float8_<recipe> / moe_float8_<recipe>   the same models with trainer.precision=float8
+             (parallel/float8.py: torchao, filter auto) against the bf16 case of the same run:
+             tokens/s and the losses of the same steps on the same batch (issue 59's target:
+             >= 1.2x bf16's tokens/s for the dense model at the same loss trajectory)
 
 `small=True` shrinks every model to run the same code on CPU (a dry run).
 """
@@ -53,9 +57,14 @@ SMALL = {"d_model": 64, "n_layers": 2, "vocab_size": 256, "max_seq_len": 64, "ff
 
 
 def build(
-    name: str, small: bool, device: torch.device, compile_blocks: bool, extra: dict | None = None
+    name: str,
+    small: bool,
+    device: torch.device,
+    compile_blocks: bool,
+    extra: dict | None = None,
+    float8: str = "",
 ):
-    """(engine, batch, flops per token) for one of MODELS."""
+    """(engine, batch, flops per token) for one of MODELS; `float8`: a trainer.float8.recipe."""
     from data.loader import Batch
     from model.accounting import training_flops_per_token
     from model.presets import load_preset
@@ -78,10 +87,18 @@ def build(
     model = build_model(load_preset(preset, overrides), device=device, seed=0)
     if optim_name == "muonclip":
         enable_qk_clip(model)
+    plan = None
+    if float8:  # as the trainer converts: before compile (the small shapes: every matmul)
+        from parallel.config import Float8Config
+        from parallel.float8 import convert_to_float8
+
+        cfg = Float8Config(recipe=float8, filter="all" if small else "auto")
+        plan = convert_to_float8(model, cfg, device, sharded=False)
     if compile_blocks:
         compile_model(model, device.type)
     opt = build_optimizer(OptimConfig(name=optim_name, lr=1e-4), model)
-    engine = FSDP2Engine(model, opt, "bf16", device)
+    engine = FSDP2Engine(model, opt, "float8" if float8 else "bf16", device)
+    engine.float8 = plan
     gen = torch.Generator(device=device).manual_seed(0)
     tokens = torch.randint(
         0, model.cfg.vocab_size, (batch, seq_len + 1), device=device, generator=gen
@@ -114,8 +131,10 @@ def step_times(engine, data, qk_clip: bool, sync: Callable, steps: int) -> dict:
         engine.forward_backward(data.inputs, data.targets, None, 1, True, objective)
         engine.zero_grad()
 
+    losses = []
+
     def step():
-        train_step(engine, data, settings, LossTracker(0.0), hooks)
+        losses.append(train_step(engine, data, settings, LossTracker(0.0), hooks).loss)
 
     def median(fn) -> float:
         times = []
@@ -132,6 +151,7 @@ def step_times(engine, data, qk_clip: bool, sync: Callable, steps: int) -> dict:
         "forward_s": median(forward),
         "forward_backward_s": median(forward_backward),
         "step_s": median(step),
+        "losses": [round(float(x), 4) for x in losses],  # the steps on the same batch
     }
 
 
@@ -167,6 +187,7 @@ def train_case(
     compile_blocks: bool = True,
     extra: dict | None = None,
     profile: bool = False,
+    float8: str = "",
 ) -> dict:
     torch._dynamo.reset()  # each case compiles as in a fresh process (no shared recompile limit)
     graphs = torch._dynamo.utils.counters["stats"]  # cumulative over the process: take the change
@@ -175,7 +196,7 @@ def train_case(
     if device.type == "cuda":
         gc.collect()  # an earlier case's engine held only by a reference cycle: freed first
         torch.cuda.reset_peak_memory_stats()  # this case's peak, not the process's
-    engine, data, flops_per_token = build(name, small, device, compile_blocks, extra)
+    engine, data, flops_per_token = build(name, small, device, compile_blocks, extra, float8)
     start = time.perf_counter()
     from trainer.hooks import start_hooks
     from trainer.step import LossTracker, StepSettings, train_step
@@ -194,7 +215,7 @@ def train_case(
         "params": sum(p.numel() for p in engine.model.parameters()),
         "flops_per_token": flops_per_token,
         "warmup_s": round(warmup_s, 1),
-        **{k: round(v, 4) for k, v in times.items()},
+        **{k: v if k == "losses" else round(v, 4) for k, v in times.items()},
         "tokens_per_s": round(tokens / times["step_s"]),
         "mfu": round(flops_per_token * tokens / times["step_s"] / peak, 4),
         "peak_flops": peak,
@@ -205,6 +226,8 @@ def train_case(
             for reason, count in torch._dynamo.utils.counters["graph_break"].items()
         },
     }
+    if engine.float8 is not None:
+        result["float8"] = engine.float8.summary()
     if device.type == "cuda":
         result["max_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         if profile:

@@ -102,6 +102,10 @@ class Float8Plan:
     def converted(self) -> list[Float8Candidate]:
         return [c for c in self.candidates if c.qualifies]
 
+    @property
+    def _experts_converted(self) -> bool:
+        return any(c.kind == EXPERTS for c in self.converted)
+
     def summary(self) -> str:
         """The start-up log line: counts, then each reason with the names it kept (layer
         indices collapsed: `layers.*.attn.b_proj`)."""
@@ -112,7 +116,7 @@ class Float8Plan:
         lines = [
             f"float8 ({self.recipe}): {len(self.converted)} of {len(self.candidates)} matmul "
             f"modules in float8"
-            + (f", experts by {self.grouped}" if self.grouped else "")
+            + (f", experts by {self.grouped}" if self._experts_converted else "")
             + (", FSDP2 gathers float8 weights" if self.all_gather else "")
         ]
         lines += [
@@ -291,11 +295,14 @@ def _scaled_grouped_mm(name: str, device: torch.device) -> ScaledGroupedMM:
     if name == "mxfp8":
         from torchao.prototype.moe_training import _to_mxfp8_then_scaled_grouped_mm
 
+        preference = _mxfp8_kernels(device)
         fn = functools.partial(
             _to_mxfp8_then_scaled_grouped_mm,
             out_dtype=torch.bfloat16,
-            kernel_preference=_mxfp8_kernels(device),
+            kernel_preference=preference,
         )
+        if preference.name == "EMULATED":  # Inductor's CPU code generation failed on the
+            fn = torch.compiler.disable(fn)  # emulation's reshapes (torch 2.13): run it eagerly
         return ScaledGroupedMM(fn, MXFP8_BLOCK, name)
     from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm
 

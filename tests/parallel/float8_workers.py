@@ -14,7 +14,7 @@ def run(rank: int, preset: str, layout: dict[str, Any], recipe: str, steps: int)
     """`steps` float8 steps of `preset` in `layout`, with what the ranks built: the classes of
     the converted modules and of their weights' local tensors (torchao's float8 all-gather
     wrapper under FSDP2), and the tensor-parallel styles' input hooks."""
-    micro = 2 if layout.get("pp", 1) > 1 else 1
+    micro = 2 if "pp" in layout else 1  # (a pipeline and its one-process reference)
     cfg = small_model(preset, **({"n_layers": 4} if preset == "tiny_hybrid" else {}))
     return train(rank, cfg, layout, steps, micro, "float8", float8={"recipe": recipe})
 

@@ -55,6 +55,26 @@ def test_every_recipe_follows_the_bf16_run(preset: str, recipe: str, bf16_runs: 
     assert not any(n.endswith(("router.gate", "a_proj", "b_proj")) for n in converted)
 
 
+OTHER_FAMILIES = {  # the remaining layer kinds: MLA, KDA (+ MLA), mHC, AttnRes, Engram, MTP
+    "tiny_mla": {},
+    "tiny_kda": {"n_layers": 4},
+    "tiny_mhc": {},
+    "tiny_attnres": {},
+    "tiny_engram": {"n_layers": 4},
+    "tiny": {"mtp.depth": 1},
+}
+
+
+@pytest.mark.parametrize("preset", OTHER_FAMILIES)
+def test_every_other_family_trains_in_float8(preset: str) -> None:
+    """rowwise (every qualifying matmul) against bf16, 4 steps, the same bound."""
+    cfg = small_model(preset, **OTHER_FAMILIES[preset])
+    ref = train(0, cfg, {}, 4, precision="bf16")["losses"]
+    got = train(0, cfg, {}, 4, precision="float8", float8={"recipe": "rowwise"})
+    assert max(abs(a - b) for a, b in zip(got["losses"], ref)) <= LOSS_ATOL, (got["losses"], ref)
+    assert sum(kind == "Float8Linear" for kind in got["modules"].values()) >= 8
+
+
 def test_the_filter_keeps_the_head_router_gates_and_odd_shapes_in_bf16() -> None:
     with torch.device("meta"):
         hybrid = Transformer(_config("tiny_hybrid"))
@@ -124,12 +144,18 @@ def test_gpus_without_float8_and_the_deepspeed_engine_are_refused(monkeypatch) -
 @pytest.mark.distributed
 def test_two_ranks_in_float8_follow_one_process() -> None:
     """FSDP2 gathering float8 weights (as bytes over gloo), tensor parallelism with torchao's
-    float8 styles, and MXFP8 experts under expert parallelism, against one process in float8.
+    float8 styles, MXFP8 experts under expert parallelism, and a pipeline of two stages, against
+    one process in float8 (the pipeline's with the same 2 micro-batches).
     Not bitwise: one process casts fp32 weights under autocast where the ranks compute in
     FSDP2's bf16, so the float8 operands differ in rounding (measured within 2e-3 over 4 steps)."""
-    cases = [("tiny", {}, "tensorwise"), ("tiny", {"tp": 2}, "tensorwise"), ("tiny_moe", {"ep": 2}, "mxfp8")]  # fmt: skip
+    cases = [
+        ("tiny", {}, "tensorwise"),
+        ("tiny", {"tp": 2}, "tensorwise"),
+        ("tiny_moe", {"ep": 2}, "mxfp8"),
+        ("tiny", {"pp": 2}, "rowwise"),  # (2 micro-batches through 1F1B)
+    ]
     for preset, layout, recipe in cases:
-        one = run(0, preset, {}, recipe, 4)
+        one = run(0, preset, {"pp": 1} if "pp" in layout else {}, recipe, 4)
         got = run_ranks(2, run, preset, layout, recipe, 4)
         label = f"{preset} {layout} {recipe}"
         assert got[0]["losses"] == got[1]["losses"], label
@@ -156,3 +182,14 @@ def test_checkpoints_move_between_float8_and_bf16(tmp_path: Path) -> None:
     one = train(0, small_model(), {}, 1, precision="bf16", resume_from=str(saved))
     for name, tensor in got["f8"]["final"].items():
         assert torch.equal(one["loaded"][name], tensor), name
+
+
+def test_the_gpu_sessions_float8_case_runs_on_cpu() -> None:
+    """bench/gpu_check.py's float8 sub-cases (their dry-run shapes, eager): the converted
+    model trains through the same step, its plan and losses recorded for the bf16 comparison."""
+    from bench.gpu_train import train_case
+
+    cpu = torch.device("cpu")
+    got = train_case("moe", True, cpu, lambda: None, False, float8="mxfp8")
+    assert got["float8"].startswith("float8 (mxfp8)") and "experts by mxfp8" in got["float8"]
+    assert len(got["losses"]) == 4 and got["losses"][-1] < got["losses"][0]  # (1 + 3 timed)

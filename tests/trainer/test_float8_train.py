@@ -1,0 +1,48 @@
+"""`python -m trainer trainer.precision=float8` end to end: a MoE model trains with MXFP8 (its
+experts' grouped GEMMs emulated on CPU), the filter's choices in the log; the run resumes in
+bf16 from its float8 checkpoint; DeepSpeed with float8 is refused in one line."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from tests.trainer.helpers import SMALL_OVERRIDES, metric_rows, run_trainer
+
+pytestmark = pytest.mark.integration
+pytest.importorskip("torchao")
+
+
+def _args(dataset: Path, run_dir: Path, *extra: str) -> list[str]:
+    return [f"data.path={dataset}", f"hydra.run.dir={run_dir}", "model=tiny_moe", *SMALL_OVERRIDES, *extra]  # fmt: skip
+
+
+def test_a_float8_run_trains_and_resumes_in_bf16(dataset: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    float8 = ("trainer.precision=float8", "trainer.float8.recipe=mxfp8", "trainer.float8.filter=all")  # fmt: skip
+    first = run_trainer(*_args(dataset, run_dir, "trainer.max_steps=3", *float8), cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    log = (run_dir / "train.log").read_text()
+    assert "float8 (mxfp8): " in log and "experts by mxfp8" in log
+    assert "kept in bf16 (router (its scores pick the experts)): layers.*.ffn.router.gate" in log
+    losses = [r["loss"] for r in metric_rows(run_dir) if "loss" in r]
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
+    second = run_trainer(
+        *_args(dataset, run_dir, "trainer.max_steps=5", "trainer.precision=bf16"), cwd=tmp_path
+    )
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed from" in (run_dir / "train.log").read_text()
+    steps = [r["step"] for r in metric_rows(run_dir) if "loss" in r]
+    assert steps == [1, 2, 3, 4, 5]
+
+
+def test_deepspeed_with_float8_is_refused_in_one_line(dataset: Path, tmp_path: Path) -> None:
+    extra = ("parallel.engine=deepspeed", "trainer.precision=float8", "trainer.max_steps=1")
+    result = run_trainer(*_args(dataset, tmp_path / "run", *extra), cwd=tmp_path)
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1, result.stderr[-2000:]
+    assert "trainer.precision=float8 is not available with parallel.engine=deepspeed" in errors[0]
+    assert "Traceback" not in result.stderr
