@@ -52,22 +52,27 @@ def _exclusions(model: nn.Module) -> dict[str, str]:
     return excluded
 
 
-def _dims_reason(dims: tuple[int, ...], multiple: int) -> str:
-    if all(d % multiple == 0 for d in dims):
+def _dims_reason(dims: tuple[int, ...], multiple: int, split: int) -> str:
+    if all(d % (multiple * split) == 0 for d in dims):
         return ""
-    return f"dims {' x '.join(map(str, dims))} not multiples of {multiple}"
+    times = f" x tp {split}" if split > 1 else ""
+    return f"dims {' x '.join(map(str, dims))} not multiples of {multiple}{times}"
 
 
-def float8_candidates(model: nn.Module, multiple: int = 16) -> list[Float8Candidate]:
+def float8_candidates(
+    model: nn.Module, multiple: int = 16, split: int = 1
+) -> list[Float8Candidate]:
     """Every linear map and routed-expert stack of `model`, in module order, with the reason it
-    stays in the compute dtype ("" when it may run in float8). `multiple`: the recipe's block."""
+    stays in the compute dtype ("" when it may run in float8). `multiple`: the recipe's block;
+    `split`: the tensor-parallel degree (a rank's GEMM holds 1 / split of one dim, which one
+    depends on the layer's plan, so both must split into blocks)."""
     param_roles = roles.param_roles(model)
     excluded = _exclusions(model)
     found = []
     for name, module in model.named_modules():
         if isinstance(module, GroupedExperts):
             E, C, F = module.w_gate.shape
-            reason = _dims_reason((C, F), multiple)
+            reason = _dims_reason((C, F), multiple, 1)  # (experts split by expert, not by dims)
             found.append(Float8Candidate(name, EXPERTS, (E, C, F), reason))
         elif isinstance(module, nn.Linear):
             shape = tuple(module.weight.shape)
@@ -75,6 +80,6 @@ def float8_candidates(model: nn.Module, multiple: int = 16) -> list[Float8Candid
             if role != roles.MATRIX:
                 reason = _ROLE_REASONS.get(role, f"role {role}")
             else:
-                reason = excluded.get(name) or _dims_reason(shape, multiple)
+                reason = excluded.get(name) or _dims_reason(shape, multiple, split)
             found.append(Float8Candidate(name, LINEAR, shape, reason))
     return found

@@ -56,8 +56,10 @@ def parallelize(
     converted first; returns what was converted (None without float8)."""
     plan = None
     if float8 is not None:
-        plan = convert_to_float8(model, float8, torch.device(device_type), meshes is not None)
-        if meshes is None or dist.get_rank() == 0:
+        tp = meshes.dims.tp if meshes is not None else 1
+        plan = convert_to_float8(model, float8, torch.device(device_type), meshes is not None, tp)
+        # (the first rank of each pipeline stage: each holds its own stages' matmuls)
+        if meshes is None or dist.get_rank() % meshes.dims.ranks_per_stage == 0:
             log.info("%s", plan.summary())
     if meshes is not None and meshes.ep is not None:
         from parallel.expert_parallel import apply_expert_parallel

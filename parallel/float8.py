@@ -86,6 +86,28 @@ def check_float8_device(recipe: str, device: torch.device) -> None:
             f"trainer.float8.recipe=mxfp8 needs an SM100 GPU (B200/GB200); {name} is "
             f"{major}.{minor}: use trainer.float8.recipe=tensorwise or rowwise"
         )
+    if recipe == "mxfp8" and not _sm100_kernels():
+        raise ConfigError(
+            "trainer.float8.recipe=mxfp8: this torchao build has no SM100 MXFP8 kernels (its "
+            "CUDA extensions did not load); install a torchao wheel built for your CUDA and torch"
+        )
+
+
+def _sm100_kernels() -> bool:
+    from torchao.prototype.moe_training import mxfp8_grouped_mm
+
+    return bool(mxfp8_grouped_mm._SM100_KERNELS_AVAILABLE)
+
+
+def check_float8_tokens(recipe: str, tokens: int) -> None:
+    """MXFP8 quantizes the weight gradient's inner dim, the tokens of one micro-batch on one
+    rank, in blocks of 32: a one-line ConfigError when they do not split."""
+    if recipe == "mxfp8" and tokens % MXFP8_BLOCK:
+        raise ConfigError(
+            f"trainer.float8.recipe=mxfp8 needs each rank's micro-batch to hold a multiple of "
+            f"{MXFP8_BLOCK} tokens (its weight gradients are quantized in blocks of {MXFP8_BLOCK} "
+            f"along them); it holds {tokens}: change data.seq_len or trainer.micro_batch_size"
+        )
 
 
 @dataclass
@@ -97,6 +119,7 @@ class Float8Plan:
     all_gather: bool = False  # FSDP2 gathers float8 weights (tensorwise)
     grouped: str = ""  # the experts' scaled grouped GEMM ("" = none)
     modules: list[nn.Module] = field(default_factory=list)  # the roots converted (after_step)
+    _by_mesh: list[nn.ModuleList] | None = None  # the gathered float8 linears by weight mesh
 
     @property
     def converted(self) -> list[Float8Candidate]:
@@ -126,24 +149,42 @@ class Float8Plan:
         return "\n".join(lines)
 
     def after_step(self) -> None:
-        """After each optimizer step: the float8 scales of the weights FSDP2 gathers (one
-        all-reduce of every weight's amax)."""
+        """After each optimizer step: the float8 scales of the weights FSDP2 gathers, one
+        all-reduce of their amaxes per device mesh (torchao stacks them: under tensor
+        parallelism the split linears' weights live on the (dp, tp) mesh, the unsplit ones, such
+        as MLA's down projections, on the data-parallel mesh alone)."""
         if not self.all_gather:
             return
         from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
-        for module in self.modules:
-            precompute_float8_dynamic_scale_for_fsdp(module)
+        if self._by_mesh is None:
+            self._by_mesh = _float8_linears_by_mesh(self.modules)
+        for group in self._by_mesh:
+            precompute_float8_dynamic_scale_for_fsdp(group)
+
+
+def _float8_linears_by_mesh(roots: list[nn.Module]) -> list[nn.ModuleList]:
+    """The float8 linears whose weights FSDP2 gathers in float8, grouped by their mesh."""
+    from torch.distributed.tensor import DTensor
+
+    groups: dict[object, list[nn.Module]] = {}
+    for root in roots:
+        for module in root.modules():
+            weight = getattr(module, "weight", None)
+            if isinstance(weight, DTensor) and hasattr(weight._local_tensor, "_precomputed_scale"):
+                groups.setdefault(weight.device_mesh, []).append(module)
+    return [nn.ModuleList(group) for group in groups.values()]
 
 
 def plan_float8(
-    model: nn.Module, cfg: Float8Config, device: torch.device, sharded: bool
+    model: nn.Module, cfg: Float8Config, device: torch.device, sharded: bool, tp: int = 1
 ) -> Float8Plan:
-    """Which of `model`'s matmuls `convert_to_float8` converts (nothing is changed)."""
+    """Which of `model`'s matmuls `convert_to_float8` converts (nothing is changed); `tp`: the
+    tensor-parallel degree the model will be split by."""
     block = MXFP8_BLOCK if cfg.recipe == "mxfp8" else FP8_BLOCK
     grouped = _grouped_name(cfg, device)
     candidates = []
-    for c in float8_candidates(model, block):
+    for c in float8_candidates(model, block, tp):
         reason = c.reason or _user_reason(c, cfg, grouped)
         candidates.append(dataclasses.replace(c, reason=reason))
     all_gather = sharded and cfg.recipe == "tensorwise" and cfg.fsdp_all_gather
@@ -186,13 +227,13 @@ def _grouped_name(cfg: Float8Config, device: torch.device) -> str:
 
 
 def convert_to_float8(
-    model: nn.Module, cfg: Float8Config, device: torch.device, sharded: bool
+    model: nn.Module, cfg: Float8Config, device: torch.device, sharded: bool, tp: int = 1
 ) -> Float8Plan:
     """Convert `model`'s qualifying matmuls (on the meta device, before TP / compile / FSDP2)
     and return the plan; `sharded`: FSDP2 will shard the weights (the float8 all-gather)."""
     require_torchao()
     check_float8_device(cfg.recipe, device)
-    plan = plan_float8(model, cfg, device, sharded)
+    plan = plan_float8(model, cfg, device, sharded, tp)
     linears = {c.name for c in plan.converted if c.kind == LINEAR}
     if cfg.recipe == "mxfp8":
         _convert_mxfp8(model, linears, device)
@@ -252,7 +293,9 @@ def _autocast_class(base: type) -> type:
 def _convert_float8(model: nn.Module, names: set[str], recipe: str, all_gather: bool) -> None:
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    config = Float8LinearConfig.from_recipe_name(recipe)
+    # pad_inner_dim: CUDA's float8 GEMM needs inner dims in multiples of 16, and the weight
+    # gradient's inner dim is the micro-batch's token count: padded with zeros where it is not
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), pad_inner_dim=True)
     if all_gather:
         config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
     convert_to_float8_training(model, config=config, module_filter_fn=lambda m, n: n in names)

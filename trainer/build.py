@@ -26,7 +26,7 @@ from optim.config import OptimConfig
 from parallel import ENGINES, EngineRequest, TrainingEngine, build_engine
 from parallel.collective import from_main
 from parallel.config import Float8Config, ParallelConfig
-from parallel.float8 import require_torchao
+from parallel.float8 import check_float8_tokens, require_torchao
 from parallel.mesh import ParallelDims
 from parallel.precision import resolve_precision
 from trainer.config import RootConfig, TrainerConfig, compiles
@@ -112,7 +112,7 @@ def build_loader(
 class EngineChoices:
     """The trainer's choices an engine is built with, resolved once (trainer.app)."""
 
-    precision: str  # trainer.precision, resolved: fp32 | bf16 | bf16_master
+    precision: str  # trainer.precision, resolved: fp32 | bf16 | bf16_master | float8
     compile: bool  # trainer.compile, resolved (trainer.config.compiles)
     grad_clip: float  # trainer.grad_clip (engines that clip inside their own step)
     plan: BatchPlan  # the step's micro-batch size and count
@@ -224,6 +224,9 @@ def check_start(cfg: RootConfig, world_size: int) -> tuple[ParallelDims, BatchPl
             f"{cfg.parallel.engine} does not split sequences); set parallel.engine=fsdp2"
         )
     plan = batch_plan(cfg.trainer, cfg.parallel, dims)
+    if cfg.trainer.precision == "float8":
+        tokens = plan.micro_batch_size * cfg.data.seq_len // dims.cp
+        check_float8_tokens(cfg.trainer.float8.recipe, tokens)
     if dims.pp > 1:
         check_pipeline(cfg, dims)
     if not is_hf(cfg.init_from):

@@ -187,10 +187,11 @@ def aligned_rows(counts: Tensor, n_rows: int, alignment: int) -> tuple[Tensor, T
     return rows, padded.cumsum(0).to(torch.int32)
 
 
-def column_major(w: Tensor) -> Tensor:
-    """(G, K, N) with each group's matrix stored column-major (strides (K N, 1, K)): the right
-    operand layout of the scaled grouped GEMMs."""
-    return w.mT.contiguous().mT
+def column_major(w: Tensor, dtype: torch.dtype) -> Tensor:
+    """(G, K, N) in `dtype` with each group's matrix stored column-major (strides (K N, 1, K)):
+    the right operand layout of the scaled grouped GEMMs, cast and laid out in one copy."""
+    G, K, N = w.shape
+    return torch.empty(G, N, K, dtype=dtype, device=w.device).copy_(w.mT).mT
 
 
 class GroupedExperts(nn.Module):
@@ -257,7 +258,9 @@ class GroupedExperts(nn.Module):
         a = scaled.alignment  # every group padded to a multiple; the whole too (MXFP8's wgrad
         capacity = -(-(M + counts.numel() * (a - 1)) // a) * a  # quantizes along the rows)
         padded = x.new_zeros(capacity, C).index_copy(0, rows, x)
-        w_gate, w_up, w_down = (column_major(w) for w in self._weights(x.dtype))
+        w_gate, w_up, w_down = (
+            column_major(_local(w), x.dtype) for w in (self.w_gate, self.w_up, self.w_down)
+        )
         h = self.activation(scaled.fn(padded, w_gate, ends)) * scaled.fn(padded, w_up, ends)
         return scaled.fn(h, w_down, ends).index_select(0, rows)
 
