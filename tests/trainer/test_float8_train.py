@@ -1,6 +1,6 @@
 """`python -m trainer trainer.precision=float8` end to end: a MoE model trains with MXFP8 (its
-experts' grouped GEMMs emulated on CPU), the filter's choices in the log; the run resumes in
-bf16 from its float8 checkpoint; DeepSpeed with float8 is refused in one line."""
+experts' grouped GEMMs emulated on CPU), the filter's choices in the log; its checkpoint exports
+to bf16 safetensors and the run resumes in bf16 from it; DeepSpeed with float8 is refused in one line."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import math
 from pathlib import Path
 
 import pytest
+from safetensors import safe_open
 
+from tests.commands import run_module
 from tests.trainer.helpers import SMALL_OVERRIDES, metric_rows, run_trainer
 
 pytestmark = pytest.mark.integration
@@ -16,7 +18,11 @@ pytest.importorskip("torchao")
 
 
 def _args(dataset: Path, run_dir: Path, *extra: str) -> list[str]:
-    return [f"data.path={dataset}", f"hydra.run.dir={run_dir}", "model=tiny_moe", *SMALL_OVERRIDES, *extra]  # fmt: skip
+    # Mixtral's shape (the family the export writes): no shared expert, no selection bias, no
+    # dense first layer
+    mixtral = ("n_shared_experts=0", "bias_update_rate=0", "first_k_dense=0")
+    moe = ("model=tiny_moe", *(f"model.moe.{setting}" for setting in mixtral))
+    return [f"data.path={dataset}", f"hydra.run.dir={run_dir}", *moe, *SMALL_OVERRIDES, *extra]
 
 
 def test_a_float8_run_trains_and_resumes_in_bf16(dataset: Path, tmp_path: Path) -> None:
@@ -29,6 +35,11 @@ def test_a_float8_run_trains_and_resumes_in_bf16(dataset: Path, tmp_path: Path) 
     assert "kept in bf16 (router (its scores pick the experts)): layers.*.ffn.router.gate" in log
     losses = [r["loss"] for r in metric_rows(run_dir) if "loss" in r]
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
+    exported = run_module("trainer.export", f"path={run_dir}", f"out={tmp_path / 'hf'}", "dtype=bf16", cwd=tmp_path)  # fmt: skip
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    for shard in (tmp_path / "hf").glob("*.safetensors"):  # the float8 run's weights, in bf16
+        with safe_open(str(shard), "pt") as f:
+            assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}  # noqa: SIM118
     second = run_trainer(
         *_args(dataset, run_dir, "trainer.max_steps=5", "trainer.precision=bf16"), cwd=tmp_path
     )
