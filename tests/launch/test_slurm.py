@@ -23,7 +23,9 @@ from tests.trainer.helpers import SMALL_OVERRIDES, train_losses
 pytestmark = [pytest.mark.slurm, pytest.mark.integration, pytest.mark.distributed]
 CLUSTER = ROOT / "launch" / "slurm" / "local_cluster.sh"
 TEMPLATE = ROOT / "launch" / "slurm" / "train.sbatch"
-OVERRIDES = [*SMALL_OVERRIDES, "trainer.precision=fp32", "trainer.eval_every=0"]
+# MFU's peak given: no ~1 s matmul measurement at each start (test_mfu_peak.py tests it)
+PEAK = "trainer.peak_flops=1e11"
+OVERRIDES = [*SMALL_OVERRIDES, "trainer.precision=fp32", "trainer.eval_every=0", PEAK]
 
 
 @pytest.fixture(scope="module")
@@ -147,17 +149,14 @@ def test_a_job_trains_is_preempted_requeues_itself_and_ends_like_an_uninterrupte
     # 200 steps: the signal sent at step 3 must land well before the end (tens of ms a step)
     steps = [f"data.path={dataset}", "trainer.max_steps=200", "checkpoint.every=1000"]
     steps += ["trainer.log_every=1", "trainer.compile=false"]
+    # the two jobs at once, one CPU each (the node has 2): the uninterrupted job trains while
+    # the other waits to be requeued
+    layout = ("--cpus-per-task=1", str(TEMPLATE))
     plain_name, preempted_name = unique("plain"), unique("preempted")
     try:
-        plain = submit(cluster, tmp_path, plain_name, *steps)
+        plain = submit(cluster, tmp_path, plain_name, *steps, layout=layout)
+        job = submit(cluster, tmp_path, preempted_name, *steps, layout=layout)
         plain_id = job_id(plain_name, cluster)
-        finish(plain)
-        plain_dir = tmp_path / "runs" / f"slurm-{plain_id}"
-        assert "world 2" in (plain_dir / "train.log").read_text()
-        uninterrupted = train_losses(plain_dir)
-        assert sorted(uninterrupted) == list(range(1, 201))
-
-        job = submit(cluster, tmp_path, preempted_name, *steps)
         preempted_id = job_id(preempted_name, cluster)
         run_dir = tmp_path / "runs" / f"slurm-{preempted_id}"
         wait_for_step(run_dir, 3)
@@ -167,10 +166,15 @@ def test_a_job_trains_is_preempted_requeues_itself_and_ends_like_an_uninterrupte
             check=True,
             env=os.environ | cluster,
         )
+        finish(plain)
         finish(job)
     finally:
         for name in (plain_name, preempted_name):
             cancel(name, cluster)
+    plain_dir = tmp_path / "runs" / f"slurm-{plain_id}"
+    assert "world 2" in (plain_dir / "train.log").read_text()
+    uninterrupted = train_losses(plain_dir)
+    assert sorted(uninterrupted) == list(range(1, 201))
     log = (run_dir / "train.log").read_text()
     assert "SIGUSR2 received" in log and f"job {preempted_id} requeued" in log
     assert f"SLURM job {preempted_id} (restart count 1)" in log and "resumed from" in log

@@ -7,10 +7,13 @@ parallelism does not take is refused at start in one line."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 
 from model.errors import ConfigError
 from model.presets import load_preset
+from tests.trainer.concurrent import concurrently
 from tests.trainer.helpers import SMALL_MODEL, SMALL_OVERRIDES, run_trainer, small_config
 from tests.trainer.helpers import train_losses as losses_of
 from tests.trainer.test_tensor_parallel_train import assert_same_losses
@@ -19,20 +22,23 @@ from trainer.build import check_start
 
 pytestmark = [pytest.mark.integration, pytest.mark.distributed]
 
-FP32 = ["trainer.precision=fp32", "trainer.max_steps=4", "trainer.doc_mask=true"]
+# MFU's peak given: no ~1 s matmul measurement at each start (test_mfu_peak.py tests it)
+PEAK = "trainer.peak_flops=1e11"
+FP32 = ["trainer.precision=fp32", "trainer.max_steps=4", "trainer.doc_mask=true", PEAK]
 
 
 def test_context_parallel_runs_equal_one_process_and_resume_across_cp_sizes(dataset, tmp_path):
     common = [f"data.path={dataset}", *SMALL_OVERRIDES, *FP32, "checkpoint.every=2"]
     common += ["trainer.eval_every=2"]  # validation forwards split over the cp ranks too
-    one = tmp_path / "one"
-    result = run_trainer(*common, f"hydra.run.dir={one}", cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-4000:]
+    one, cp2 = tmp_path / "one", tmp_path / "cp2"
+    results = concurrently(  # independent runs
+        partial(run_trainer, *common, f"hydra.run.dir={one}", cwd=tmp_path),
+        partial(torchrun, 2, *common, "parallel.cp=2", f"hydra.run.dir={cp2}", cwd=tmp_path),
+    )
+    for result in results:
+        assert result.returncode == 0, result.stderr[-4000:]
     whole = losses_of(one)
 
-    cp2 = tmp_path / "cp2"
-    result = torchrun(2, *common, "parallel.cp=2", f"hydra.run.dir={cp2}", cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-4000:]
     log = (cp2 / "train.log").read_text()
     assert "world 2, dp_shard 1, cp 2" in log
     assert "each rank computes 2 of the 4 head-tail chunks of every training sequence" in log
@@ -40,27 +46,34 @@ def test_context_parallel_runs_equal_one_process_and_resume_across_cp_sizes(data
     assert_same_losses(losses_of(cp2), whole, [1, 2, 3, 4])
     assert validation_losses(cp2) == pytest.approx(validation_losses(one), rel=1e-5)
 
-    resumed = tmp_path / "cp2_to_one"
-    checkpoint = cp2 / "checkpoints" / "step_00000002"
-    result = run_trainer(*common, f"resume={checkpoint}", f"hydra.run.dir={resumed}", cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert_same_losses(losses_of(resumed), whole, [3, 4])
-
-    # into a pipeline of 2 stages, each split over cp=2 (the pipeline's own schedule runs the
-    # step's 2 micro-batches; validation passes the stages in order)
-    resumed = tmp_path / "one_to_pp2_cp2"
-    checkpoint = one / "checkpoints" / "step_00000002"
-    result = torchrun(
-        4,
-        *common,
-        "parallel.cp=2",
-        "parallel.pp=2",
-        "parallel.activation_checkpoint=full",  # recomputed blocks: the same numbers
-        f"resume={checkpoint}",
-        f"hydra.run.dir={resumed}",
-        cwd=tmp_path,
+    # cp=2's checkpoint in one process, and one process's in a pipeline of 2 stages, each split
+    # over cp=2 (the pipeline's own schedule runs the step's 2 micro-batches; validation passes
+    # the stages in order): independent runs, at once
+    to_one, resumed = tmp_path / "cp2_to_one", tmp_path / "one_to_pp2_cp2"
+    results = concurrently(
+        partial(
+            run_trainer,
+            *common,
+            f"resume={cp2 / 'checkpoints' / 'step_00000002'}",
+            f"hydra.run.dir={to_one}",
+            cwd=tmp_path,
+        ),
+        partial(
+            torchrun,
+            4,
+            *common,
+            "parallel.cp=2",
+            "parallel.pp=2",
+            "parallel.activation_checkpoint=full",  # recomputed blocks: the same numbers
+            f"resume={one / 'checkpoints' / 'step_00000002'}",
+            f"hydra.run.dir={resumed}",
+            cwd=tmp_path,
+        ),
     )
-    assert result.returncode == 0, result.stderr[-4000:]
+    for result in results:
+        assert result.returncode == 0, result.stderr[-4000:]
+    assert_same_losses(losses_of(to_one), whole, [3, 4])
+
     log = (resumed / "train.log").read_text()
     assert "world 4, pp 2, dp_shard 1, cp 2" in log
     assert "pipeline: 1F1B, 2 stages on 2 ranks" in log
@@ -83,14 +96,21 @@ def test_a_hybrid_model_on_context_and_tensor_parallel_ranks_equals_one_process(
     hybrid = ["model=tiny_hybrid", *SMALL_OVERRIDES, "model.layer_pattern=[gdn,gqa]"]
     hybrid += ["model.gdn.head_dim=16", "model.gdn.v_head_dim=16", "optim.name=muonclip"]
     common = [f"data.path={dataset}", *hybrid, *FP32, "trainer.eval_every=0"]
-    one = tmp_path / "one"
-    result = run_trainer(*common, f"hydra.run.dir={one}", cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-4000:]
-    split = tmp_path / "cp2_tp2"
-    result = torchrun(
-        4, *common, "parallel.cp=2", "parallel.tp=2", f"hydra.run.dir={split}", cwd=tmp_path
+    one, split = tmp_path / "one", tmp_path / "cp2_tp2"
+    results = concurrently(  # independent runs
+        partial(run_trainer, *common, f"hydra.run.dir={one}", cwd=tmp_path),
+        partial(
+            torchrun,
+            4,
+            *common,
+            "parallel.cp=2",
+            "parallel.tp=2",
+            f"hydra.run.dir={split}",
+            cwd=tmp_path,
+        ),
     )
-    assert result.returncode == 0, result.stderr[-4000:]
+    for result in results:
+        assert result.returncode == 0, result.stderr[-4000:]
     assert "world 4, dp_shard 1, cp 2, tp 2" in (split / "train.log").read_text()
     assert_same_losses(losses_of(split), losses_of(one), [1, 2, 3, 4])
 

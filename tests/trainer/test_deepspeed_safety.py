@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from tests.commands import run_module
+from tests.trainer.concurrent import concurrently
 from tests.trainer.helpers import SMALL_OVERRIDES, run_trainer, train_losses
 from tests.trainer.test_torchrun import torchrun
 from trainer.checkpoint.errors import CheckpointError, UnsafeCheckpointError
@@ -26,7 +28,9 @@ from trainer.checkpoint.record import RECORD, CommitRecord, checksum_files
 pytest.importorskip("deepspeed")
 pytestmark = [pytest.mark.integration, pytest.mark.distributed]
 
-COMMON = [*SMALL_OVERRIDES, "trainer.precision=fp32", "trainer.eval_every=0"]
+# MFU's peak given: no ~1 s matmul measurement at each start (test_mfu_peak.py tests it)
+PEAK = "trainer.peak_flops=1e11"
+COMMON = [*SMALL_OVERRIDES, PEAK, "trainer.precision=fp32", "trainer.eval_every=0"]
 COMMON += ["parallel.engine=deepspeed", "trainer.max_steps=6", "checkpoint.every=2"]
 OPTIM = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
 
@@ -211,13 +215,22 @@ def test_a_pickled_payload_is_refused_without_running(zero2_run, dataset, tmp_pa
         Engine.checkpoint_engine.load(str(ckpt / "deepspeed" / name), map_location="cpu")
     assert not marker.exists()
 
-    if name == "mp_rank_00_model_states.pt":  # the commands, end to end
+    if name == "mp_rank_00_model_states.pt":  # the commands, end to end, at once
         args = [f"data.path={dataset}", *COMMON, "parallel.deepspeed.zero_stage=2"]
-        result = run_trainer(*args, f"hydra.run.dir={run_dir}", cwd=tmp_path)
+        exported_run = copy_run(run_dir, tmp_path / "exported", 4)  # the export's own copy
+        out = tmp_path / "hf"
+        result, exported = concurrently(
+            partial(run_trainer, *args, f"hydra.run.dir={run_dir}", cwd=tmp_path),
+            partial(
+                run_module,
+                "trainer.export",
+                f"path={step(exported_run, 4)}",
+                f"out={out}",
+                cwd=tmp_path,
+            ),
+        )
         assert result.returncode == 2, result.stderr[-3000:]
         assert "refused" in (run_dir / "train.log").read_text()
-        out = tmp_path / "hf"
-        exported = run_module("trainer.export", f"path={ckpt}", f"out={out}", cwd=tmp_path)
         assert exported.returncode != 0 and "refused" in exported.stderr
         assert "Traceback" not in exported.stderr
         assert not marker.exists()
@@ -228,7 +241,7 @@ def test_weights_that_overflow_are_neither_sampled_nor_saved(dataset, tmp_path):
     evaluation and sample are skipped in one line (DeepSpeed's sample crashed both ranks), no
     checkpoint of that state is written, and the run fails (exit 1) saying why."""
     run_dir = tmp_path / "run"
-    args = [f"data.path={dataset}", *SMALL_OVERRIDES, "trainer.precision=fp32"]
+    args = [f"data.path={dataset}", *SMALL_OVERRIDES, "trainer.precision=fp32", PEAK]
     args += ["parallel.engine=deepspeed", "parallel.deepspeed.zero_stage=2"]
     args += ["optim.lr=1e38", "optim.weight_decay=0", "trainer.max_steps=3"]
     result = run_trainer(*args, "trainer.eval_every=3", f"hydra.run.dir={run_dir}", cwd=tmp_path)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import shutil
+from functools import partial
 
 import pytest
 import torch
@@ -17,13 +18,16 @@ import torch
 from model.accounting import param_counts
 from model.presets import load_preset
 from model.transformer import build_model
+from tests.trainer.concurrent import concurrently
 from tests.trainer.helpers import SMALL_MODEL, SMALL_OVERRIDES, run_trainer, train_losses
 from tests.trainer.test_torchrun import torchrun
 
 pytest.importorskip("deepspeed")
 pytestmark = [pytest.mark.integration, pytest.mark.distributed]
 
-FP32 = ["trainer.precision=fp32", "trainer.eval_every=2"]
+# MFU's peak given: no ~1 s matmul measurement at each start (test_mfu_peak.py tests it)
+PEAK = "trainer.peak_flops=1e11"
+FP32 = ["trainer.precision=fp32", "trainer.eval_every=2", PEAK]
 ZERO3 = ["parallel.engine=deepspeed", "parallel.deepspeed.zero_stage=3"]
 
 
@@ -48,25 +52,29 @@ def test_zero3_on_two_ranks_trains_checkpoints_and_resumes_exactly(dataset, tmp_
             for kind in ("model", "optim")
         ),
     ]
-    # as if killed after step 3: the newest checkpoint is step 2
+    # as if killed after step 3: the newest checkpoint is step 2; resumed on 2 ranks, and at
+    # the same time on one rank (resharded through DeepSpeed's universal checkpoint, in the
+    # one-rank run's own folder: step 2 is only read)
     shutil.rmtree(run_dir / "checkpoints" / "step_00000004")
     (run_dir / "checkpoints" / "latest").write_text("step_00000002\n")
-    result = torchrun(2, *common, "trainer.max_steps=4", "checkpoint.every=2", cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-4000:]
+    other = tmp_path / "one_rank"
+    two_ranks, one_rank = concurrently(
+        partial(torchrun, 2, *common, "trainer.max_steps=4", "checkpoint.every=2", cwd=tmp_path),
+        partial(
+            run_trainer,
+            *common[:-1],
+            f"hydra.run.dir={other}",
+            f"resume={step2}",
+            "trainer.max_steps=4",
+            cwd=tmp_path,
+        ),
+    )
+    assert two_ranks.returncode == 0, two_ranks.stderr[-4000:]
     assert "resumed from" in (run_dir / "train.log").read_text()
     resumed = train_losses(run_dir)
     assert {step: resumed[step] for step in (3, 4)} == {step: first[step] for step in (3, 4)}
 
-    # the same checkpoint on one rank: resharded through DeepSpeed's universal checkpoint
-    other = tmp_path / "one_rank"
-    result = run_trainer(
-        *common[:-1],
-        f"hydra.run.dir={other}",
-        f"resume={step2}",
-        "trainer.max_steps=4",
-        cwd=tmp_path,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert one_rank.returncode == 0, one_rank.stderr[-3000:]
     assert (
         "converting it to DeepSpeed's universal checkpoint (ZeRO-3 on 2 rank(s) -> ZeRO-3 on 1)"
         in (other / "train.log").read_text()
@@ -79,13 +87,16 @@ def test_zero3_on_two_ranks_trains_checkpoints_and_resumes_exactly(dataset, tmp_
 
 
 def test_one_process_trains_and_an_fsdp2_checkpoint_is_refused_by_name(dataset, tmp_path):
-    fsdp2_dir = tmp_path / "fsdp2"
+    fsdp2_dir, ds_dir = tmp_path / "fsdp2", tmp_path / "deepspeed"
     common = [f"data.path={dataset}", *SMALL_OVERRIDES, *FP32, "trainer.max_steps=2"]
-    result = run_trainer(*common, "checkpoint.every=2", f"hydra.run.dir={fsdp2_dir}", cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
-    ds_dir = tmp_path / "deepspeed"
-    result = run_trainer(*common, *ZERO3, f"hydra.run.dir={ds_dir}", cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]  # one process: a 1-rank group
+    fsdp2, ds = concurrently(  # independent runs
+        partial(
+            run_trainer, *common, "checkpoint.every=2", f"hydra.run.dir={fsdp2_dir}", cwd=tmp_path
+        ),
+        partial(run_trainer, *common, *ZERO3, f"hydra.run.dir={ds_dir}", cwd=tmp_path),
+    )
+    assert fsdp2.returncode == 0, fsdp2.stderr[-3000:]
+    assert ds.returncode == 0, ds.stderr[-3000:]  # one process: a 1-rank group
     assert sorted(train_losses(ds_dir)) == [1, 2]
     checkpoint = fsdp2_dir / "checkpoints" / "step_00000002"
     result = run_trainer(
@@ -95,17 +106,29 @@ def test_one_process_trains_and_an_fsdp2_checkpoint_is_refused_by_name(dataset, 
     assert "was written by parallel.engine=fsdp2 (DCP)" in result.stderr
 
 
-@pytest.mark.parametrize(
-    ("override", "message"),
-    [
-        ("optim=muon", "trainer.grad_clip=1.0 under ZeRO-2 with Muon: DeepSpeed 0.19 clips"),
-        ("parallel.deepspeed.zero_stage=5", "parallel.deepspeed.zero_stage=5 must be 0, 1, 2 or 3"),
-        ("parallel.deepspeed.offload_params=cpu", "offload_params=cpu needs zero_stage=3"),
-    ],
-)
-def test_settings_the_engine_does_not_take_fail_at_start(dataset, tmp_path, override, message):
+REFUSED = [
+    ("optim=muon", "trainer.grad_clip=1.0 under ZeRO-2 with Muon: DeepSpeed 0.19 clips"),
+    ("parallel.deepspeed.zero_stage=5", "parallel.deepspeed.zero_stage=5 must be 0, 1, 2 or 3"),
+    ("parallel.deepspeed.offload_params=cpu", "offload_params=cpu needs zero_stage=3"),
+]
+
+
+@pytest.fixture(scope="module")
+def refused_runs(dataset, tmp_path_factory) -> dict:
+    """override -> the finished command of each REFUSED setting, all started at once."""
     common = [f"data.path={dataset}", *SMALL_OVERRIDES, "trainer.max_steps=1"]
-    result = run_trainer(*common, "parallel.engine=deepspeed", override, cwd=tmp_path)
+    commands = []
+    for override, _ in REFUSED:
+        cwd = tmp_path_factory.mktemp("refused")
+        commands.append(
+            partial(run_trainer, *common, "parallel.engine=deepspeed", override, cwd=cwd)
+        )
+    return dict(zip([override for override, _ in REFUSED], concurrently(*commands), strict=True))
+
+
+@pytest.mark.parametrize(("override", "message"), REFUSED)
+def test_settings_the_engine_does_not_take_fail_at_start(refused_runs, override, message):
+    result = refused_runs[override]
     assert result.returncode != 0
     assert message in result.stderr
     assert "Traceback" not in result.stderr
@@ -134,9 +157,17 @@ def test_runs_move_between_engines_through_their_weights_and_both_export(dataset
             f"hydra.run.dir={runs['back']}",
         ],
     ]
-    for overrides in steps:
-        result = run_trainer(*common, *overrides, cwd=tmp_path)
-        assert result.returncode == 0, result.stderr[-3000:]
+    result = run_trainer(*common, *steps[0], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    # another model from the first run's checkpoint, refused while the FSDP2 run starts from it
+    other_model = [*still, "model.n_layers=3", f"init_from={runs['ds']}"]
+    refused, result = concurrently(
+        partial(run_trainer, *common, *other_model, cwd=tmp_path),
+        partial(run_trainer, *common, *steps[1], cwd=tmp_path),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_trainer(*common, *steps[2], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
     assert "starting from the weights of" in (runs["back"] / "train.log").read_text()
     weights = {}
     for name, run in runs.items():
@@ -147,12 +178,9 @@ def test_runs_move_between_engines_through_their_weights_and_both_export(dataset
         for key, tensor in weights["ds"].items():
             assert torch.equal(weights[name][key], tensor), (name, key)
 
-    result = run_trainer(
-        *common, *still, "model.n_layers=3", f"init_from={runs['ds']}", cwd=tmp_path
-    )
-    assert result.returncode == 2
-    assert "holds another model (model.n_layers=2 in the checkpoint, 3 now)" in result.stderr
-    assert "Traceback" not in result.stderr
+    assert refused.returncode == 2
+    assert "holds another model (model.n_layers=2 in the checkpoint, 3 now)" in refused.stderr
+    assert "Traceback" not in refused.stderr
 
 
 def test_muonclip_under_deepspeed_resumes_exactly(dataset, tmp_path):
@@ -199,20 +227,23 @@ def test_experts_and_engram_under_zero2_train_resume_and_move_to_fsdp2(dataset, 
     log = (run_dir / "train.log").read_text()
     assert "sample at step 4" in log and "validation loss" in log and "ep 2" in log
     first = train_losses(run_dir)
+    whole = shutil.copytree(run_dir, tmp_path / "whole")  # the run as it ended, for FSDP2
     shutil.rmtree(run_dir / "checkpoints" / "step_00000004")
     (run_dir / "checkpoints" / "latest").write_text("step_00000002\n")
-    result = torchrun(2, *common, *ds, cwd=tmp_path)
+    fsdp2 = tmp_path / "fsdp2"
+    result, from_fsdp2 = concurrently(  # the resume, and FSDP2 from the whole run's weights
+        partial(torchrun, 2, *common, *ds, cwd=tmp_path),
+        partial(
+            run_trainer, *common[:-1], "trainer.max_steps=1", f"init_from={whole}",
+            f"hydra.run.dir={fsdp2}", cwd=tmp_path,
+        ),
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr[-4000:]
     resumed = train_losses(run_dir)
     assert {step: resumed[step] for step in (3, 4)} == {step: first[step] for step in (3, 4)}
     refuses_a_payload_in_every_file(run_dir / "checkpoints" / "step_00000004", tmp_path)
 
-    fsdp2 = tmp_path / "fsdp2"
-    result = run_trainer(
-        *common[:-1], "trainer.max_steps=1", f"init_from={run_dir}", f"hydra.run.dir={fsdp2}",
-        cwd=tmp_path,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert from_fsdp2.returncode == 0, from_fsdp2.stderr[-3000:]
     assert "starting from the weights of" in (fsdp2 / "train.log").read_text()
 
 

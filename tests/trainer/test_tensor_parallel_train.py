@@ -6,10 +6,13 @@ not take yet is refused in one line, and trainer.compile=true is taken."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 
 from model.errors import ConfigError
 from model.presets import load_preset
+from tests.trainer.concurrent import concurrently
 from tests.trainer.helpers import (
     SMALL_MODEL,
     SMALL_OVERRIDES,
@@ -22,7 +25,9 @@ from trainer.build import check_start
 
 pytestmark = [pytest.mark.integration, pytest.mark.distributed]
 
-FP32 = ["trainer.precision=fp32", "trainer.eval_every=0", "trainer.max_steps=4"]
+# MFU's peak given: no ~1 s matmul measurement at each start (test_mfu_peak.py tests it)
+PEAK = "trainer.peak_flops=1e11"
+FP32 = ["trainer.precision=fp32", "trainer.eval_every=0", "trainer.max_steps=4", PEAK]
 # losses of the same fp32 steps: tp ranks sum partial products in another order (measured
 # differences up to 2e-7 relative)
 RTOL = 1e-5
@@ -36,41 +41,47 @@ def assert_same_losses(got: dict[int, float], want: dict[int, float], steps: lis
 
 def test_tensor_parallel_runs_equal_one_process_and_resume_across_tp_sizes(dataset, tmp_path):
     common = [f"data.path={dataset}", *SMALL_OVERRIDES, *FP32, "checkpoint.every=2"]
-    one = tmp_path / "one"
-    result = run_trainer(*common, f"hydra.run.dir={one}", cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-4000:]
+    one, tp2 = tmp_path / "one", tmp_path / "tp2"
+    results = concurrently(  # independent runs
+        partial(run_trainer, *common, f"hydra.run.dir={one}", cwd=tmp_path),
+        partial(torchrun, 2, *common, "parallel.tp=2", f"hydra.run.dir={tp2}", cwd=tmp_path),
+    )
+    for result in results:
+        assert result.returncode == 0, result.stderr[-4000:]
     whole = train_losses(one)
 
-    tp2 = tmp_path / "tp2"
-    result = torchrun(2, *common, "parallel.tp=2", f"hydra.run.dir={tp2}", cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-4000:]
     log = (tp2 / "train.log").read_text()
     assert "world 2, dp_shard 1, tp 2" in log
     assert "sample at step 4" in log  # generation under tensor parallelism: every rank runs it
     assert_same_losses(train_losses(tp2), whole, [1, 2, 3, 4])
 
-    # tp=2's checkpoint in one process, and one process's in dp_shard=2 x tp=2
-    resumed = tmp_path / "tp2_to_one"
-    checkpoint = tp2 / "checkpoints" / "step_00000002"
-    result = run_trainer(*common, f"resume={checkpoint}", f"hydra.run.dir={resumed}", cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert_same_losses(train_losses(resumed), whole, [3, 4])
-
-    resumed = tmp_path / "one_to_dp2_tp2"
-    checkpoint = one / "checkpoints" / "step_00000002"
-    result = torchrun(
-        4,
-        *common,
-        "parallel.tp=2",
-        "parallel.activation_checkpoint=full",  # recomputed blocks: the same numbers
-        "parallel.sequence_parallel=true",  # the stream split along the sequence: the same
-        f"resume={checkpoint}",
-        f"hydra.run.dir={resumed}",
-        cwd=tmp_path,
+    # tp=2's checkpoint in one process, and one process's in dp_shard=2 x tp=2 (at once)
+    to_one, to_dp2_tp2 = tmp_path / "tp2_to_one", tmp_path / "one_to_dp2_tp2"
+    results = concurrently(
+        partial(
+            run_trainer,
+            *common,
+            f"resume={tp2 / 'checkpoints' / 'step_00000002'}",
+            f"hydra.run.dir={to_one}",
+            cwd=tmp_path,
+        ),
+        partial(
+            torchrun,
+            4,
+            *common,
+            "parallel.tp=2",
+            "parallel.activation_checkpoint=full",  # recomputed blocks: the same numbers
+            "parallel.sequence_parallel=true",  # the stream split along the sequence: the same
+            f"resume={one / 'checkpoints' / 'step_00000002'}",
+            f"hydra.run.dir={to_dp2_tp2}",
+            cwd=tmp_path,
+        ),
     )
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert "world 4, dp_shard 2, tp 2" in (resumed / "train.log").read_text()
-    assert_same_losses(train_losses(resumed), whole, [3, 4])
+    for result in results:
+        assert result.returncode == 0, result.stderr[-4000:]
+    assert_same_losses(train_losses(to_one), whole, [3, 4])
+    assert "world 4, dp_shard 2, tp 2" in (to_dp2_tp2 / "train.log").read_text()
+    assert_same_losses(train_losses(to_dp2_tp2), whole, [3, 4])
 
 
 @pytest.mark.parametrize(

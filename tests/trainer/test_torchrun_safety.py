@@ -11,16 +11,20 @@ import signal
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
 
 from tests.commands import OFFLINE, ROOT
+from tests.trainer.concurrent import concurrently
 from tests.trainer.helpers import SMALL_OVERRIDES, metric_rows, train_losses
 from tests.trainer.test_torchrun import torchrun
 
 pytestmark = [pytest.mark.integration, pytest.mark.distributed]
-FP32 = ["trainer.precision=fp32", "trainer.eval_every=0"]
+# MFU's peak given: no ~1 s matmul measurement at each start (test_mfu_peak.py tests it)
+PEAK = "trainer.peak_flops=1e11"
+FP32 = ["trainer.precision=fp32", "trainer.eval_every=0", PEAK]
 
 
 def common(dataset: Path, run_dir: Path, *extra: str) -> list[str]:
@@ -62,6 +66,16 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+def pending(pid: int, sig: int) -> bool:
+    """Whether `sig` was sent to `pid` and waits undelivered (a stopped process holds it)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return False
+    masks = [int(line.split()[1], 16) for line in status if line.startswith(("SigPnd", "ShdPnd"))]
+    return any(mask >> (sig - 1) & 1 for mask in masks)
+
+
 def signal_all(pids, sig: int) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
@@ -82,11 +96,13 @@ def rows_written(run_dir: Path, count: int) -> bool:
 
 def test_background_checkpoints_on_two_ranks_commit_and_resume_exactly(dataset, tmp_path):
     steps = ["trainer.max_steps=6", "checkpoint.every=2"]
-    whole = torchrun(2, *common(dataset, tmp_path / "whole", *steps), cwd=tmp_path)
-    assert whole.returncode == 0, whole.stderr[-4000:]
     killed = tmp_path / "killed"
     background = [*steps, "checkpoint.async_save=true", "trainer.fault_step=5"]
-    first = torchrun(2, *common(dataset, killed, *background), cwd=tmp_path)
+    whole, first = concurrently(  # independent runs (step 2's write is awaited before step 4's)
+        partial(torchrun, 2, *common(dataset, tmp_path / "whole", *steps), cwd=tmp_path),
+        partial(torchrun, 2, *common(dataset, killed, *background), cwd=tmp_path),
+    )
+    assert whole.returncode == 0, whole.stderr[-4000:]
     assert first.returncode != 0  # every rank SIGKILLed itself at step 5
     committed = [p.name for p in (killed / "checkpoints").iterdir() if p.name.startswith("step")]
     assert "step_00000002" in committed  # committed by a poll while training went on
@@ -135,7 +151,12 @@ def test_a_stopped_rank_ends_the_job_after_the_collective_timeout(dataset, tmp_p
         wait_until(lambda: rows_written(run_dir, 3), 120, "training rows")
         workers = workers_of(agent.pid)
         os.kill(workers[1], signal.SIGSTOP)  # a hung rank
-        agent.wait(timeout=180)  # not the old hard-coded 10 minutes
+        wait_until(lambda: not alive(workers[0]), 120, "rank 0 to give up")  # not 10 minutes
+        # torchrun then stops the job: SIGTERM to rank 1 (held while it is stopped), and SIGKILL
+        # after its 30 s grace, sent here at once
+        wait_until(lambda: pending(workers[1], signal.SIGTERM), 60, "torchrun to stop rank 1")
+        os.kill(workers[1], signal.SIGKILL)
+        agent.wait(timeout=60)
     finally:
         signal_all(workers.values(), signal.SIGCONT)
         agent.kill()
