@@ -150,36 +150,85 @@ def train_mfu(budget: Budget) -> dict:
     device, reason = device_or_reason()
     if reason:
         return {"skipped": reason}
+    run, dev, results = runner(budget), torch.device(device), {}
+    cases = train_cases(dev, not DRY_RUN)  # compiled blocks: trainer.compile=true (slow on CPU)
+    for name in TRAIN_CASES or DEFAULT_TRAIN_CASES:
+        run(results, name, *cases[name])
+    results.update(train_comparisons(results))
+    return results
+
+
+def train_cases(dev: torch.device, compile_blocks: bool) -> dict[str, tuple[Callable, float]]:
+    """train_mfu's sub-cases: name -> (what it runs, seconds it needs on an H100/H200)."""
     from bench.gpu_train import train_case
 
-    run, dev, results = runner(budget), torch.device(device), {}
-    compile_blocks = not DRY_RUN  # the trainer's trainer.compile=true path (slow on a CPU)
+    def case(model: str, **kwargs) -> Callable[[], dict]:
+        return lambda: train_case(model, DRY_RUN, dev, sync, compile_blocks, **kwargs)
 
-    def case(name: str, **kwargs) -> Callable[[], dict]:
-        return lambda: train_case(name, DRY_RUN, dev, sync, compile_blocks, **kwargs)
-
-    cases = {  # sub-case -> (what it runs, seconds it needs)
-        "dense_1b": (case("dense_1b", profile=True), 120),
-        "moe": (case("moe", profile=True), 120),
+    cases = {
+        "dense_1b": (case("dense_1b", profile=True), 60),
+        "moe": (case("moe", profile=True), 60),
+        "moe_fine": (case("moe_fine", profile=True), 90),
         # the MoE step without compiled blocks: a number even where compilation fails
-        "moe_eager": (lambda: train_case("moe", DRY_RUN, dev, sync, False, profile=True), 90),
+        "moe_eager": (lambda: train_case("moe", DRY_RUN, dev, sync, False, profile=True), 60),
+        "hybrid_1b_fla": (fla_train_case(dev, compile_blocks), 120),
     }
+    for model in ("hybrid_1b", "attnres_1b", "mhc_1b", "engram_1b", "dense_1b_32k"):
+        cases[model] = (case(model, profile=True), 90)
     for name, recipe in FLOAT8_CASES.items():  # against dense_1b / moe of the same run
         model = name.split("_float8_")[0]
-        cases[name] = (float8_case(model, recipe, dev, compile_blocks), 120)
+        cases[name] = (float8_case(model, recipe, dev, compile_blocks), 90)
     for backend in ("triton", "sdpa"):
         extra = {"attention.backend": backend}
-        cases[f"dense_1b_muonclip_{backend}"] = (case("dense_1b", extra=extra), 90)
-    for name in TRAIN_CASES or [c for c in cases if c != "moe_eager"]:
-        run(results, name, *cases[name])
-    for name in FLOAT8_CASES:  # speed-up and loss gap against the bf16 case
-        base = results.get(name.split("_float8_")[0], {})
-        got = results.get(name, {})
+        cases[f"dense_1b_muonclip_{backend}"] = (case("dense_1b", extra=extra), 60)
+    return cases
+
+
+def fla_train_case(dev: torch.device, compile_blocks: bool) -> Callable[[], dict]:
+    """The hybrid on fla-core's kernels, or why this machine cannot train on them."""
+
+    def run_case() -> dict:
+        from bench.gpu_train import train_case
+        from model.mixers.fla_ops import training_blocker
+
+        if not fla_available():
+            return {"skipped": "fla-core is not installed (pip install lmforge[fla])"}
+        if dev.type != "cuda":
+            return {"skipped": "fla-core's kernels need CUDA"}
+        blocker = training_blocker(dev.index)
+        if blocker:
+            return {"skipped": blocker}
+        return train_case("hybrid_1b_fla", DRY_RUN, dev, sync, compile_blocks, profile=True)
+
+    return run_case
+
+
+# the 2026 layers and long context against the plain model of the same run (issue 60's targets:
+# step time within 1.15x, mHC 1.3x; T 32k >= 40% MFU, the same model at T 4096 >= 50%)
+STEP_TARGETS = {"hybrid_1b": 1.15, "hybrid_1b_fla": 1.15, "attnres_1b": 1.15,
+                "engram_1b": 1.15, "mhc_1b": 1.3}  # fmt: skip
+
+
+def train_comparisons(results: dict) -> dict:
+    """Each case against its baseline in `results` (the same session): float8's speed-up and
+    loss gap over bf16, the 2026 layers' step time over dense_1b's; {} where one is missing."""
+    out: dict = {}
+    for name in FLOAT8_CASES:
+        base, got = results.get(name.split("_float8_")[0], {}), results.get(name, {})
         if "tokens_per_s" in base and "tokens_per_s" in got:
-            got["speedup_vs_bf16"] = round(got["tokens_per_s"] / base["tokens_per_s"], 3)
             gaps = [abs(a - b) for a, b in zip(got["losses"], base["losses"])]
-            got["max_loss_gap_vs_bf16"] = round(max(gaps), 4) if gaps else None
-    return results
+            out[name] = {
+                "speedup_vs_bf16": round(got["tokens_per_s"] / base["tokens_per_s"], 3),
+                "max_loss_gap_vs_bf16": round(max(gaps), 4) if gaps else None,
+            }
+    base = results.get("dense_1b", {})
+    for name, target in STEP_TARGETS.items():
+        got = results.get(name, {})
+        if "step_s" in base and "step_s" in got:
+            ratio = got["step_s"] / base["step_s"]
+            out[name] = {"step_time_vs_dense_1b": round(ratio, 3), "target": target,
+                         "met": ratio <= target}  # fmt: skip
+    return {"comparisons": out} if out else {}
 
 
 # trainer.precision=float8 sub-cases (issue 59), in the order they run after dense_1b and moe
@@ -210,8 +259,10 @@ def float8_case(model: str, recipe: str, dev: torch.device, compile_blocks: bool
 
 
 TRAIN_CASES: list[str] | None = None  # --train-cases: these sub-cases of train_mfu, in order
-TRAIN_CASE_NAMES = ["dense_1b", "moe", "moe_eager"]
-TRAIN_CASE_NAMES += [*FLOAT8_CASES, "dense_1b_muonclip_triton", "dense_1b_muonclip_sdpa"]
+TRAIN_CASE_NAMES = ["dense_1b", "moe", "moe_fine", "moe_eager", "hybrid_1b", "hybrid_1b_fla"]
+TRAIN_CASE_NAMES += ["attnres_1b", "mhc_1b", "engram_1b", "dense_1b_32k", *FLOAT8_CASES]
+TRAIN_CASE_NAMES += ["dense_1b_muonclip_triton", "dense_1b_muonclip_sdpa"]
+DEFAULT_TRAIN_CASES = [name for name in TRAIN_CASE_NAMES if name != "moe_eager"]
 
 
 @check("fused_kernels")
@@ -285,7 +336,10 @@ def sync() -> None:
 
 def timed(fn: Callable[[], object], warmup: int = 2, repeats: int = 5) -> dict:
     """Median and min wall time of fn after warm-up (each synchronized), and the peak memory
-    it allocates above what was allocated before it (CUDA only; a CPU dry run has none)."""
+    it allocates above what was allocated before it (CUDA only; a CPU dry run has none). A dry
+    run calls fn once: its code paths, not its speed."""
+    if DRY_RUN:
+        warmup, repeats = 0, 1
     for _ in range(warmup):
         fn()
     sync()
@@ -557,7 +611,7 @@ def engram_offload(budget: Budget) -> dict:
 # ---- the runner -----------------------------------------------------------------------------
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=None, help=f"default {DEFAULT_OUT} on CUDA")
     parser.add_argument("--only", nargs="+", choices=sorted(CHECKS), default=None)
@@ -576,7 +630,7 @@ def main() -> int:
         default=None,
         help="train_mfu's sub-cases to run, in order (default: all but moe_eager)",
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     global DRY_RUN, TRAIN_CASES
     DRY_RUN, TRAIN_CASES = args.dry_run, args.train_cases
     if args.list:

@@ -28,20 +28,42 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-MODELS = {  # name -> (preset, overrides, batch, seq_len, optimizer)
-    "dense_1b": (
-        "tiny",
-        {
-            "d_model": 2048, "n_layers": 16, "vocab_size": 128256, "max_seq_len": 4096,
-            "attention.n_heads": 32, "attention.n_kv_heads": 8, "ffn.hidden": 8192,
-            "loss_chunk_tokens": 4096,
-        },
-        4, 4096, "adamw",
-    ),
-    "moe": (
+DENSE_1B = {
+    "d_model": 2048, "n_layers": 16, "vocab_size": 128256, "max_seq_len": 4096,
+    "attention.n_heads": 32, "attention.n_kv_heads": 8, "ffn.hidden": 8192,
+    "loss_chunk_tokens": 4096,
+}  # fmt: skip
+# the hybrid's Gated DeltaNet at the width of dense_1b's attention (10.5M parameters a layer):
+# 8 query/key heads of 128, 16 value heads of 64 (Qwen3-Next's 2 value heads per key head)
+GDN_1B = {"gdn.n_heads": 8, "gdn.n_v_heads": 16, "gdn.head_dim": 128, "gdn.v_head_dim": 64}
+# Engram in 2 of the 16 blocks with the demo's tables (5 x vocab rows per head), raw token ids
+ENGRAM_1B = {"engram.layers": [1, 8], "engram.heads": 8, "engram.dim": 512,
+             "engram.table_sizes": [], "engram.compress_tokens": False}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class TrainModel:
+    """A model of the GPU session: preset + overrides, batch x seq_len tokens a step."""
+
+    preset: str
+    overrides: dict
+    batch: int
+    seq_len: int
+    optimizer: str = "adamw"
+    activation_checkpoint: str = "none"  # parallel.activation_checkpoint
+    # MoE models too large for a GPU's memory at n_layers: the layers kept per GiB (None: all)
+    layers_for_memory: tuple[tuple[float, int], ...] | None = None
+
+
+MODELS = {
+    # Llama-3.2-1B's shape: 32 query / 8 kv heads of 64, SwiGLU 8192, vocab 128256 tied
+    "dense_1b": TrainModel("tiny", DENSE_1B, 4, 4096),
+    # the 1.2B MoE of the first GPU runs: 64 experts of 512, top 8 + 1 shared, first layer dense
+    "moe": TrainModel(
         "tiny_moe",
         {
             "d_model": 1024, "n_layers": 12, "vocab_size": 32768, "max_seq_len": 2048,
@@ -49,11 +71,49 @@ MODELS = {  # name -> (preset, overrides, batch, seq_len, optimizer)
             "moe.n_routed_experts": 64, "moe.top_k": 8, "moe.expert_hidden": 512,
             "loss_chunk_tokens": 4096,
         },
-        8, 2048, "adamw",
+        8, 2048,
+    ),
+    # fine-grained MoE filling one GPU: d 2048, 64 experts of 1024, top 6 + 1 shared, 16 heads
+    # of 128 over 4 kv heads, the first layer dense; 12 layers (4.9B parameters, 0.9B active:
+    # 74 GiB of fp32 weights, gradients and AdamW states) on GPUs with >= 130 GiB, else 8 (3.3B)
+    "moe_fine": TrainModel(
+        "tiny_moe",
+        DENSE_1B | {
+            "attention.n_heads": 16, "attention.n_kv_heads": 4,
+            "moe.n_routed_experts": 64, "moe.top_k": 6, "moe.expert_hidden": 1024,
+        },
+        4, 4096, layers_for_memory=((130.0, 12), (0.0, 8)),
+    ),
+    # the 2026 layers at dense_1b's size, against its step time
+    "hybrid_1b": TrainModel("tiny_hybrid", DENSE_1B | GDN_1B | {"gdn.kernel": "torch"}, 4, 4096),
+    "hybrid_1b_fla": TrainModel("tiny_hybrid", DENSE_1B | GDN_1B | {"gdn.kernel": "fla"}, 4, 4096),
+    "attnres_1b": TrainModel("tiny_attnres", DENSE_1B | {"attnres.block_layers": 2}, 4, 4096),
+    "mhc_1b": TrainModel("tiny_mhc", DENSE_1B, 4, 4096),
+    "engram_1b": TrainModel("tiny_engram", DENSE_1B | ENGRAM_1B, 4, 4096),
+    # long context: one sequence of 32k tokens, selective activation checkpointing
+    "dense_1b_32k": TrainModel(
+        "tiny", DENSE_1B | {"max_seq_len": 32768}, 1, 32768, activation_checkpoint="selective"
     ),
 }  # fmt: skip
 SMALL = {"d_model": 64, "n_layers": 2, "vocab_size": 256, "max_seq_len": 64, "ffn.hidden": 128,
          "attention.n_heads": 4, "attention.n_kv_heads": 2, "loss_chunk_tokens": 64}  # fmt: skip
+KEPT_SMALL = {"moe.top_k", "gdn.kernel", "engram.compress_tokens"}  # the rest: the preset's
+
+
+def model_overrides(spec: TrainModel, small: bool, device: torch.device) -> dict:
+    """The preset's overrides at the GPU's size, or the dry run's tiny one (same features)."""
+    if small:
+        kept = {k: v for k, v in spec.overrides.items() if "." not in k or k in KEPT_SMALL}
+        kept = {k: v for k, v in kept.items() if not k.startswith("attention.")}
+        extra = {"engram.layers": [1]} if "engram.layers" in spec.overrides else {}
+        if "gdn.kernel" in spec.overrides:  # the hybrid's pattern: 3 GDN layers, then attention
+            extra["n_layers"] = 4
+        return kept | SMALL | extra
+    if spec.layers_for_memory and device.type == "cuda":
+        gib = torch.cuda.get_device_properties(device).total_memory / 2**30
+        layers = next(n for least, n in spec.layers_for_memory if gib >= least)
+        return spec.overrides | {"n_layers": layers}
+    return spec.overrides
 
 
 def build(
@@ -72,19 +132,14 @@ def build(
     from optim.builder import build_optimizer
     from optim.config import OptimConfig
     from optim.qk_clip import enable_qk_clip
-    from parallel.activation import compile_model
+    from parallel.activation import apply_activation_checkpointing, compile_model
     from parallel.engine import FSDP2Engine
 
-    preset, overrides, batch, seq_len, optimizer = MODELS[name]
-    overrides = overrides | (extra or {})
-    if small:
-        overrides = overrides | SMALL
-        overrides = {
-            k: v for k, v in overrides.items() if not k.startswith("moe.") or k == "moe.top_k"
-        }
-        batch, seq_len = 2, 64
-    optim_name = "muonclip" if "attention.backend" in (extra or {}) else optimizer
-    model = build_model(load_preset(preset, overrides), device=device, seed=0)
+    spec = MODELS[name]
+    overrides = model_overrides(spec, small, device) | (extra or {})
+    batch, seq_len = (2, 32) if small else (spec.batch, spec.seq_len)
+    optim_name = "muonclip" if "attention.backend" in (extra or {}) else spec.optimizer
+    model = build_model(load_preset(spec.preset, overrides), device=device, seed=0)
     if optim_name == "muonclip":
         enable_qk_clip(model)
     plan = None
@@ -94,6 +149,7 @@ def build(
 
         cfg = Float8Config(recipe=float8, filter="all" if small else "auto")
         plan = convert_to_float8(model, cfg, device, sharded=False)
+    apply_activation_checkpointing(model, spec.activation_checkpoint)  # the trainer's order
     if compile_blocks:
         compile_model(model, device.type)
     opt = build_optimizer(OptimConfig(name=optim_name, lr=1e-4), model)
@@ -179,6 +235,12 @@ def top_kernels(engine, data, count: int = 15) -> list[dict]:
     ]
 
 
+def param_counts(model):
+    from model.accounting import param_counts as counts
+
+    return counts(model)
+
+
 def train_case(
     name: str,
     small: bool,
@@ -203,16 +265,27 @@ def train_case(
 
     qk_clip = extra is not None and "attention.backend" in extra
     hooks = start_hooks(engine, 100.0 if qk_clip else 0.0, None)
-    for _ in range(2):  # warm-up: compile, autotuning, allocator
+    for _ in range(1 if small else 2):  # warm-up: compile, autotuning, allocator
         train_step(engine, data, StepSettings(grad_clip=1.0), LossTracker(0.0), hooks)
     sync()
     warmup_s = time.perf_counter() - start
-    times = step_times(engine, data, qk_clip, sync, steps=3 if small else 5)
+    # a dry run (small) passes through each timed call once: its code, not its speed
+    times = step_times(engine, data, qk_clip, sync, steps=1 if small else 3)
     tokens = data.inputs.numel()
     peak, source = peak_flops(device)
+    cfg = engine.model.cfg
     result = {
+        "model": {
+            "preset": MODELS[name].preset,
+            "d_model": cfg.d_model,
+            "n_layers": cfg.n_layers,
+            "batch": data.inputs.shape[0],
+            "seq_len": data.inputs.shape[1],
+            "activation_checkpoint": MODELS[name].activation_checkpoint,
+        },
         "tokens_per_step": tokens,
         "params": sum(p.numel() for p in engine.model.parameters()),
+        "active_params": param_counts(engine.model).active,
         "flops_per_token": flops_per_token,
         "warmup_s": round(warmup_s, 1),
         **{k: v if k == "losses" else round(v, 4) for k, v in times.items()},
@@ -232,4 +305,30 @@ def train_case(
         result["max_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         if profile:
             result["top_kernels"] = top_kernels(engine, data)
+            result["host_syncs_per_step"] = host_syncs(engine, data)
     return result
+
+
+def host_syncs(engine, data) -> dict:
+    """The CUDA host syncs of one train step (torch.cuda.set_sync_debug_mode's warnings), by
+    the op that waited: what stalls the GPU's queue between kernels."""
+    import warnings
+
+    from trainer.hooks import start_hooks
+    from trainer.step import LossTracker, StepSettings, train_step
+
+    hooks = start_hooks(engine, 0.0, None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            train_step(engine, data, StepSettings(grad_clip=1.0), LossTracker(0.0), hooks)
+            torch.cuda.synchronize()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs: dict[str, int] = {}
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            where = f"{str(w.message)[:80]} ({w.filename.rsplit('/', 1)[-1]}:{w.lineno})"
+            syncs[where] = syncs.get(where, 0) + 1
+    return {"total": sum(syncs.values()), "by_call": syncs}
