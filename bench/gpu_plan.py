@@ -185,6 +185,7 @@ def header(names: list[str], budget_s: float, dry_run: bool) -> dict:
     extra = {}
     if torch.cuda.is_available():
         extra = {"gpu": torch.cuda.get_device_name(), "cuda": torch.version.cuda}
+        extra["driver"] = nvidia_driver()
     return {
         "benchmark": "gpu_session",
         "plan": names,
@@ -192,6 +193,15 @@ def header(names: list[str], budget_s: float, dry_run: bool) -> dict:
         "dry_run": dry_run,
         "machine": machine(("torch", "triton", "fla-core", "torchao", "liger-kernel"), **extra),
     }
+
+
+def nvidia_driver() -> str:
+    """The NVIDIA driver's version (nvidia-smi), or why it is unknown."""
+    query = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
+    try:
+        return subprocess.run(query, capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return f"unknown ({type(error).__name__})"
 
 
 def train_results(cases: dict) -> dict:
