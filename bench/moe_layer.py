@@ -19,6 +19,9 @@ in --dtype (auto: bf16 where the device multiplies bf16 natively, else fp32), no
                            router, sort, padding or combine) through one batched GEMM per
                            projection: the floor of any grouped expert computation here, whose
                            gap to dense_same_flops is the per-expert GEMMs' own cost
+  <ours variant>_baseline  with --baseline-tree DIR: that variant with the MoE layer of another
+                           checkout (`git archive <commit> | tar -x -C DIR`), same weights: a
+                           change measured against its baseline in one run
 The variants step in turn, round after round (one warm-up round, then --repeats), so a drift in
 the machine's speed reaches all of them alike; each reports its median step and its median
 speed relative to the dense FFN of the same round (parameter gradients cleared each step, as an
@@ -29,8 +32,12 @@ fresh pages, and ours and the dense FFN ran 16-21% slower.
 
     python bench/moe_layer.py [--tokens 4096] [--experts 64] [--top-k 8] [--d-model 512]
                               [--hidden 256] [--repeats 9] [--device cpu] [--malloc keep]
-                              [--dtype auto|bf16|fp32]
-Writes bench/results/moe_layer_<device>[_fp32].json.
+                              [--dtype auto|bf16|fp32|autocast] [--baseline-tree DIR]
+                              [--combine auto|gather]
+--dtype autocast keeps weights and input in fp32 and runs the forwards under bf16 autocast, as
+trainer.precision=bf16 does (the GPU runs). --combine gather takes the combine that CUDA runs (a
+gather, a product and a sum) on CPU too, where "auto" takes embedding_bag (model/moe/slots.py).
+Writes bench/results/moe_layer_<device>[_fp32|_autocast].json.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -56,20 +64,53 @@ from parallel.precision import compute_dtype, resolve_precision
 from trainer.cpu_malloc import keep_freed_memory
 
 
-def build_ours(args: argparse.Namespace, dtype: torch.dtype) -> MoE:
-    cfg = ModelConfig(
+def build_ours(args: argparse.Namespace, dtype: torch.dtype, package=None) -> MoE:
+    """The MoE layer (of `package`, a baseline checkout's `model` modules, when given)."""
+    pkg = package or SimpleNamespace(
+        ModelConfig=ModelConfig, FFNConfig=FFNConfig, MoEConfig=MoEConfig, MoE=MoE
+    )
+    cfg = pkg.ModelConfig(
         vocab_size=64,
         d_model=args.d_model,
         n_layers=1,
-        ffn=FFNConfig(hidden=args.hidden),
-        moe=MoEConfig(n_routed_experts=args.experts, top_k=args.top_k, expert_hidden=args.hidden),
+        ffn=pkg.FFNConfig(hidden=args.hidden),
+        moe=pkg.MoEConfig(
+            n_routed_experts=args.experts, top_k=args.top_k, expert_hidden=args.hidden
+        ),
     )
     torch.manual_seed(0)
-    layer = MoE(cfg, layer_id=0)
+    layer = pkg.MoE(cfg, layer_id=0)
     with torch.no_grad():
         for p in layer.parameters():
             p.normal_(0, 0.05)
     return layer.to(args.device, dtype)
+
+
+def baseline_package(tree: str) -> SimpleNamespace:
+    """ModelConfig, FFNConfig, MoEConfig and MoE of the checkout at `tree`, imported beside this
+    one: this tree's `model` modules leave sys.modules while that tree's import, and come back
+    after (the baseline's classes keep their own modules)."""
+    ours = {n: m for n, m in sys.modules.items() if n == "model" or n.startswith("model.")}
+    for name in ours:
+        del sys.modules[name]
+    sys.path.insert(0, str(Path(tree).resolve()))
+    try:
+        import model as theirs
+        from model.moe import MoE as their_moe
+
+        assert Path(theirs.__file__).resolve().is_relative_to(Path(tree).resolve()), tree
+        return SimpleNamespace(
+            ModelConfig=theirs.ModelConfig,
+            FFNConfig=theirs.FFNConfig,
+            MoEConfig=theirs.MoEConfig,
+            MoE=their_moe,
+            slots=sys.modules["model.moe.slots"],
+        )
+    finally:
+        sys.path.pop(0)
+        for name in [n for n in sys.modules if n == "model" or n.startswith("model.")]:
+            del sys.modules[name]
+        sys.modules.update(ours)
 
 
 class TextbookMoE(nn.Module):
@@ -176,15 +217,19 @@ class ExpertGemmsAlone(DenseSameFlops):
         return y.sum(dim=-2).view(x.shape)
 
 
-def one_step(fn: nn.Module, x: Tensor, grad: Tensor, device: str) -> tuple[float, Tensor]:
-    """Seconds of one forward + backward (gradients cleared first, as an optimizer would)."""
+def one_step(
+    fn: nn.Module, x: Tensor, grad: Tensor, device: str, autocast: bool = False
+) -> tuple[float, Tensor]:
+    """Seconds of one forward + backward (gradients cleared first, as an optimizer would);
+    `autocast`: the forward under bf16 autocast (the gradient cast to the output's dtype)."""
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     x.grad = None
     fn.zero_grad(set_to_none=True)
     sync()
     start = time.perf_counter()
-    out = fn(x)
-    out.backward(grad)
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+        out = fn(x)
+    out.backward(grad.to(out.dtype))
     sync()
     return time.perf_counter() - start, out.detach()
 
@@ -195,6 +240,7 @@ def interleaved_times(
     grad: Tensor,
     repeats: int,
     device: str,
+    autocast: bool = False,
 ) -> tuple[dict[str, list[float]], dict[str, Tensor]]:
     """Every variant steps once per round, round after round (the first round warms up), so a
     drift in the machine's speed reaches all of them alike. variants: name -> (module, a call
@@ -204,7 +250,7 @@ def interleaved_times(
     for step in range(repeats + 1):
         for name, (module, prepare) in variants.items():
             prepare()
-            seconds, outs[name] = one_step(module, x, grad, device)
+            seconds, outs[name] = one_step(module, x, grad, device, autocast)
             if step:
                 times[name].append(seconds)
     return times, outs
@@ -233,12 +279,23 @@ def main() -> None:
         choices=("keep", "system"),
         help="keep: glibc keeps freed blocks, as the trainer sets it on CPU (trainer/cpu_malloc.py)",
     )
-    parser.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"))
+    # autocast: fp32 weights and input, bf16 compute under autocast (trainer.precision=bf16,
+    # the GPU runs' setting)
+    parser.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32", "autocast"))
+    parser.add_argument(
+        "--baseline-tree",
+        default="",
+        help="a checkout of the baseline (git archive <commit> | tar -x -C DIR): adds the ours*"
+        " variants named in --variants again as <name>_baseline, with that tree's MoE layer",
+    )
+    parser.add_argument("--combine", default="auto", choices=("auto", "gather"))
     args = parser.parse_args()
     if args.malloc == "keep" and args.device == "cpu":
         keep_freed_memory()
-    args.dtype = resolve_precision(args.dtype, torch.device(args.device))
-    dtype = compute_dtype(args.dtype)
+    autocast = args.dtype == "autocast"
+    if not autocast:
+        args.dtype = resolve_precision(args.dtype, torch.device(args.device))
+    dtype = torch.float32 if autocast else compute_dtype(args.dtype)
     ours = build_ours(args, dtype)
     variants: dict[str, Callable[[], nn.Module]] = {
         "ours": lambda: ours,
@@ -258,6 +315,21 @@ def main() -> None:
         "ours_threaded_mm": "threaded_mm",
         "ours_loop": "loop",
     }
+    theirs, packages = None, [sys.modules["model.moe.slots"]]
+    if args.baseline_tree:
+        package = baseline_package(args.baseline_tree)
+        packages.append(package.slots)
+        theirs = build_ours(args, dtype, package)
+        theirs.load_state_dict(ours.state_dict())
+        for name in [n for n in args.variants.split(",") if n.startswith("ours")]:
+            variants[f"{name}_baseline"] = lambda: theirs
+            impls[f"{name}_baseline"] = impls.get(name, "auto")
+        args.variants += "".join(
+            f",{n}_baseline" for n in args.variants.split(",") if n.startswith("ours")
+        )
+    if args.combine == "gather":  # CUDA's combine, in both trees
+        for slots in packages:
+            slots.embedding_bag_combines = lambda device_type: False
     g = torch.Generator(device=args.device).manual_seed(1)
     shape = (
         (args.tokens // 256, 256, args.d_model)
@@ -269,14 +341,16 @@ def main() -> None:
     names = list(dict.fromkeys(args.variants.split(",")))
     if args.device != "cpu":  # the threaded per-expert GEMMs are CPU-only
         names = [name for name in names if name != "ours_threaded_mm"]
-    built = {
-        name: (
-            variants[name](),
-            lambda name=name: setattr(ours.experts, "impl", impls.get(name, "auto")),
-        )
-        for name in names
-    }
-    times, outs = interleaved_times(built, x, grad, args.repeats, args.device)
+    layers = (ours,) if theirs is None else (ours, theirs)
+
+    def prepared(name: str) -> tuple[nn.Module, Callable[[], None]]:
+        """The variant's module and a call that sets its experts' impl (ours' for the others)."""
+        module = variants[name]()
+        layer = module if any(module is m for m in layers) else ours
+        return module, lambda: setattr(layer.experts, "impl", impls.get(name, "auto"))
+
+    built = {name: prepared(name) for name in names}
+    times, outs = interleaved_times(built, x, grad, args.repeats, args.device, autocast)
     reference = outs[names[0]].float()
     dense = times.get("dense_same_flops")
     rows = []
@@ -304,7 +378,7 @@ def main() -> None:
             + ("-" if error is None else f"{error:.1e}"),
             flush=True,
         )
-    base = next(r for r in rows if r["variant"] == "ours")
+    base = next((r for r in rows if r["variant"] == "ours"), rows[0])  # else the first named
     for row in rows:
         row["ours_speedup"] = row["ms"] / base["ms"]
         # the median over rounds of (this step / ours in the same round): paired, so a drift in
@@ -322,6 +396,13 @@ def main() -> None:
             f"{row['variant']:26s} {row['ms']:9.1f} {row['tokens_per_s']:10.0f} "
             f"{row['ours_speedup']:17.2f} {vs_dense:>9s} {row['time_vs_ours_paired']:20.3f}"
         )
+    by_name = {row["variant"]: row for row in rows}
+    for row in rows:  # --baseline-tree: the change's time over its baseline's, round by round
+        change = by_name.get(row["variant"].removesuffix("_baseline"))
+        if row["variant"].endswith("_baseline") and change is not None:
+            ratio = statistics.median(t / b for t, b in zip(change["all_ms"], row["all_ms"]))
+            change["time_vs_baseline_paired"] = ratio
+            print(f"{change['variant']:26s} time / its baseline's, paired: {ratio:.3f}")
     report = {
         "benchmark": "moe_layer",
         "args": vars(args),
@@ -333,7 +414,7 @@ def main() -> None:
         ),
         "rows": rows,
     }
-    suffix = "_fp32" if args.dtype == "fp32" else ""
+    suffix = {"fp32": "_fp32", "autocast": "_autocast"}.get(args.dtype, "")
     default = Path(__file__).parent / "results" / f"moe_layer_{args.device}{suffix}.json"
     out = Path(args.out or default)
     out.write_text(json.dumps(report, indent=2) + "\n")

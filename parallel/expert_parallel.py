@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from model.errors import ConfigError
+from model.moe.slots import sort_slots
 from model.roles import EXPERT_STACK, role_owners
 from model.transformer import Transformer
 
@@ -53,7 +54,7 @@ class AllToAllDispatch:
         expert_of_row = expert_of_row.repeat_interleave(
             recv_counts.flatten(), output_size=sum(recv_splits)
         )
-        order = torch.argsort(expert_of_row, stable=True)
+        order = sort_slots(expert_of_row, L)  # stable: (source, row) order within an expert
         out_grouped = experts(received[order], recv_counts.sum(0))
         out = torch.empty_like(out_grouped).index_copy(0, order, out_grouped)
         return _all_to_all(out, send_splits, recv_splits, self.group)

@@ -10,7 +10,9 @@ experts).
 Four ways to compute the same thing (`impl`; "auto" chooses):
   grouped_mm  `torch._grouped_mm`, all experts in one call, where the device and dtype support it
               (probed once per device type and dtype) and rows are 16-byte aligned (C and F
-              multiples of 16 / element size). The GPU path: no host sync.
+              multiples of 16 / element size). The GPU path: no host sync. Where the weights
+              are cast (autocast over fp32 weights), the gate and up projections run as one GEMM
+              of width 2F (`_grouped_glu`).
   padded_bmm  each expert's rows padded with zeros to the largest count, then `torch.bmm` over
               (E, max count, C). On CPU, oneDNN's batched GEMM runs several times faster than
               per-group GEMMs in bf16 (bench/moe_layer.py), so "auto" takes it there while the
@@ -240,6 +242,8 @@ class GroupedExperts(nn.Module):
             return self._padded_bmm(x, counts)
         if impl == "threaded_mm" and self.activation in FUSED_ACTIVATIONS:
             return threaded_glu_experts(x, (w_gate, w_up, w_down), counts.tolist(), self.activation)
+        if impl == "grouped_mm" and _local(self.w_gate).dtype != x.dtype:  # weights cast above
+            return self._grouped_glu(x, (w_gate, w_up, w_down), counts)
         if impl == "grouped_mm":
             mm = functools.partial(grouped_mm, offsets=counts.cumsum(0).to(torch.int32))
         elif impl == "threaded_mm":
@@ -248,6 +252,23 @@ class GroupedExperts(nn.Module):
             mm = functools.partial(looped_mm, counts=counts.tolist())
         h = self.activation(mm(x, w_gate)) * mm(x, w_up)  # (M, F)
         return mm(h, w_down)
+
+    def _grouped_glu(self, x: Tensor, weights: tuple[Tensor, ...], counts: Tensor) -> Tensor:
+        """x (M, C) -> (M, C) through grouped GEMMs, the gate and up projections as one of width
+        2F on [W_gate | W_up] (E, C, 2F): x is read once, and backward takes dx in one GEMM over
+        2F (fp32 accumulation) instead of two over F, each rounded to x's dtype, and their sum;
+        x^T dh likewise. Forward values equal the two GEMMs' (each output is the same dot
+        product); dx's sum runs in another order. Only for weights cast to x's dtype (autocast
+        over fp32 weights, the GPU runs): compiled, Inductor writes both casts into the one
+        buffer (no copy of its own), and backward keeps it as it kept the two casts (eager: one
+        more copy of the cast weights). Weights already in x's dtype take three GEMMs: there
+        the concatenation would be a copy of the weights, kept for backward."""
+        w_gate, w_up, w_down = weights
+        F = w_gate.shape[-1]
+        offsets = counts.cumsum(0).to(torch.int32)  # (E,) end row of each expert's group
+        gate_up = grouped_mm(x, torch.cat([w_gate, w_up], dim=-1), offsets)  # (M, 2F)
+        gate, up = gate_up.split(F, dim=-1)  # backward: one cat of the two (M, F) gradients
+        return grouped_mm(self.activation(gate) * up, w_down, offsets)
 
     def _scaled_forward(self, x: Tensor, counts: Tensor) -> Tensor:
         """The three projections through `scaled_mm` (bf16 out): x (M, C) -> (M, C), each

@@ -6,8 +6,10 @@ Shapes: B batch, T time, N = B T tokens, C d_model, E routed experts, k top_k, M
 
     x (B, T, C) -> flat (N, C) -> routing: topk_idx, topk_weight (N, k)
     order     = stable argsort of topk_idx.flatten()      slots grouped by expert, tokens in order
+                (sorted as uint8 ids: slots.sort_slots)
     counts    = slots per expert (a scatter-add)         (E,) int64
-    y_sorted  = dispatch(flat[order // k], counts, experts)   (M, C)
+    y_sorted  = dispatch(flat[order // k], counts, experts)   (M, C), the rows gathered in the
+                experts' compute dtype (bf16 under autocast)
     out[t]    = sum_j weight[t, j] y[slot t k + j]  + shared(flat)[t]   (x sigmoid(w_s . x_t)
                                                         with moe.shared_expert_gate, Qwen3-Next)
 
@@ -36,7 +38,7 @@ from model.moe.experts import GroupedExperts
 from model.moe.losses import router_z_loss, sequence_balance_loss, switch_balance_loss
 from model.moe.padded import padded_route
 from model.moe.router import Router, Routing
-from model.moe.slots import SortTokens, combine_slots, expert_counts, slot_rows
+from model.moe.slots import SortTokens, combine_slots, expert_counts, slot_rows, sort_slots
 from model.registry import FFNS
 
 Dispatch = Callable[[Tensor, Tensor, GroupedExperts], Tensor]
@@ -134,7 +136,7 @@ class MoE(Fp32Buffers):
         if mine is None:
             out, counts, dropped = self._route(flat, routing.topk_idx, routing.topk_weight)
             return self._finish(out, flat, routing, counts, dropped, B, out_dtype)
-        rows = mine.nonzero()[:, 0]  # (N / tp,) this rank's tokens: only they meet the experts
+        rows = self._own_rows(B, T, x.device)  # (B (stop - start),) only they meet the experts
         part, _, _ = self._route(flat[rows], routing.topk_idx[rows], routing.topk_weight[rows])
         out = part.new_zeros(B * T, C).index_copy(0, rows, part)  # the others: cut away after
         counts = expert_counts(routing.topk_idx.flatten(), self.n_experts)  # every token's
@@ -150,6 +152,14 @@ class MoE(Fp32Buffers):
         mine[:, start:stop] = True
         return mine.flatten()
 
+    def _own_rows(self, B: int, T: int, device: torch.device) -> Tensor:
+        """(B (stop - start),) the flat rows of `local_positions` in ascending order, computed
+        from the positions: `_own_tokens(...).nonzero()`'s answer without its host sync (and
+        without the graph break that its data-dependent length makes in a compiled block)."""
+        start, stop = self.local_positions
+        batch = torch.arange(B, device=device)[:, None] * T  # (B, 1) first row of each sequence
+        return (batch + torch.arange(start, stop, device=device)).flatten()
+
     def _route(
         self, flat: Tensor, topk_idx: Tensor, topk_weight: Tensor
     ) -> tuple[Tensor, Tensor, Tensor]:
@@ -157,7 +167,7 @@ class MoE(Fp32Buffers):
         counts per expert and dropped slots (after capacity dropping)."""
         N, k = topk_idx.shape
         slot_expert = topk_idx.flatten()  # (N k,)
-        order = torch.argsort(slot_expert, stable=True)  # (M,) slots by expert, then by token
+        order = sort_slots(slot_expert, self.n_experts)  # (M,) slots by expert, then by token
         counts = expert_counts(slot_expert, self.n_experts)  # (E,)
         dropped = counts.new_zeros(())
         if self._drops():
@@ -165,7 +175,8 @@ class MoE(Fp32Buffers):
         if self._routes_padded(flat, order, counts):
             return padded_route(flat, order, counts, topk_weight, self.experts), counts, dropped
         inverse = slot_rows(order, N * k)  # (N k,) sorted row of each slot; M for dropped slots
-        x_sorted = SortTokens.apply(flat, order, inverse, k)  # (M, C)
+        dtype = self.experts.compute_dtype(flat)  # N rows cast, then M gathered
+        x_sorted = SortTokens.apply(flat, order, inverse, k, dtype)  # (M, C)
         y_sorted = self.dispatch(x_sorted, counts, self.experts)  # (M, C)
         kept = (inverse < order.numel()).view(N, k) if order.numel() < N * k else None
         slot_row = inverse.view(N, k) if kept is None else torch.where(kept, inverse.view(N, k), 0)

@@ -49,8 +49,8 @@ def padded_layout(order: Tensor, counts: Tensor, k: int) -> PaddedLayout:
 
 class _TokensToPadded(torch.autograd.Function):
     """flat (N, C) -> (P, C) padded rows in `dtype`. Backward: each slot's gradient row is
-    gathered, cast to flat's dtype and a token's k slots summed (padding rows' gradients are
-    dropped: they are zero)."""
+    gathered and a token's k slots summed in flat's dtype (padding rows' gradients are dropped:
+    they are zero)."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -65,8 +65,8 @@ class _TokensToPadded(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         (row_of_slot,) = ctx.saved_tensors
-        per_slot = grad.contiguous().index_select(0, row_of_slot).to(ctx.flat_dtype)  # (M, C)
-        return sum_over_slots(per_slot, ctx.k), None, None, None, None
+        per_slot = grad.contiguous().index_select(0, row_of_slot)  # (M, C) in grad's dtype
+        return sum_over_slots(per_slot, ctx.k, ctx.flat_dtype), None, None, None, None
 
 
 def padded_route(

@@ -3,6 +3,8 @@ forward and gradients, with empty experts, in fp32 and bf16."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -249,14 +251,19 @@ def test_the_compiled_grouped_gemm_path_matches_eager_over_changing_counts():
 @pytest.mark.skipif(
     not grouped_mm_supported("cpu", torch.bfloat16), reason="machine: no grouped GEMM"
 )
-@pytest.mark.parametrize("checkpointed", [False, True])
-def test_a_compiled_moe_layer_is_one_graph_unless_checkpointed(monkeypatch, checkpointed):
+@pytest.mark.parametrize(
+    ("checkpointed", "positions"), [(False, None), (True, None), (False, (8, 24))]
+)
+def test_a_compiled_moe_layer_is_one_graph_unless_checkpointed(
+    monkeypatch, checkpointed, positions
+):
     """The MoE layer as compiled blocks run it on a GPU (grouped GEMMs, the gather combine): one
     graph (fullgraph) with its statistics inside: no break at the expert counts (bincount), the
-    grouped-GEMM probe, the alignment check or the recompute check. Under activation
-    checkpointing the recompute check stays eager (autograd's task id; a forward rerun in
-    backward must not count twice): that break only. Outputs, gradients, the balance loss
-    (popped once per forward) and the token counts equal eager's."""
+    grouped-GEMM probe, the alignment check or the recompute check, nor at the rows of
+    `local_positions` (tensor parallelism's share of the routed work; a nonzero() broke there).
+    Under activation checkpointing the recompute check stays eager (autograd's task id; a
+    forward rerun in backward must not count twice): that break only. Outputs, gradients, the
+    balance loss (popped once per forward) and the token counts equal eager's."""
     from model.init import block_init_stds
     from model.moe import slots
     from model.moe.layer import MoE
@@ -269,9 +276,12 @@ def test_a_compiled_moe_layer_is_one_graph_unless_checkpointed(monkeypatch, chec
     layer.init_weights(block_init_stds(cfg.init, cfg.n_layers, 1))
     layer.experts.impl = "grouped_mm"
     layer.checkpointed = checkpointed
+    layer.local_positions = positions
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    compiled = torch.compile(layer, fullgraph=not checkpointed)
+    # with positions as compile_model compiles blocks, without fullgraph: fullgraph traced the
+    # nonzero() with an unbacked length instead of breaking (torch 2.13), still a host sync
+    compiled = torch.compile(layer, fullgraph=not checkpointed and positions is None)
     x = torch.randn(2, 32, cfg.d_model, generator=torch.Generator().manual_seed(1))
     results = []
     for fn in (compiled, layer):
@@ -353,3 +363,53 @@ def test_a_compiled_fp32_moe_layer_on_cpu_runs_with_an_unbalanced_load(monkeypat
         layer.zero_grad()
     for a, b in zip(*outs, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch: no grouped GEMM")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cast_weights_take_the_gate_and_up_projections_as_one_grouped_gemm(monkeypatch, dtype):
+    """Weights cast to the compute dtype (bf16: autocast over fp32 weights, the GPU runs; fp32:
+    fp64 weights, to check the fp32 arithmetic) run x [W_gate | W_up] as one grouped GEMM of
+    width 2F: its output equals two GEMMs' bit for bit (the same dot products). dx is one GEMM
+    over 2F accumulated in fp32 instead of two (each rounded to x's dtype) and their sum: fp32
+    summation order (1.4e-7 relative Frobenius here; bound 1e-6), a bf16 rounding or two in
+    bf16 (3e-3; bound 1e-2, 2.5 bf16 epsilons). The weights' gradients are the same GEMMs
+    (equal here; same bounds). Weights already in the compute dtype keep three GEMMs."""
+    calls = []
+    real = experts_module.grouped_mm
+    monkeypatch.setattr(
+        experts_module, "grouped_mm", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    weight_dtype = torch.float64 if dtype == torch.float32 else torch.float32
+    experts, x, counts = make(C=32, F_=48, dtype=weight_dtype)
+    experts.impl = "grouped_mm"
+    x = x.detach().to(dtype).requires_grad_()
+    cot = torch.randn(x.shape, generator=torch.Generator().manual_seed(3)).to(dtype)
+    weights = (experts.w_gate, experts.w_up, experts.w_down)
+    results = []
+    for fused in (True, False):
+        if fused:
+            y = (
+                experts(x, counts)
+                if dtype == torch.float32
+                else autocast_experts(experts, x, counts)
+            )
+            assert len(calls) == 2  # [gate | up], down
+        else:
+            w = [weight.to(dtype) for weight in weights]
+            mm = functools.partial(real, offsets=counts.cumsum(0).int())
+            y = mm(F.silu(mm(x, w[0])) * mm(x, w[1]), w[2])
+        results.append((y, *torch.autograd.grad(y, (x, *weights), cot)))
+    (y, *grads), (want_y, *want_grads) = results
+    assert y.dtype == dtype and torch.equal(y, want_y)
+    for got, want in zip(grads, want_grads, strict=True):
+        error = (got.double() - want.double()).norm() / want.double().norm()
+        assert error < (1e-6 if dtype == torch.float32 else 1e-2), f"relative error {error:.2e}"
+    calls.clear()
+    experts.to(dtype)(x, counts)  # weights in the compute dtype: no cast, three GEMMs
+    assert len(calls) == 3
+
+
+def autocast_experts(experts: GroupedExperts, x: torch.Tensor, counts: torch.Tensor):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return experts(x, counts)

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from model import FFNConfig, ModelConfig, MoEConfig
@@ -358,3 +359,85 @@ def test_evaluation_forwards_drop_nothing_whatever_the_batch():
         together = layer(x)
         alone = torch.cat([layer(x[i : i + 1]) for i in range(x.shape[0])])
     torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-6)
+
+
+# ---- host syncs ----------------------------------------------------------------------------------
+
+_aten = torch.ops.aten
+# ops that make a CUDA host wait for the device: a value or a data-dependent size copied back
+HOST_SYNCS = {
+    _aten._local_scalar_dense.default,  # .item(), int(t), bool(t), .tolist() of a scalar
+    _aten.nonzero.default,
+    _aten.masked_select.default,
+    _aten.bincount.default,
+    _aten._unique2.default,
+    _aten.unique_consecutive.default,
+    _aten.repeat_interleave.Tensor,  # without output_size only (its length)
+    _aten.index.Tensor,  # with a bool mask only
+}
+
+
+class HostSyncs(TorchDispatchMode):
+    """Counts the ops of HOST_SYNCS that a CUDA run would wait on, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        syncs = func in HOST_SYNCS
+        if func is _aten.repeat_interleave.Tensor:
+            syncs = kwargs.get("output_size") is None
+        if func is _aten.index.Tensor:
+            syncs = any(i is not None and i.dtype == torch.bool for i in args[1])
+        if syncs:
+            self.seen[str(func)] = self.seen.get(str(func), 0) + 1
+        return func(*args, **kwargs)
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch: no grouped GEMM")
+@pytest.mark.parametrize("positions", [None, (2, 6)])  # every token; tp's share of routed work
+def test_the_gpu_route_waits_on_no_device_value(monkeypatch, positions):
+    """One eager forward + backward of the route CUDA runs (grouped GEMM experts, the gather
+    combine, bf16 autocast), with the balance losses and statistics, reads no value back and
+    makes no data-dependent size: the host never waits for the GPU. With `local_positions`
+    the rows come from the positions, not from the mask's nonzero(). Capacity dropping (a kept
+    mask over the sorted slots) would wait: 1 sync."""
+    from model.moe import slots
+
+    monkeypatch.setattr(slots, "embedding_bag_combines", lambda device_type: False)
+    for capacity_factor, syncs in ((0.0, {}), (1.0, {"aten.index.Tensor": 1})):
+        if positions is not None and capacity_factor:
+            continue  # tp leaves a dropping layer's work repeated (parallel/routed_work.py)
+        layer = make_layer(aux_loss_coef=0.01, capacity_factor=capacity_factor)
+        layer.experts.impl = "grouped_mm"
+        layer.local_positions = positions
+        x = inputs().requires_grad_()
+        with HostSyncs() as mode, torch.autocast("cpu", dtype=torch.bfloat16):
+            y = layer(x)
+            (y.float().sum() + pop_aux_loss(layer)).backward()
+        assert mode.seen == syncs
+        assert x.grad is not None and layer.experts.w_up.grad is not None
+
+
+def test_own_rows_are_the_nonzero_rows_of_own_tokens():
+    layer = make_layer()
+    for positions in ((0, 8), (3, 5), (4, 4)):
+        layer.local_positions = positions
+        want = layer._own_tokens(3, 8, torch.device("cpu")).nonzero()[:, 0]
+        assert torch.equal(layer._own_rows(3, 8, torch.device("cpu")), want)
+
+
+def test_the_dispatch_receives_rows_in_the_compute_dtype_under_autocast():
+    """Rows reach the experts (or expert parallelism's all-to-all) already in bf16: the N token
+    rows are cast before M are gathered."""
+    layer = make_layer()
+    seen = []
+    layer.dispatch = lambda x_sorted, counts, experts: (
+        seen.append(x_sorted.dtype) or local_dispatch(x_sorted, counts, experts)
+    )
+    layer.experts.impl = "loop"  # the general route (CPU's padded one has no dispatch)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        layer(inputs())
+    assert seen == [torch.bfloat16]

@@ -111,3 +111,34 @@ def test_the_moe_layer_combines_through_the_sorted_gather_off_cpu(monkeypatch, c
     assert capacity_factor == 0 or layer.dropped_tokens.item() > 0
     for a, b in zip(*results, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("n_experts", [8, 256, 300])  # uint8 ids, the largest uint8, int16
+def test_sorting_narrow_ids_gives_the_int64_stable_permutation(n_experts):
+    ids = torch.randint(0, n_experts, (4096,), generator=torch.Generator().manual_seed(6))
+    assert torch.equal(slots.sort_slots(ids, n_experts), torch.argsort(ids, stable=True))
+
+
+@pytest.mark.parametrize("dropped", [False, True])
+def test_sorting_tokens_in_the_compute_dtype_equals_gathering_then_casting(dropped):
+    """SortTokens casting the N token rows and gathering M equals gathering M fp32 rows and
+    casting them (the layer before): the same rows, and the same gradient, bit for bit (each
+    token's k slot gradients summed in fp32 in slot order either way; dropped slots add zeros).
+    The gradients span 2^-30..2^30, so that fp32 sums of bf16 values round."""
+    gen = torch.Generator().manual_seed(7)
+    N, k, C = 40, 4, 24
+    order = torch.argsort(torch.randint(0, 8, (N * k,), generator=gen), stable=True)
+    if dropped:
+        order = order[torch.rand(N * k, generator=gen) > 0.3]
+    inverse = slots.slot_rows(order, N * k)
+    flat = torch.randn(N, C, generator=gen, requires_grad=True)
+    scale = 2.0 ** torch.randint(-30, 30, (order.numel(), C), generator=gen)
+    cot = (torch.randn(order.numel(), C, generator=gen) * scale).bfloat16()
+    results = []
+    for dtype in (torch.bfloat16, torch.float32):
+        rows = slots.SortTokens.apply(flat, order, inverse, k, dtype).to(torch.bfloat16)
+        results.append((rows, *torch.autograd.grad(rows, flat, cot)))
+    (got, got_grad), (want, want_grad) = results
+    assert got_grad.dtype == torch.float32
+    assert torch.equal(got, want) and torch.equal(got_grad, want_grad)
+    assert torch.equal(want, flat.index_select(0, order // k).to(torch.bfloat16))
