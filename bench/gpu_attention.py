@@ -8,31 +8,42 @@ close as SDPA is):
               (model/mixers/qk_logits.py) and vs FlexAttention's max_scores
   documents   packed documents and a sliding window (per-row first keys) vs the dense mask
   mla         head dims 192 / 128 (DeepSeek-V3's), MHA
+  dense_single_pass, mla_single_pass  the same with the single-pass backward (dQ summed by
+              atomics, which only a GPU runs concurrently)
   cp_chunks   context parallelism's calls (cp = 4: 8 chunks; each rank's two chunks over the
               keys before their ends, bottom-right aligned, with documents and a window) vs the
               same rows of one whole call: outputs and gradients
-Timing, forward + backward (B 4, T 4096, same heads): SDPA as dispatched, SDPA's cuDNN and
-FlashAttention-2 kernels forced, FlexAttention compiled, the Triton kernel without and with its
-max logits, SDPA followed by the max-logit recomputation (what QK-clip costs without the kernel);
-milliseconds, TFLOP/s (causal: 2 B H T^2 D forward, 2.5x that backward), and the ratio of the
-Triton kernel with max logits to the fastest SDPA (issue 18's target: <= 1.3). Also with
-documents: the kernel's block skipping vs SDPA's dense mask vs FlexAttention's block mask; and
-context parallelism's chunked calls per cp = 4 rank (their spread: the head-tail balance) against
-the whole call.
+Timing (issue 60), causal bf16, per shape: dense GQA (16 query heads of 128 over 8 kv heads) at
+T 4096 (B 4, the target's shape, first) and T 16384 (B 1), and MLA's head dims 192 / 128 (MHA,
+16 heads, T 4096, B 2). Each implementation is its own sub-case (a failure or the time budget
+skips only it): the Triton kernel with its max logits, SDPA's cuDNN and FlashAttention-2
+kernels forced (a refusal recorded with SDPA's reasons), the kernel without max logits, the
+kernel's single-pass backward (atomic dQ, LMFORGE_FLASH_BACKWARD=single_pass), FlexAttention
+compiled (CUDA only); on the first shape also Flex with its max scores and SDPA followed by the
+max-logit recomputation (what QK-clip costs without the kernel). Each is timed as the training
+forward alone and forward + backward; the backward is their difference. Milliseconds, TFLOP/s
+per phase (causal: 2 B H T^2 (Dqk + Dv) / 2 forward, 2.5x that backward), and per shape the
+ratio of the kernel with max logits to the fastest SDPA kernel per phase (the target: <= 1.2 on
+forward + backward at T 4096, D 128). Then, on the first shape, packed documents (the kernel's
+block skipping vs SDPA's dense mask vs FlexAttention's block mask) and context parallelism's
+chunked calls per cp = 4 rank against the whole call; last, the block sizes the autotuner chose
+for each kernel and shape.
 
-`small=True` runs the same code on a tiny shape (a CPU dry run under Triton's interpreter).
+`small=True` runs the same code on tiny shapes (a CPU dry run under Triton's interpreter).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from model.kernels.flash_attention import flash_attention, key_bounds
+from model.kernels.flash_attention import BACKWARD_ENV, flash_attention, key_bounds, tuned_configs
 from model.mixers.masks import build_mask, document_starts
 from model.mixers.qk_logits import max_logits_per_head
 
@@ -46,23 +57,20 @@ class Shape:
     Dqk: int
     Dv: int
 
-    def flops(self, causal: bool = True) -> float:
-        """Forward + backward FLOPs of attention (QK^T and PV; the backward 2.5x the forward)."""
-        forward = 2 * self.B * self.Hq * self.T**2 * (self.Dqk + self.Dv)
-        return 3.5 * forward * (0.5 if causal else 1.0)
+    def forward_flops(self, causal: bool = True) -> float:
+        """Forward FLOPs of attention (QK^T and PV; causal: half); the backward's are 2.5x."""
+        return 2 * self.B * self.Hq * self.T**2 * (self.Dqk + self.Dv) * (0.5 if causal else 1.0)
 
 
 def shapes(small: bool) -> dict[str, Shape]:
     if small:
         return {
-            "check": Shape(1, 4, 2, 48, 32, 32),
+            "check": Shape(1, 2, 1, 48, 32, 32),
             "mla": Shape(1, 2, 2, 40, 48, 32),
-            "time": Shape(1, 4, 2, 64, 32, 32),
         }
     return {
         "check": Shape(2, 16, 8, 4096, 128, 128),
         "mla": Shape(2, 16, 16, 4096, 192, 128),
-        "time": Shape(4, 16, 8, 4096, 128, 128),
     }
 
 
@@ -160,6 +168,13 @@ def check_cases(small: bool, device: str, sub_case: Callable) -> dict:
 
     sub_case(results, "documents", docs, 40)
     sub_case(results, "mla", lambda: compare(sizes["mla"], device), 40)
+    for name, shape in (("dense", check), ("mla", sizes["mla"])):  # atomic dQ: races show here
+
+        def single_pass(shape=shape) -> dict:
+            with flash_backward("single_pass"):
+                return compare(shape, device)
+
+        sub_case(results, f"{name}_single_pass", single_pass, 40)
     sub_case(results, "cp_chunks", lambda: chunks_match_whole(check, device, window), 40)
     if device == "cuda":
 
@@ -184,68 +199,192 @@ def sdpa_backend(name: str):
     return sdpa_kernel(getattr(SDPBackend, name))
 
 
-def timing_cases(small: bool, device: str, timed: Callable, sub_case: Callable) -> dict:
-    """Forward + backward of each implementation on the timing shape (dense causal, then with
-    documents); each entry: ms, TFLOP/s."""
-    shape = shapes(small)["time"]
-    q, k, v = inputs(shape, device, seed=1)
-    cot = torch.randn(shape.B, shape.Hq, shape.T, shape.Dv, device=device, dtype=torch.bfloat16)
+@contextlib.contextmanager
+def flash_backward(variant: str):
+    """The kernel's backward variant (LMFORGE_FLASH_BACKWARD, read at each call) inside."""
+    before = os.environ.get(BACKWARD_ENV)
+    os.environ[BACKWARD_ENV] = variant
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[BACKWARD_ENV]
+        else:
+            os.environ[BACKWARD_ENV] = before
+
+
+def timing_shapes(small: bool) -> dict[str, Shape]:
+    """The timed shapes, the issue's target (T 4096, D 128) first; tiny stand-ins when small
+    (head dims off a power of two where MLA's are)."""
+    if small:
+        return {
+            "dense_t4096_d128": Shape(1, 2, 1, 32, 16, 16),
+            "dense_t16384_d128": Shape(1, 2, 1, 48, 16, 16),
+            "mla_t4096": Shape(1, 2, 2, 32, 24, 16),
+        }
+    return {
+        "dense_t4096_d128": Shape(4, 16, 8, 4096, 128, 128),
+        "dense_t16384_d128": Shape(1, 16, 8, 16384, 128, 128),
+        "mla_t4096": Shape(2, 16, 16, 4096, 192, 128),
+    }
+
+
+def implementations(shape: Shape, device: str, main: bool) -> list[tuple]:
+    """(name, attend(q, k, v) -> out or (out, max logits), context, need_s), in the order they
+    run: ours with max logits and SDPA's kernels first (the target's ratio), then the rest;
+    FlexAttention (compiled) on CUDA only; on the main shape also Flex with its max scores and
+    SDPA with the max logits recomputed (what QK-clip costs without a kernel)."""
     scale = shape.Dqk**-0.5
-    results: dict = {"shape": vars(shape)}
-
-    def measure(attend: Callable, context=contextlib.nullcontext) -> dict:
-        def run():
-            with context():
-                fwd_bwd(attend, [q, k, v], cot)
-
-        numbers = timed(run)
-        numbers["tflops"] = round(shape.flops() / (numbers["median_ms"] * 1e-3) / 1e12, 1)
-        return numbers
-
-    for backend in (
-        ("default", "CUDNN_ATTENTION", "FLASH_ATTENTION") if device == "cuda" else ("default",)
-    ):
-        sub_case(
-            results,
-            f"sdpa_{backend.lower()}",
-            lambda b=backend: measure(sdpa, lambda: sdpa_backend(b)),
-            20,
-        )
-    sub_case(results, "triton", lambda: measure(flash_attention), 60)
-    sub_case(
-        results,
-        "triton_max_logits",
-        lambda: measure(lambda *x: flash_attention(*x, return_max_logits=True)),
-        20,
-    )
-
-    def sdpa_and_recompute(q_, k_, v_):
-        max_logits_per_head(q_, k_, scale, None, True, 0)
-        return sdpa(q_, k_, v_)
-
-    sub_case(results, "sdpa_plus_recompute", lambda: measure(sdpa_and_recompute), 30)
+    null = contextlib.nullcontext
+    backends = ("CUDNN_ATTENTION", "FLASH_ATTENTION") if device == "cuda" else ("default",)
+    cases = [
+        ("triton_max_logits", lambda *x: flash_attention(*x, return_max_logits=True), null, 60)
+    ]
+    cases += [(f"sdpa_{b.lower()}", sdpa, lambda b=b: sdpa_backend(b), 20) for b in backends]
+    cases += [
+        ("triton", flash_attention, null, 20),
+        (
+            "triton_max_logits_single_pass",
+            lambda *x: flash_attention(*x, return_max_logits=True),
+            lambda: flash_backward("single_pass"),
+            60,
+        ),
+    ]
     if device == "cuda":
+        cases.append(("flex", flex_call(shape, device, max_scores=False), null, 90))
+        if main:
+            cases.append(("flex_max_scores", flex_call(shape, device, max_scores=True), null, 90))
+    if main:
+
+        def sdpa_and_recompute(q, k, v):
+            max_logits_per_head(q, k, scale, None, True, 0)
+            return sdpa(q, k, v)
+
+        cases.append(("sdpa_plus_recompute", sdpa_and_recompute, null, 30))
+    return cases
+
+
+def flex_call(shape: Shape, device: str, max_scores: bool) -> Callable:
+    """Compiled FlexAttention with a causal block mask (built at the first call, inside its
+    sub-case); with `max_scores` also its (Hq,) max logits."""
+    state: dict = {}
+
+    def attend(q, k, v):
+        from torch.nn.attention.flex_attention import AuxRequest
+
         from model.mixers.attention_backend import _compiled_flex, flex_block_mask
 
-        block_mask = flex_block_mask(None, 0, shape.B, shape.T, torch.device(device))
+        if not state:
+            state["mask"] = flex_block_mask(None, 0, shape.B, shape.T, torch.device(device))
         flex = _compiled_flex()
+        if not max_scores:
+            return flex(q, k, v, block_mask=state["mask"], enable_gqa=True)
+        aux = AuxRequest(max_scores=True)
+        out, aux = flex(q, k, v, block_mask=state["mask"], enable_gqa=True, return_aux=aux)
+        return out, aux.max_scores.amax(dim=(0, 2))
+
+    return attend
+
+
+def forward_only(attend: Callable, leaves: list[torch.Tensor]) -> None:
+    """The training forward alone: leaves that require grad (what the backward needs is kept)."""
+    attend(*[x.detach().requires_grad_() for x in leaves])
+
+
+REFUSALS = ("No available kernel", "No viable backend")  # SDPA with a backend it cannot use
+
+
+def measure(shape: Shape, tensors: tuple, attend: Callable, context: Callable, timed) -> dict:
+    """Forward, forward + backward (timed apart), the backward as their difference; TFLOP/s of
+    each. A backend that refuses the inputs (SDPA: REFUSALS) is recorded with the reasons it
+    warned of."""
+    q, k, v, cot = tensors
+
+    def forward() -> None:
+        with context():
+            forward_only(attend, [q, k, v])
+
+    def both() -> None:
+        with context():
+            fwd_bwd(attend, [q, k, v], cot)
+
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        try:
+            result = {"forward": timed(forward), "forward_backward": timed(both)}
+        except RuntimeError as error:
+            if not any(text in str(error) for text in REFUSALS):
+                raise
+            reasons = sorted({str(w.message)[:300] for w in warned})
+            return {"refused": str(error)[:300], "reasons": reasons}
+    forward_ms = result["forward"]["median_ms"]
+    total_ms = result["forward_backward"]["median_ms"]
+    result["backward_ms"] = round(total_ms - forward_ms, 3)
+    flops = shape.forward_flops()
+    result["tflops"] = {
+        "forward": tflops(flops, forward_ms),
+        "backward": tflops(2.5 * flops, result["backward_ms"]),
+        "forward_backward": tflops(3.5 * flops, total_ms),
+    }
+    return result
+
+
+def tflops(flops: float, ms: float) -> float | None:
+    return round(flops / (ms * 1e-3) / 1e12, 1) if ms > 0 else None  # None: noise (dry runs)
+
+
+def ratios(results: dict) -> dict:
+    """Ours with max logits over the fastest SDPA kernel (the issue's target: <= 1.2 on the
+    forward + backward at T 4096, D 128), per phase; {} without both."""
+    ours = results.get("triton_max_logits", {})
+    sdpa_runs = [
+        r
+        for name, r in results.items()
+        if name.startswith("sdpa_") and name != "sdpa_plus_recompute" and "forward" in r
+    ]
+    if "forward" not in ours or not sdpa_runs:
+        return {}
+    best = min(sdpa_runs, key=lambda r: r["forward_backward"]["median_ms"])
+    pairs = {
+        "forward": (ours["forward"]["median_ms"], best["forward"]["median_ms"]),
+        "backward": (ours["backward_ms"], best["backward_ms"]),
+        "forward_backward": (
+            ours["forward_backward"]["median_ms"],
+            best["forward_backward"]["median_ms"],
+        ),
+    }
+    return {phase: round(a / b, 3) if b > 0 else None for phase, (a, b) in pairs.items()}
+
+
+def shape_timings(shape: Shape, device: str, timed: Callable, sub_case: Callable, main: bool):
+    """Every implementation on one shape (each its own sub-case), then the ratios."""
+    q, k, v = inputs(shape, device, seed=1)
+    cot = torch.randn(shape.B, shape.Hq, shape.T, shape.Dv, device=device, dtype=torch.bfloat16)
+    results: dict = {"shape": vars(shape)}
+    for name, attend, context, need_s in implementations(shape, device, main):
         sub_case(
             results,
-            "flex",
-            lambda: measure(lambda *x: flex(*x, block_mask=block_mask, enable_gqa=True)),
-            90,
+            name,
+            lambda a=attend, c=context: measure(shape, (q, k, v, cot), a, c, timed),
+            need_s,
         )
-    sdpa_ms = [
-        v["median_ms"]
-        for name, v in results.items()
-        if name.startswith("sdpa_") and name != "sdpa_plus_recompute" and "median_ms" in v
-    ]
-    if sdpa_ms and "median_ms" in results.get("triton_max_logits", {}):
-        results["triton_max_logits_over_best_sdpa"] = round(
-            results["triton_max_logits"]["median_ms"] / min(sdpa_ms), 3
-        )
+    results["triton_max_logits_over_best_sdpa"] = ratios(results)
+    return results, (q, k, v, cot)
+
+
+def timing_cases(small: bool, device: str, timed: Callable, sub_case: Callable) -> dict:
+    """Forward and forward + backward of each implementation on each timing shape (the issue's
+    T 4096, D 128 first), with per-phase TFLOP/s and ours over the fastest SDPA; then packed
+    documents and context parallelism's chunks on the first shape; the autotuner's choices."""
+    results: dict = {}
+    main_tensors = None
+    for i, (label, shape) in enumerate(timing_shapes(small).items()):
+        results[label], tensors = shape_timings(shape, device, timed, sub_case, main=i == 0)
+        main_tensors = main_tensors or (shape, tensors)
+    shape, (q, k, v, cot) = main_tensors
     results["documents"] = document_timings(shape, device, timed, sub_case, q, k, v, cot)
     sub_case(results, "cp_chunks", lambda: chunk_timings(shape, timed, q, k, v, cot), 60)
+    results["tuned_configs"] = tuned_configs()
     return results
 
 

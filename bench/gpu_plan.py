@@ -226,8 +226,9 @@ def targets(cases: dict) -> dict:
         met = None if value is None else (value >= limit if at_least else value <= limit)
         return {"value": value, "bound": (">= " if at_least else "<= ") + str(limit), "met": met}
 
-    timing = cases.get("attention", {}).get("result", {}).get("flash_attention", {})
-    ratio = timing.get("timing", {}).get("triton_max_logits_over_best_sdpa")
+    attention = cases.get("attention", {}).get("result", {}).get("flash_attention", {})
+    main_shape = attention.get("timing", {}).get("dense_t4096_d128", {})
+    ratio = main_shape.get("triton_max_logits_over_best_sdpa", {}).get("forward_backward")
     out = {
         "dense_1b_mfu": bound(train.get("dense_1b", {}).get("mfu"), 0.5, True),
         "moe_fine_mfu_active": bound(train.get("moe_fine", {}).get("mfu"), 0.35, True),

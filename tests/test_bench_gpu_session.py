@@ -67,7 +67,14 @@ def test_every_case_of_the_plan_runs_on_cpu(tmp_path: Path) -> None:
     assert comparisons["mhc_1b"]["step_time_vs_dense_1b"] > 0  # dense_1b ran in the other half
     assert comparisons["dense_1b_float8_tensorwise"]["speedup_vs_bf16"] > 0
     timing = cases["attention"]["result"]["flash_attention"]["timing"]
-    assert timing and not errors_in(timing)
+    assert set(timing) >= {"dense_t4096_d128", "dense_t16384_d128", "mla_t4096"}
+    main_shape = timing["dense_t4096_d128"]
+    # ours with and without max logits, the atomic-dQ backward, SDPA (on CUDA: cuDNN, FA2, Flex)
+    assert {"triton_max_logits", "triton", "triton_max_logits_single_pass"} <= set(main_shape)
+    assert "forward_backward" in main_shape["triton_max_logits"] and "sdpa_default" in main_shape
+    assert set(main_shape["triton_max_logits_over_best_sdpa"]) == {
+        "forward", "backward", "forward_backward"
+    }  # fmt: skip
     assert "test_gpu.py" in cases["gpu_tests"]["log_tail"]  # the tier collected, in a subprocess
 
 

@@ -23,8 +23,13 @@ diagonal.
 The kernels are torch custom ops (`lmforge::flash_attention_fwd`, `..._bwd`), opaque to
 torch.compile and safe under activation checkpointing. Triton is imported on first use, never at
 module load; on a CPU machine they run under its interpreter (`TRITON_INTERPRET=1`, set before
-triton is first imported), with fixed block sizes; on a GPU the block sizes are autotuned once
-per shape.
+triton is first imported), with fixed block sizes (INTERPRETER_BLOCKS); on a GPU the block sizes
+are autotuned once per shape among CONFIGS' candidates, pruned first to those that fit.
+
+The backward runs one of two variants, named by the environment variable LMFORGE_FLASH_BACKWARD
+at each call: `two_kernel` (default; dK/dV, then dQ, each summed in a fixed order, so results are
+bitwise reproducible) or `single_pass` (dQ added with fp32 atomics from the dK/dV kernel: fewer
+matmuls, but the order of dQ's sums, and so its last bits, varies from run to run).
 """
 
 from __future__ import annotations
@@ -36,7 +41,6 @@ import os
 import torch
 from torch import Tensor
 
-INTERPRETER_BLOCK = 16  # rows and keys per program under the interpreter (no autotuning there)
 MAX_HEAD_DIM = 256
 
 
@@ -135,39 +139,184 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-# GPU autotuning candidates (BLOCK_M rows, BLOCK_N keys, warps, stages), largest first: few, so
-# that tuning a new shape costs seconds; the last of each list fits the shared memory of an sm_90
-# block even in fp32 at head dim 256 (model/kernels/aot.py checks). Forward and dQ: BLOCK_M a
-# multiple of BLOCK_N; dK/dV the reverse.
-FORWARD_CONFIGS = ((128, 64, 8, 3), (128, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 2))
-DQ_CONFIGS = ((128, 32, 8, 2), (64, 32, 4, 3), (64, 64, 4, 2), (32, 16, 4, 1))
-DKV_CONFIGS = ((32, 128, 8, 2), (32, 64, 4, 3), (64, 64, 4, 2), (16, 32, 4, 1))
+# Backward variants (LMFORGE_FLASH_BACKWARD, read at each call): "two_kernel" (default) runs
+# dK/dV over the key blocks, then dQ over the query blocks (7 matmuls a block pair, each
+# gradient summed in a fixed order); "single_pass" adds each block pair's dQ into an fp32
+# buffer with atomics from the dK/dV kernel (5 matmuls, FlashAttention-2's CUDA backward): the
+# order of dQ's sums then depends on scheduling, so dQ is not bitwise reproducible.
+BACKWARD_ENV = "LMFORGE_FLASH_BACKWARD"
+BACKWARDS = ("two_kernel", "single_pass")
+
+# GPU autotuning candidates (BLOCK_M rows, BLOCK_N keys, warps, stages) per kernel: 16-bit inputs
+# (tensor-core dots: Hopper's wgmma takes 64-row slices per warpgroup, with 2-3 stages of loads
+# in flight) and fp32 (exact IEEE dots on the FMA units: one small tile, for checks rather than
+# speed). Forward and dQ: BLOCK_M a multiple of BLOCK_N; dK/dV the reverse. Chosen with ptxas's
+# register counts for sm_90 (`python -m model.kernels.aot --candidates all --registers`): the
+# dK/dV kernel holds two (BLOCK_N, D) fp32 accumulators, so at D 128 its 64-row blocks spill
+# (328 bytes a thread, 544 with atomic dQ) while 16- and 32-row ones spill 0-216; at MLA's
+# dims every dK/dV candidate spills some; 4-warp candidates with 128-row or 128-key tiles
+# spill more and are left out. Before tuning a
+# shape, `_prune` keeps those that fit: estimated shared memory (shared_bytes_estimate) within
+# the GPU's, and blocks no longer than the sequence; model/kernels/aot.py compiles the largest
+# survivors for sm_90 and checks both the fit and the estimate.
+CONFIGS = {
+    "_fwd": {
+        "16-bit": ((128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3),
+                   (64, 32, 4, 2)),
+        "fp32": ((32, 16, 4, 1),),
+    },
+    "_bwd_kv": {
+        "16-bit": ((64, 128, 8, 2), (32, 128, 8, 3), (32, 128, 8, 2), (16, 128, 8, 2),
+                   (32, 64, 8, 2), (16, 64, 8, 2)),
+        "fp32": ((16, 32, 4, 1),),
+    },
+    "_bwd_kv_atomic": {
+        "16-bit": ((32, 128, 8, 2), (16, 128, 8, 3), (16, 128, 8, 2), (32, 64, 8, 2),
+                   (16, 64, 8, 2)),
+        "fp32": ((16, 32, 4, 1),),
+    },
+    "_bwd_q": {
+        "16-bit": ((128, 64, 8, 2), (128, 32, 8, 3), (128, 32, 8, 2), (64, 64, 4, 3),
+                   (64, 32, 4, 2)),
+        "fp32": ((32, 16, 4, 1),),
+    },
+}  # fmt: skip
+DELTA_BLOCK = (64, 4)  # _bwd_delta's rows per program and warps (memory-bound, not tuned)
+# rows and keys per program under the interpreter (no autotuning there), read at each call
+INTERPRETER_BLOCKS = {
+    "_fwd": (16, 16), "_bwd_kv": (16, 16), "_bwd_kv_atomic": (16, 16), "_bwd_q": (16, 16),
+    "_bwd_delta": (16, 0),
+}  # fmt: skip
+SHARED_BYTES_SM90 = 232448  # the largest dynamic shared memory one block may use on sm_90
 
 
-def _configs(candidates: tuple) -> list:
+def dtype_class(itemsize: int) -> str:
+    return "fp32" if itemsize == 4 else "16-bit"
+
+
+def shared_bytes_estimate(
+    name: str, block_m: int, block_n: int, stages: int, bd_qk: int, bd_v: int, itemsize: int
+) -> int:
+    """An upper bound of the shared memory Triton 3.x gives one program of kernel `name` on
+    sm_90 (padded head dims bd_qk, bd_v), fitted to the compiler's numbers for every candidate
+    (model/kernels/aot.py checks it on each variant it compiles): the tiles the loop loads, one
+    buffer per stage, and the tiles staged once (the program's own rows or keys); backward:
+    lse2 and delta rows per stage; fp32: the (BM, BN) scores' layout change for the FMA dots;
+    atomic dQ: its fp32 tile on the way to the atomics, and the transposed dS."""
+    row = bd_qk + bd_v
+    if name == "_fwd":  # loop: K, V; once: Q
+        loop, once = block_n * row, block_m * bd_qk
+    elif name == "_bwd_q":  # loop: K, V; once: Q, dO
+        loop, once = block_n * row, block_m * row
+    else:  # dK/dV: loop: Q, dO; once: K, V
+        loop, once = block_m * row, block_n * row
+    total = itemsize * (stages * loop + once)
+    if itemsize == 4:
+        total += 4 * block_m * block_n
+    if name != "_fwd":
+        total += 16 * stages * block_m
+    if name == "_bwd_kv_atomic":
+        total += 4 * max(block_m, 64) * bd_qk + 4 * max(block_m, 32) * block_n
+    return total
+
+
+def _shared_limit(device: torch.device) -> int:
+    """The most shared memory one block may use on `device` (sm_90's where unknown)."""
+    try:
+        from triton.runtime import driver
+
+        props = driver.active.utils.get_device_properties(device.index or 0)
+        return int(props["max_shared_mem"])
+    except Exception:  # an older triton or no driver: Hopper's
+        return SHARED_BYTES_SM90
+
+
+def _pruner(name: str):
+    """early_config_prune for kernel `name`: the dtype's candidates that fit the device's shared
+    memory and whose blocks are no longer than the rows and keys (rounded up to 16)."""
     import triton
 
+    def prune(configs: list, named_args: dict, **kwargs) -> list:
+        q, v = named_args["Q"], named_args["V"]  # (triton < 3.0 passes no kwargs)
+        itemsize = q.element_size()
+        allowed = set(CONFIGS[name][dtype_class(itemsize)])
+        limit = _shared_limit(q.device)
+        bd_qk, bd_v = (max(16, triton.next_power_of_2(x.shape[-1])) for x in (q, v))
+        rows = max(16, triton.next_power_of_2(named_args["T"]))
+        keys = max(16, triton.next_power_of_2(named_args["n_keys"]))
+
+        def blocks(c) -> tuple:
+            return (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
+
+        def estimate(c) -> int:
+            m, n, _, stages = blocks(c)
+            return shared_bytes_estimate(name, m, n, stages, bd_qk, bd_v, itemsize)
+
+        mine = [c for c in configs if blocks(c) in allowed]
+        keep = [
+            c
+            for c in mine
+            if estimate(c) <= limit and c.kwargs["BLOCK_M"] <= rows and c.kwargs["BLOCK_N"] <= keys
+        ]
+        return keep or [min(mine, key=estimate)]
+
+    return prune
+
+
+def _configs(name: str) -> list:
+    import triton
+
+    candidates = dict.fromkeys(c for group in CONFIGS[name].values() for c in group)
     return [
         triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=warps, num_stages=stages)
         for m, n, warps, stages in candidates
     ]
 
 
+EVEN = {
+    "EVEN_M": lambda args: args["T"] % args["BLOCK_M"] == 0,
+    "EVEN_N": lambda args: args["n_keys"] % args["BLOCK_N"] == 0,
+}
+KERNELS = {  # name -> (function in flash_attention_triton, grid axis 0's block, heuristics)
+    "_fwd": ("_fwd", "BLOCK_M", EVEN),
+    "_bwd_kv": ("_bwd_kv", "BLOCK_N", EVEN),
+    "_bwd_kv_atomic": ("_bwd_kv", "BLOCK_N", EVEN),
+    "_bwd_q": ("_bwd_q", "BLOCK_M", EVEN),
+    "_bwd_delta": ("_bwd_delta", "BLOCK_M", {"EVEN_M": EVEN["EVEN_M"]}),
+}
+
+
 @functools.cache
 def _kernels(interpreting: bool) -> dict:
-    """name -> (kernel, fixed meta-parameters or {} when autotuned)."""
-    from model.kernels import flash_attention_triton as fa
-
-    if interpreting:
-        fixed = {"BLOCK_M": INTERPRETER_BLOCK, "BLOCK_N": INTERPRETER_BLOCK}
-        return {name: (getattr(fa, name), fixed) for name in ("_fwd", "_bwd_kv", "_bwd_q")}
+    """name -> kernel: the Triton function under heuristics that set EVEN_M / EVEN_N from the
+    blocks; on a GPU under an autotuner too (but _bwd_delta), keyed by the shape."""
     import triton
 
-    key = ["T", "n_keys", "D_QK", "D_V", "CAUSAL", "BOUNDED"]  # T: query rows
+    from model.kernels import flash_attention_triton as fa
+
+    kernels = {}
+    for name, (fn, _, even) in KERNELS.items():
+        kernel = triton.heuristics(even)(getattr(fa, fn))
+        if not interpreting and name in CONFIGS:
+            kernel = triton.autotune(
+                _configs(name),
+                key=["T", "n_keys", "D_QK", "D_V", "CAUSAL", "BOUNDED"],  # T: query rows
+                prune_configs_by={"early_config_prune": _pruner(name)},
+                reset_to_zero=["DQ_ACC"] if name == "_bwd_kv_atomic" else None,
+            )(kernel)
+        kernels[name] = kernel
+    return kernels
+
+
+def tuned_configs() -> dict:
+    """{kernel: [{"key": the autotuner's key, "config": the chosen config}]} of every shape
+    tuned so far in this process (GPU runs: which candidates win, for the next revision)."""
+    if _interpreting():
+        return {}  # fixed blocks
     return {
-        "_fwd": (triton.autotune(_configs(FORWARD_CONFIGS), key=key)(fa._fwd), {}),
-        "_bwd_kv": (triton.autotune(_configs(DKV_CONFIGS), key=key)(fa._bwd_kv), {}),
-        "_bwd_q": (triton.autotune(_configs(DQ_CONFIGS), key=key)(fa._bwd_q), {}),
+        name: [{"key": str(key), "config": str(c)} for key, c in kernel.cache.items()]
+        for name, kernel in _kernels(False).items()
+        if hasattr(kernel, "cache")  # the autotuned ones
     }
 
 
@@ -175,8 +324,15 @@ def _run(name: str, rows: int, heads: int, args: tuple, meta: dict) -> None:
     """Runs kernel `name` on the grid (blocks of `rows`, heads); meta holds the constexprs."""
     import triton
 
-    kernel, fixed = _kernels(_interpreting())[name]
-    block = "BLOCK_N" if name == "_bwd_kv" else "BLOCK_M"
+    interpreting = _interpreting()
+    kernel = _kernels(interpreting)[name]
+    block = KERNELS[name][1]
+    fixed = {}
+    if interpreting:
+        block_m, block_n = INTERPRETER_BLOCKS[name]
+        fixed = {"BLOCK_M": block_m} | ({"BLOCK_N": block_n} if block_n else {})
+    elif name == "_bwd_delta":
+        fixed = {"BLOCK_M": DELTA_BLOCK[0], "num_warps": DELTA_BLOCK[1]}
     kernel[lambda m: (triton.cdiv(rows, m[block]), heads)](*args, **meta, **fixed)
 
 
@@ -201,6 +357,14 @@ def _meta(q: Tensor, v: Tensor, causal: bool, bounded: bool) -> dict:
         BOUNDED=bounded,
         PRECISION=_precision(q.dtype),
     )
+
+
+def backward_variant() -> str:
+    """LMFORGE_FLASH_BACKWARD's value (default two_kernel); a ValueError names the choices."""
+    value = os.environ.get(BACKWARD_ENV, "") or BACKWARDS[0]
+    if value not in BACKWARDS:
+        raise ValueError(f"{BACKWARD_ENV}={value!r}: expected one of {', '.join(BACKWARDS)}")
+    return value
 
 
 def _strides(*tensors: Tensor) -> tuple[int, ...]:
@@ -242,21 +406,30 @@ def _bwd_op(
     causal: bool,
     scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) in the inputs' dtypes (and layouts, where they are dense)."""
+    """(dq, dk, dv) in the inputs' dtypes (and layouts, where they are dense), by the backward
+    variant LMFORGE_FLASH_BACKWARD names."""
+    single_pass = backward_variant() == "single_pass"
     B, HQ, T, _ = q.shape
     HKV, n_keys = k.shape[1], k.shape[2]
-    delta = (grad_out.float() * out.float()).sum(-1).contiguous()  # (B, Hq, T) rowsum(dO O)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    bounded = first_key is not None
-    fk = first_key if bounded else lse2.new_zeros(1, dtype=torch.int32)
-    lr = last_rows(first_key, n_keys) if bounded else fk
-    meta = _meta(q, v, causal, bounded)
+    meta = _meta(q, v, causal, first_key is not None)
+    delta = torch.empty_like(lse2)  # (B, Hq, T) fp32 rowsum(dO O)
+    delta_args = (out, grad_out, delta, T, HQ, *_strides(out, grad_out))
+    _run("_bwd_delta", T, B * HQ, delta_args, dict(D_V=meta["D_V"], BD_V=meta["BD_V"]))
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    # single pass: dQ summed in fp32 (scaled) by atomics, in q's layout; else a dummy pointer
+    dq = torch.zeros_like(q, dtype=torch.float32) if single_pass else torch.empty_like(q)
+    dq_acc = dq if single_pass else dk
+    fk = first_key if first_key is not None else lse2.new_zeros(1, dtype=torch.int32)
+    lr = last_rows(first_key, n_keys) if first_key is not None else fk
     common = (scale, T, n_keys, HQ, HQ // HKV, *_strides(q, k, v, grad_out))
-    kv_args = (q, k, v, grad_out, lse2, delta, dk, dv, fk, lr, *common, *_strides(dk, dv))
-    _run("_bwd_kv", n_keys, B * HKV, kv_args, meta)
-    _run(
-        "_bwd_q", T, B * HQ, (q, k, v, grad_out, lse2, delta, dq, fk, *common, *_strides(dq)), meta
-    )
+    kv_args = (q, k, v, grad_out, lse2, delta, dk, dv, dq_acc, fk, lr, *common)
+    kv_args += _strides(dk, dv) + (_strides(dq) if single_pass else (0, 0, 0))
+    kv_meta = meta | {"ATOMIC_DQ": single_pass}
+    _run("_bwd_kv_atomic" if single_pass else "_bwd_kv", n_keys, B * HKV, kv_args, kv_meta)
+    if single_pass:
+        return dq.to(q.dtype), dk, dv
+    q_args = (q, k, v, grad_out, lse2, delta, dq, fk, *common, *_strides(dq))
+    _run("_bwd_q", T, B * HQ, q_args, meta)
     return dq, dk, dv
 
 
@@ -300,6 +473,7 @@ def flash_attention(
     first_key[:, i] (0 without bounds) .. Tk - Tq + i; keys that no row sees get zero gradients.
     """
     _check(q, k, v, first_key, causal)
+    backward_variant()  # a bad LMFORGE_FLASH_BACKWARD fails here, before the forward runs
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if first_key is not None and first_key.shape[0] != q.shape[0]:
         first_key = first_key.expand(q.shape[0], -1).contiguous()

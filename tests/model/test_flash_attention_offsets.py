@@ -5,7 +5,9 @@ over the equivalent dense bool mask (outputs, dQ/dK/dV, max logits against a mas
 GQA, packed documents (one crossing the chunk's start, one starting inside it) with a sliding
 window, MLA's 192 / 128 head dims, a chunk and an offset that are not multiples of the block;
 a chunk equal bit for bit to the same rows of the full call; and key blocks that no row sees are
-never visited (NaN keys there reach neither the outputs nor the gradients)."""
+never visited (NaN keys there reach neither the outputs nor the gradients). Both backward
+variants (two kernels; one pass with atomic dQ), and unequal row and key blocks as the GPU's
+candidates have them."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from torch.nn.functional import scaled_dot_product_attention
 from model.mixers.masks import document_starts
 
 triton = pytest.importorskip("triton")
+from model.kernels import flash_attention as fa  # noqa: E402
 from model.kernels.flash_attention import flash_attention, key_bounds, last_rows  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -30,6 +33,11 @@ CASES = {
     "mla dims 192/128": (1, 2, 2, 16, 48, 192, 128, 0, [(40,)]),
     "chunk and offset off the block": (2, 2, 1, 21, 50, 24, 40, 9, [(25, 33), (35,)]),
 }
+# forward and dQ: BLOCK_M twice BLOCK_N; dK/dV the reverse (the interpreter's default: 16 x 16)
+UNEQUAL_BLOCKS = {
+    "_fwd": (32, 16), "_bwd_kv": (16, 32), "_bwd_kv_atomic": (16, 32), "_bwd_q": (32, 16),
+    "_bwd_delta": (32, 0),
+}  # fmt: skip
 
 
 def inputs(B, Hq, Hkv, Tq, Tk, Dqk, Dv, seed=0):
@@ -63,8 +71,13 @@ def first_keys(docs, window, Tq, Tk):
     return key_bounds(starts, window, Tk, CPU, rows=slice(Tk - Tq, Tk))
 
 
+@pytest.mark.parametrize("blocks", ["default", "unequal"])
+@pytest.mark.parametrize("backward", fa.BACKWARDS)
 @pytest.mark.parametrize("case", CASES)
-def test_a_chunk_equals_sdpa_with_the_dense_mask(case):
+def test_a_chunk_equals_sdpa_with_the_dense_mask(case, backward, blocks, monkeypatch):
+    monkeypatch.setenv(fa.BACKWARD_ENV, backward)
+    if blocks == "unequal":
+        monkeypatch.setattr(fa, "INTERPRETER_BLOCKS", UNEQUAL_BLOCKS)
     B, Hq, Hkv, Tq, Tk, Dqk, Dv, window, boundaries = CASES[case]
     q, k, v = inputs(B, Hq, Hkv, Tq, Tk, Dqk, Dv)
     docs = doc_ids(boundaries, Tk) if boundaries else None
@@ -114,11 +127,13 @@ def test_a_chunk_is_the_same_rows_of_the_full_sequence_bit_for_bit():
     assert torch.equal(dk, full_dk) and torch.equal(dv, full_dv)
 
 
-def test_key_blocks_no_row_sees_are_never_visited():
+@pytest.mark.parametrize("backward", fa.BACKWARDS)
+def test_key_blocks_no_row_sees_are_never_visited(backward, monkeypatch):
     """Rows at 48..63 with a window of 8 see keys 41..63: key blocks [0, 16) and [16, 32) hold
     none. NaN there would reach every output and gradient of a kernel that visits them (masking
     turns the scores into -inf, but 0 * NaN is NaN in P V and in dP); the kernel gives the
     outputs of finite keys, and zero dK, dV for those keys."""
+    monkeypatch.setenv(fa.BACKWARD_ENV, backward)
     Tq, Tk, window = 16, 64, 8
     q, k, v = inputs(1, 2, 2, Tq, Tk, 16, 16, seed=2)
     fk = key_bounds(None, window, Tk, CPU, rows=slice(Tk - Tq, Tk))
