@@ -2,9 +2,10 @@
 # One GPU session (device machine: torch and triton preinstalled, no network): the wheels in
 # .whl/ (`make gpu-wheels` where there is an index: fla-core, liger-kernel, torchao for the float8
 # cases, pytest and its dependencies) into /tmp/site, then bench/gpu_plan.py's plan (arguments
-# passed on: --budget-s, --only, --resume). Writes $OUT/gpu_session.json (after every case), cases/*.json
-# and logs/*.log. A device call runs at most 10 minutes: a session is one call of
-# `--budget-s 480` and, while the machine is warm, a second with `--resume` (the same $OUT).
+# passed on: --budget-s, --only, --resume). Writes $OUT/gpu_session.json (after every case),
+# cases/*.json and logs/*.log. A device call runs at most 10 minutes: a session is one call of
+# `--budget-s 480` and, while the machine is warm, a second of `--budget-s 300 --resume`
+# (which continues from /tmp/gpu_session_state.json; on a fresh machine: --resume PATH).
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gpu_out}
