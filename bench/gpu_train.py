@@ -235,12 +235,6 @@ def top_kernels(engine, data, count: int = 15) -> list[dict]:
     ]
 
 
-def param_counts(model):
-    from model.accounting import param_counts as counts
-
-    return counts(model)
-
-
 def train_case(
     name: str,
     small: bool,
@@ -259,6 +253,8 @@ def train_case(
         gc.collect()  # an earlier case's engine held only by a reference cycle: freed first
         torch.cuda.reset_peak_memory_stats()  # this case's peak, not the process's
     engine, data, flops_per_token = build(name, small, device, compile_blocks, extra, float8)
+    from model.accounting import param_counts
+
     start = time.perf_counter()
     from trainer.hooks import start_hooks
     from trainer.step import LossTracker, StepSettings, train_step
